@@ -1,0 +1,114 @@
+"""ModelIR: one architecture-neutral description of a decoder-only transformer.
+
+`ArchSpec` holds every shape and numerical convention the reference model and the
+lowering need; `ModelIR` adds the named weights and what passes have annotated.
+Per-layer fields (heads, KV heads, sliding window, rotary table, KV dtype) live in
+`LayerSpec` because passes change them layer by layer.
+
+Weight names (all float tensors, torch layout [out, in] for linears):
+  embed_tokens                         [vocab, hidden]
+  layers.{i}.attn_norm                 [hidden]      RMSNorm before attention
+  layers.{i}.{q,k,v,o}_proj.weight     (+ .bias when the checkpoint has one)
+  layers.{i}.{q,k}_norm                [head_dim]    qk-norm (Qwen3, Gemma 3)
+  layers.{i}.post_attn_norm            [hidden]      sandwich norm (Gemma 2/3)
+  layers.{i}.mlp_norm                  [hidden]      RMSNorm before the MLP
+  layers.{i}.{gate,up,down}_proj.weight
+  layers.{i}.post_mlp_norm             [hidden]      sandwich norm (Gemma 2/3)
+  final_norm                           [hidden]
+  lm_head.weight                       [vocab, hidden]  absent when tied to embed_tokens
+Norm weights are stored as the effective multiplier (Gemma's `1 + w` is folded at load).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+Activation = Literal["silu", "gelu_tanh"]
+KV_DTYPES = ("float32", "float16")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """A rotary table, resolved at load time so every RoPE variant looks the same.
+
+    cos/sin at position p are cos(p * inv_freq) * attention_factor (float32 math, as HF).
+    """
+
+    rope_type: str  # default | linear | llama3 | yarn: for reports only
+    inv_freq: tuple[float, ...]  # head_dim // 2 float32 values
+    attention_factor: float = 1.0
+
+    def tables(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, each [max_position, head_dim // 2], float32."""
+        inv_freq = torch.tensor(self.inv_freq, dtype=torch.float32)
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None  # attend to at most this many previous positions
+    rope: str = "global"  # key into ArchSpec.ropes
+    kv_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    family: str  # the checkpoint's model_type, for reports
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layers: tuple[LayerSpec, ...]
+    norm_eps: float
+    activation: Activation
+    ropes: dict[str, RopeSpec]
+    max_position: int
+    tie_word_embeddings: bool
+    attn_scale: float  # multiplies q·k before softmax
+    embedding_scale: float | None = None  # Gemma multiplies embeddings by sqrt(hidden)
+    attn_softcap: float | None = None  # Gemma 2: cap * tanh(scores / cap)
+    final_softcap: float | None = None
+    qk_norm: bool = False
+    sandwich_norm: bool = False  # post-attention and post-MLP norms (Gemma 2/3)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def replace_layer(self, index: int, **changes: Any) -> ArchSpec:
+        layers = list(self.layers)
+        layers[index] = dataclasses.replace(layers[index], **changes)
+        return dataclasses.replace(self, layers=tuple(layers))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class ModelIR:
+    arch: ArchSpec
+    weights: dict[str, torch.Tensor]
+    source: str  # where the checkpoint came from
+    tokenizer_files: dict[str, bytes] = field(default_factory=dict)  # name -> content
+    chat_template: str | None = None
+    add_bos_token: bool = False
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    annotations: dict[str, Any] = field(default_factory=dict)  # pass records
+
+    def lm_head(self) -> torch.Tensor:
+        if self.arch.tie_word_embeddings:
+            return self.weights["embed_tokens"]
+        return self.weights["lm_head.weight"]
+
+    def num_parameters(self) -> int:
+        return sum(t.numel() for t in self.weights.values())

@@ -1,0 +1,241 @@
+"""Load a Hugging Face checkpoint (directory, .gguf file or hub id) into ModelIR."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from llmopt.compiler.architectures import (
+    ACTIVATIONS,
+    FAMILIES,
+    GLOBAL_NAMES,
+    NORM_NAMES,
+    SUPPORTED_ROPE_TYPES,
+    ArchFamily,
+    UnsupportedModelError,
+    family_for,
+)
+from llmopt.compiler.ir import ArchSpec, LayerSpec, ModelIR, RopeSpec
+
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """The recipe's `model` names nothing that can be loaded."""
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """Where transformers should look: a directory or hub id, plus an optional GGUF file."""
+
+    location: str
+    gguf_file: str | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def resolve_checkpoint(model: str) -> CheckpointRef:
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise CheckpointNotFoundError(f"model file not found: {path}")
+        return CheckpointRef(str(path.parent.resolve()), path.name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise CheckpointNotFoundError(f"model directory has no config.json: {path}")
+        return CheckpointRef(str(path.resolve()))
+    looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+    if looks_like_hub_id:
+        return CheckpointRef(model)
+    raise CheckpointNotFoundError(f"model path not found: {model}")
+
+
+def load_checkpoint(model: str) -> ModelIR:
+    """Read config, weights and tokenizer of `model` into a float32 ModelIR."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    ref = resolve_checkpoint(model)
+    try:
+        config = AutoConfig.from_pretrained(ref.location, **ref.kwargs())
+    except (OSError, ValueError) as exc:
+        raise CheckpointNotFoundError(f"cannot read model config from {model}: {exc}") from exc
+    arch = arch_from_config(config)
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        ref.location, dtype=torch.float32, **ref.kwargs()
+    )
+    weights = map_weights(hf_model.state_dict(), family_for(config.model_type), arch)
+    _check_eos(arch, hf_model.generation_config)
+    tokenizer = AutoTokenizer.from_pretrained(ref.location, **ref.kwargs())
+    return ModelIR(
+        arch=_with_generation_eos(arch, hf_model.generation_config),
+        weights=weights,
+        source=model,
+        tokenizer_files={"tokenizer.json": tokenizer.backend_tokenizer.to_str().encode()},
+        chat_template=getattr(tokenizer, "chat_template", None),
+        generation_defaults=generation_defaults(hf_model.generation_config),
+        annotations={"tokens": _special_tokens(tokenizer)},
+    )
+
+
+def arch_from_config(config: Any) -> ArchSpec:
+    """Build the ArchSpec from a transformers config, refusing what we do not implement."""
+    family = family_for(config.model_type)
+    _check_unsupported(config, family)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    ropes = _ropes(config, head_dim)
+    layers = tuple(
+        LayerSpec(
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            sliding_window=_sliding_window(config, layer_type),
+            rope=layer_type if layer_type in ropes else "global",
+        )
+        for layer_type in _layer_types(config)
+    )
+    is_gemma = family.scale_embeddings
+    scalar = getattr(config, "query_pre_attn_scalar", None) if is_gemma else None
+    return ArchSpec(
+        family=config.model_type,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        layers=layers,
+        norm_eps=float(config.rms_norm_eps),
+        activation=ACTIVATIONS[_activation_name(config)],
+        ropes=ropes,
+        max_position=int(config.max_position_embeddings),
+        tie_word_embeddings=bool(config.tie_word_embeddings),
+        attn_scale=float((scalar or head_dim) ** -0.5),
+        embedding_scale=math.sqrt(config.hidden_size) if family.scale_embeddings else None,
+        attn_softcap=getattr(config, "attn_logit_softcapping", None),
+        final_softcap=getattr(config, "final_logit_softcapping", None),
+        qk_norm=family.qk_norm,
+        sandwich_norm=family.sandwich_norm,
+        bos_token_id=config.bos_token_id,
+        eos_token_ids=_as_ids(config.eos_token_id),
+        pad_token_id=config.pad_token_id,
+    )
+
+
+def map_weights(
+    state_dict: dict[str, torch.Tensor], family: ArchFamily, arch: ArchSpec
+) -> dict[str, torch.Tensor]:
+    """Rename HF parameters to IR names; fold Gemma's norm offset; drop a tied LM head."""
+    weights: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in state_dict.items():
+        name = _ir_name(hf_name, family)
+        if name == "lm_head.weight" and arch.tie_word_embeddings:
+            continue
+        tensor = tensor.detach().to(torch.float32).contiguous()
+        if family.norm_offset and _is_norm(name):
+            tensor = tensor + family.norm_offset
+        weights[name] = tensor
+    return weights
+
+
+def _ir_name(hf_name: str, family: ArchFamily) -> str:
+    if hf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[hf_name]
+    match = _LAYER_KEY.match(hf_name)
+    if match and match.group(2) in family.layer_names:
+        return f"layers.{match.group(1)}.{family.layer_names[match.group(2)]}"
+    raise UnsupportedModelError(f"unsupported checkpoint tensor {hf_name!r}")
+
+
+def _is_norm(name: str) -> bool:
+    return name == "final_norm" or name.rsplit(".", 1)[-1] in NORM_NAMES
+
+
+def _check_unsupported(config: Any, family: ArchFamily) -> None:
+    if _activation_name(config) not in ACTIVATIONS:
+        raise UnsupportedModelError(f"unsupported activation {_activation_name(config)!r}")
+    for flag in family.unsupported_flags:
+        if getattr(config, flag, None):
+            raise UnsupportedModelError(f"unsupported feature {flag}={getattr(config, flag)!r}")
+    if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+        raise UnsupportedModelError("unsupported feature: mixture of experts")
+
+
+def _activation_name(config: Any) -> str:
+    return getattr(config, "hidden_activation", None) or config.hidden_act
+
+
+def _layer_types(config: Any) -> list[str]:
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    # Mistral-style: one sliding window for every layer, when set.
+    if getattr(config, "sliding_window", None):
+        return ["sliding_attention"] * config.num_hidden_layers
+    return ["full_attention"] * config.num_hidden_layers
+
+
+def _sliding_window(config: Any, layer_type: str) -> int | None:
+    if layer_type == "sliding_attention":
+        return int(config.sliding_window)
+    if layer_type != "full_attention":
+        raise UnsupportedModelError(f"unsupported attention layer type {layer_type!r}")
+    return None
+
+
+def _ropes(config: Any, head_dim: int) -> dict[str, RopeSpec]:
+    params = config.rope_parameters
+    if all(isinstance(v, dict) for v in params.values()):  # one table per layer type (Gemma 3)
+        return {lt: _rope(config, p, head_dim, lt) for lt, p in params.items()}
+    return {"global": _rope(config, params, head_dim, None)}
+
+
+def _rope(config: Any, params: dict[str, Any], head_dim: int, layer_type: str | None) -> RopeSpec:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(f"unsupported RoPE type {rope_type!r}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError("unsupported feature: partial rotary embedding")
+    if rope_type == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq, factor = 1.0 / (params["rope_theta"] ** exponents), 1.0
+    else:
+        inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type=layer_type)
+    return RopeSpec(rope_type, tuple(float(f) for f in inv_freq.float()), float(factor))
+
+
+def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, int) else tuple(value)
+
+
+def _with_generation_eos(arch: ArchSpec, generation_config: Any) -> ArchSpec:
+    from dataclasses import replace
+
+    eos = _as_ids(getattr(generation_config, "eos_token_id", None)) or arch.eos_token_ids
+    return replace(arch, eos_token_ids=tuple(dict.fromkeys(eos)))
+
+
+def _check_eos(arch: ArchSpec, generation_config: Any) -> None:
+    for token in _as_ids(getattr(generation_config, "eos_token_id", None)):
+        if not 0 <= token < arch.vocab_size:
+            raise UnsupportedModelError(f"eos token id {token} outside the vocabulary")
+
+
+def generation_defaults(generation_config: Any) -> dict[str, Any]:
+    """Sampling defaults the checkpoint ships, in SamplingParams' terms."""
+    if not getattr(generation_config, "do_sample", False):
+        return {"temperature": 0.0}
+    keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+    return {k: getattr(generation_config, k) for k in keys if getattr(generation_config, k, None)}
+
+
+def _special_tokens(tokenizer: Any) -> dict[str, Any]:
+    return {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
+
+
+__all__ = ["FAMILIES", "arch_from_config", "load_checkpoint", "map_weights", "resolve_checkpoint"]

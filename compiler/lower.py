@@ -1,0 +1,285 @@
+"""Lower ModelIR to one ONNX decoder graph with the paged-KV contract.
+
+See `llmopt.runtime.contract` for the inputs and outputs. Attention gathers only the
+blocks named in the block tables, concatenates the step's own keys/values, and masks
+by context length, causality and sliding window. The mask is built once per step and
+shared by every layer with the same window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import torch
+from llmopt.compiler.ir import LayerSpec, ModelIR
+from llmopt.compiler.lower_ops import OPERATOR_SETS, StandardOps
+from llmopt.compiler.onnx_graph import NP_TO_ONNX, GraphBuilder
+from llmopt.runtime import contract as C
+from onnx import TensorProto
+
+WEIGHT_DTYPES = {"float32": np.float32, "float16": np.float16}
+_NEG_INF = np.float32(-np.inf)
+
+
+@dataclass(frozen=True)
+class LoweringOptions:
+    operator_set: str = "onnxruntime"  # or "standard"
+    weight_dtype: str = "float32"  # storage dtype of weights; compute stays float32
+    max_position: int | None = None  # rotary table length; default: the model's
+
+
+def lower_to_onnx(ir: ModelIR, options: LoweringOptions) -> onnx.ModelProto:
+    return _DecoderLowering(ir, options).build()
+
+
+def cache_tensors(spec: LayerSpec) -> list[dict]:
+    """The manifest's description of one layer's pool tensors."""
+    shape = [spec.num_kv_heads, spec.head_dim]
+    return [{"name": t, "dtype": spec.kv_dtype, "slot_shape": shape} for t in ("key", "value")]
+
+
+class _DecoderLowering:
+    def __init__(self, ir: ModelIR, options: LoweringOptions):
+        self.ir, self.arch, self.options = ir, ir.arch, options
+        self.g = GraphBuilder("llmopt_decoder")
+        self.ops: StandardOps = OPERATOR_SETS[options.operator_set](self.g, self.arch.norm_eps)
+        self._masks: dict[tuple[int | None, int], str] = {}
+
+    def build(self) -> onnx.ModelProto:
+        self._declare_io()
+        self._rope_tables()
+        hidden = self._embed()
+        x = self.ops.rms_norm(hidden, self._norm("layers.0.attn_norm"))
+        for index in range(self.arch.num_layers):
+            x, hidden = self._layer(index, x, hidden)
+        self._head(hidden)
+        return self.g.model()
+
+    # --- graph interface --------------------------------------------------------------
+    def _declare_io(self) -> None:
+        g = self.g
+        g.input(C.INPUT_IDS, TensorProto.INT64, ["batch", "seq"])
+        g.input(C.POSITION_IDS, TensorProto.INT64, ["batch", "seq"])
+        g.input(C.BLOCK_TABLES, TensorProto.INT64, ["batch", "max_blocks"])
+        g.input(C.CONTEXT_LENS, TensorProto.INT64, ["batch"])
+        g.input(C.LOGITS_INDICES, TensorProto.INT64, ["num_logits"])
+        for i, spec in enumerate(self.arch.layers):
+            for t in cache_tensors(spec):
+                elem = NP_TO_ONNX[np.dtype(t["dtype"])]
+                g.input(C.past_name(i, t["name"]), elem, ["num_blocks", "block_size", *t["slot_shape"]])
+                g.output(C.new_name(i, t["name"]), elem, ["batch", "seq", *t["slot_shape"]])
+        g.output(C.LOGITS, TensorProto.FLOAT, ["num_logits", self.arch.vocab_size])
+
+    def _rope_tables(self) -> None:
+        positions = self.options.max_position or self.arch.max_position
+        for name, rope in self.arch.ropes.items():
+            cos, sin = rope.tables(positions)
+            self.g.weight(f"rope.{name}.cos", cos.numpy())
+            self.g.weight(f"rope.{name}.sin", sin.numpy())
+
+    # --- weights ----------------------------------------------------------------------
+    def _stored(self, name: str, array: np.ndarray) -> str:
+        """Initializer in the storage dtype, cast to float32 for compute when narrower."""
+        dtype = WEIGHT_DTYPES[self.options.weight_dtype]
+        stored = self.g.weight(name, array.astype(dtype))
+        if dtype == np.float32:
+            return stored
+        return self.g.op("Cast", [stored], name=name + ".f32", to=TensorProto.FLOAT)
+
+    def _norm(self, name: str) -> str:
+        return self.g.weight(name, _np(self.ir.weights[name]))
+
+    def _linear(self, x: str, prefix: str, parts: list[str]) -> str:
+        """x @ concat(parts)^T (+ bias): one MatMul for fused projections (QKV, gate/up)."""
+        w = self.ir.weights
+        weight = np.concatenate([_np(w[f"{prefix}{p}.weight"]) for p in parts], axis=0)
+        out = self.g.op("MatMul", [x, self._stored(f"{prefix}{'_'.join(parts)}", weight.T)])
+        if any(f"{prefix}{p}.bias" in w for p in parts):
+            bias = np.concatenate([_bias(w, f"{prefix}{p}") for p in parts])
+            out = self.g.op("Add", [out, self.g.weight(f"{prefix}{'_'.join(parts)}.bias", bias)])
+        return out
+
+    # --- blocks -----------------------------------------------------------------------
+    def _embed(self) -> str:
+        table = self._stored("embed_tokens", _np(self.ir.weights["embed_tokens"]))
+        hidden = self.g.op("Gather", [table, C.INPUT_IDS], name="embed")
+        if self.arch.embedding_scale is not None:
+            scale = self.g.const(self.arch.embedding_scale, np.float32)
+            hidden = self.g.op("Mul", [hidden, scale])
+        return hidden
+
+    def _layer(self, index: int, x: str, hidden: str) -> tuple[str, str]:
+        """One decoder layer; returns (next layer's normed input, residual stream)."""
+        p = f"layers.{index}."
+        attn = self._attention(index, x)
+        if self.arch.sandwich_norm:
+            attn = self.ops.rms_norm(attn, self._norm(p + "post_attn_norm"))
+        x, hidden = self.ops.add_rms_norm(attn, hidden, self._norm(p + "mlp_norm"))
+        mlp = self._mlp(p, x)
+        if self.arch.sandwich_norm:
+            mlp = self.ops.rms_norm(mlp, self._norm(p + "post_mlp_norm"))
+        if index + 1 < self.arch.num_layers:
+            return self.ops.add_rms_norm(mlp, hidden, self._norm(f"layers.{index + 1}.attn_norm"))
+        return "", self.g.op("Add", [hidden, mlp], name="residual")
+
+    def _mlp(self, p: str, x: str) -> str:
+        g, size = self.g, self.arch.intermediate_size
+        gate, up = g.op("Split", [self._linear(x, p, ["gate_proj", "up_proj"]),
+                                  g.const([size, size])], axis=-1, outputs=2)
+        if self.arch.activation == "silu":
+            act = g.op("Mul", [gate, g.op("Sigmoid", [gate])], name="silu")
+        else:
+            act = g.op("Gelu", [gate], name="gelu", approximate="tanh")
+        return self._linear(g.op("Mul", [act, up]), p, ["down_proj"])
+
+    def _attention(self, index: int, x: str) -> str:
+        g, spec, p = self.g, self.arch.layers[index], f"layers.{index}."
+        heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        qkv = self._linear(x, p, ["q_proj", "k_proj", "v_proj"])
+        q, k, v = g.op("Split", [qkv, g.const([heads * dim, kv_heads * dim, kv_heads * dim])],
+                       axis=-1, outputs=3)
+        if self.arch.qk_norm:
+            q = self._head_norm(q, heads, dim, p + "q_norm")
+            k = self._head_norm(k, kv_heads, dim, p + "k_norm")
+        table = f"rope.{spec.rope}"
+        q = self.ops.rotary(q, heads, dim, table, C.POSITION_IDS)
+        k = self.ops.rotary(k, kv_heads, dim, table, C.POSITION_IDS)
+        k_new = g.op("Reshape", [k, g.const([0, 0, kv_heads, dim])], name="k_new")
+        v_new = g.op("Reshape", [v, g.const([0, 0, kv_heads, dim])], name="v_new")
+        keys = self._cache_io(index, "key", k_new, spec)
+        values = self._cache_io(index, "value", v_new, spec)
+        out = self._attend(spec, q, keys, values)
+        return self._linear(out, p, ["o_proj"])
+
+    def _head_norm(self, x: str, heads: int, dim: int, weight: str) -> str:
+        g = self.g
+        per_head = g.op("Reshape", [x, g.const([0, 0, heads, dim])])
+        normed = self.ops.rms_norm(per_head, self._norm(weight))
+        return g.op("Reshape", [normed, g.const([0, 0, heads * dim])])
+
+    def _cache_io(self, index: int, tensor: str, new: str, spec: LayerSpec) -> str:
+        """Emit the step's entries as `new.{i}.{t}`; return past + new, [B, L, kv_heads, D]."""
+        g = self.g
+        narrow = spec.kv_dtype != "float32"
+        elem = NP_TO_ONNX[np.dtype(spec.kv_dtype)]
+        stored = g.op("Cast", [new], to=elem) if narrow else new
+        g.op_into("Identity", [stored], [C.new_name(index, tensor)])
+        blocks = g.op("Gather", [C.past_name(index, tensor), C.BLOCK_TABLES], axis=0)
+        past = g.op("Reshape", [blocks, g.const([0, -1, spec.num_kv_heads, spec.head_dim])])
+        if narrow:
+            past = g.op("Cast", [past], to=TensorProto.FLOAT)
+        return g.op("Concat", [past, new], axis=1, name=f"{tensor}s")
+
+    def _attend(self, spec: LayerSpec, q: str, keys: str, values: str) -> str:
+        g = self.g
+        groups, dim = spec.num_heads // spec.num_kv_heads, spec.head_dim
+        # Queries grouped by their KV head: [B, kv_heads, groups * S, D].
+        q = g.op("Reshape", [q, g.const([0, 0, spec.num_kv_heads, groups, dim])])
+        q = g.op("Transpose", [q], perm=[0, 2, 3, 1, 4])
+        q = g.op("Reshape", [q, g.const([0, 0, -1, dim])])
+        k_t = g.op("Transpose", [keys], perm=[0, 2, 3, 1])  # [B, kv_heads, D, L]
+        v = g.op("Transpose", [values], perm=[0, 2, 1, 3])  # [B, kv_heads, L, D]
+        scores = g.op("MatMul", [q, k_t], name="scores")
+        scores = g.op("Mul", [scores, g.const(self.arch.attn_scale, np.float32)])
+        if self.arch.attn_softcap:
+            cap = g.const(self.arch.attn_softcap, np.float32)
+            scores = g.op("Mul", [g.op("Tanh", [g.op("Div", [scores, cap])]), cap])
+        scores = g.op("Add", [scores, self._mask(spec.sliding_window, groups)])
+        probs = g.op("Softmax", [scores], axis=-1)
+        out = g.op("MatMul", [probs, v], name="attn")  # [B, kv_heads, groups * S, D]
+        out = g.op("Reshape", [out, g.const([0, 0, groups, -1, dim])])
+        out = g.op("Transpose", [out], perm=[0, 3, 1, 2, 4])  # [B, S, kv_heads, groups, D]
+        return g.op("Reshape", [out, g.const([0, 0, -1])])
+
+    def _mask(self, window: int | None, groups: int) -> str:
+        """Additive mask [B, 1, groups * S, L], built once per (window, groups)."""
+        key = (window, groups)
+        if key not in self._masks:
+            allowed = _AllowedKeys(self.g).build(window)
+            g = self.g
+            bias = g.op("Where", [allowed, g.const(0.0, np.float32), g.const(_NEG_INF, np.float32)])
+            bias = g.op("Unsqueeze", [bias, g.const([1])])  # [B, 1, S, L]
+            if groups > 1:
+                bias = g.op("Tile", [bias, g.const([1, 1, groups, 1])])
+            self._masks[key] = bias
+        return self._masks[key]
+
+    def _head(self, hidden: str) -> None:
+        g = self.g
+        flat = g.op("Reshape", [hidden, g.const([-1, self.arch.hidden_size])])
+        rows = g.op("Gather", [flat, C.LOGITS_INDICES], axis=0)
+        normed = self.ops.rms_norm(rows, self._norm("final_norm"))
+        if self.arch.tie_word_embeddings:  # share the embedding table: [vocab, hidden]
+            table = self._stored("embed_tokens", _np(self.ir.weights["embed_tokens"]))
+            logits = g.op("Gemm", [normed, table], transB=1, name="lm_head")
+        else:
+            head = self._stored("lm_head", _np(self.ir.weights["lm_head.weight"]).T)
+            logits = g.op("MatMul", [normed, head], name="lm_head")
+        if self.arch.final_softcap:
+            cap = g.const(self.arch.final_softcap, np.float32)
+            logits = g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, cap])]), cap])
+        g.op_into("Identity", [logits], [C.LOGITS])
+
+
+class _AllowedKeys:
+    """Which keys each query may see, [B, S, L] bool, L = gathered past + step tokens.
+
+    Past key p (its position, since blocks hold a sequence in order) is visible when
+    p < context_len and inside the window; the step's key j is visible to query i when
+    j <= i (index causality, so right padding never leaks) and inside the window.
+    """
+
+    def __init__(self, g: GraphBuilder):
+        self.g = g
+
+    def build(self, window: int | None) -> str:
+        g = self.g
+        q_pos = g.op("Unsqueeze", [C.POSITION_IDS, g.const([2])])  # [B, S, 1]
+        past = self._past(q_pos, window)
+        new = self._new(q_pos, window)
+        return g.op("Concat", [past, new], axis=2, name="allowed")
+
+    def _past(self, q_pos: str, window: int | None) -> str:
+        g = self.g
+        block_size = g.op("Shape", [C.past_name(0, "key")], start=1, end=2)
+        num_blocks = g.op("Shape", [C.BLOCK_TABLES], start=1, end=2)
+        length = g.op("Squeeze", [g.op("Mul", [num_blocks, block_size])])
+        k_pos = g.op("Range", [g.const(0), length, g.const(1)])  # [Lp]
+        ctx = g.op("Unsqueeze", [C.CONTEXT_LENS, g.const([1, 2])])  # [B, 1, 1]
+        allowed = g.op("Less", [k_pos, ctx])  # [B, 1, Lp]
+        if window is not None:
+            allowed = g.op("And", [allowed, self._in_window(q_pos, k_pos, window)])
+        return self._expand(allowed, q_pos, length)
+
+    def _new(self, q_pos: str, window: int | None) -> str:
+        g = self.g
+        seq = g.op("Squeeze", [g.op("Shape", [C.INPUT_IDS], start=1, end=2)])
+        index = g.op("Range", [g.const(0), seq, g.const(1)])
+        causal = g.op("LessOrEqual", [index, g.op("Unsqueeze", [index, g.const([1])])])  # [S, S]
+        if window is not None:
+            k_pos = g.op("Unsqueeze", [C.POSITION_IDS, g.const([1])])  # [B, 1, S]
+            causal = g.op("And", [causal, self._in_window(q_pos, k_pos, window)])
+        return self._expand(causal, q_pos, seq)
+
+    def _in_window(self, q_pos: str, k_pos: str, window: int) -> str:
+        distance = self.g.op("Sub", [q_pos, k_pos])
+        return self.g.op("Less", [distance, self.g.const(window)])
+
+    def _expand(self, mask: str, q_pos: str, length: str) -> str:
+        """Broadcast to [B, S, length] so the two halves concatenate."""
+        g = self.g
+        batch_seq = g.op("Shape", [C.POSITION_IDS])
+        shape = g.op("Concat", [batch_seq, g.op("Unsqueeze", [length, g.const([0])])], axis=0)
+        return g.op("Expand", [mask, shape])
+
+
+def _np(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().to(torch.float32).numpy()
+
+
+def _bias(weights: dict[str, torch.Tensor], prefix: str) -> np.ndarray:
+    if f"{prefix}.bias" in weights:
+        return _np(weights[f"{prefix}.bias"])
+    return np.zeros(weights[f"{prefix}.weight"].shape[0], dtype=np.float32)

@@ -1,0 +1,99 @@
+"""A minimal ONNX graph builder: named values in, nodes and initializers out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+MS_DOMAIN = "com.microsoft"
+ONNX_OPSET = 21
+
+
+class GraphBuilder:
+    """Appends nodes with fresh output names; constants and weights become initializers."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: dict[str, onnx.TensorProto] = {}
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self.domains: set[str] = set()
+        self._counter = 0
+
+    def fresh(self, hint: str) -> str:
+        self._counter += 1
+        return f"{hint}_{self._counter}"
+
+    def op(self, op_type: str, inputs: list[str], *, name: str = "", outputs: int = 1,
+           domain: str = "", **attrs: object) -> str | list[str]:
+        """Add a node; returns its output name (or names when outputs > 1)."""
+        hint = name or op_type.lower()
+        out_names = [self.fresh(hint) for _ in range(outputs)]
+        self.nodes.append(
+            helper.make_node(op_type, inputs, out_names, name=self.fresh(hint + "_node"),
+                             domain=domain, **attrs)
+        )
+        if domain:
+            self.domains.add(domain)
+        return out_names[0] if outputs == 1 else out_names
+
+    def op_into(self, op_type: str, inputs: list[str], outputs: list[str], *,
+                domain: str = "", **attrs: object) -> None:
+        """Add a node whose outputs have given names (graph outputs, unused slots '')."""
+        self.nodes.append(
+            helper.make_node(op_type, inputs, outputs, name=self.fresh(op_type.lower() + "_node"),
+                             domain=domain, **attrs)
+        )
+        if domain:
+            self.domains.add(domain)
+
+    def weight(self, name: str, array: np.ndarray) -> str:
+        if name not in self.initializers:
+            self.initializers[name] = numpy_helper.from_array(np.ascontiguousarray(array), name)
+        return name
+
+    def const(self, value: object, dtype: type = np.int64) -> str:
+        array = np.asarray(value, dtype=dtype)
+        name = f"const_{array.dtype.name}_{'_'.join(map(str, array.ravel().tolist()))}"
+        name = name.replace("-", "m").replace(".", "p")[:120]
+        return self.weight(name, array)
+
+    def input(self, name: str, elem_type: int, shape: list[object]) -> str:
+        self.inputs.append(helper.make_tensor_value_info(name, elem_type, shape))
+        return name
+
+    def output(self, name: str, elem_type: int, shape: list[object]) -> None:
+        self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
+
+    def model(self) -> onnx.ModelProto:
+        graph = helper.make_graph(
+            self.nodes, self.name, self.inputs, self.outputs, list(self.initializers.values())
+        )
+        opsets = [helper.make_opsetid("", ONNX_OPSET)]
+        opsets += [helper.make_opsetid(d, 1) for d in sorted(self.domains)]
+        model = helper.make_model(graph, opset_imports=opsets, producer_name="llmopt")
+        model.ir_version = 10
+        return model
+
+
+def save_with_external_data(model: onnx.ModelProto, path: Path) -> str:
+    """Write `path` plus one weights file beside it (no 2 GB protobuf limit)."""
+    data_name = path.name + ".data"
+    onnx.save_model(
+        model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+        location=data_name, size_threshold=1024,
+    )
+    return data_name
+
+
+NP_TO_ONNX = {
+    np.dtype(np.float32): TensorProto.FLOAT,
+    np.dtype(np.float16): TensorProto.FLOAT16,
+    np.dtype(np.int8): TensorProto.INT8,
+    np.dtype(np.uint8): TensorProto.UINT8,
+    np.dtype(np.int64): TensorProto.INT64,
+}

@@ -1,0 +1,185 @@
+"""A small torch decoder over ModelIR: the numerical reference and the calibration model.
+
+Everything it needs is in the IR; it never touches transformers. Passes hook into it
+by calling `layer_forward` layer by layer (see `decoder_layers`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from llmopt.compiler.ir import ArchSpec, LayerSpec, ModelIR
+
+
+@dataclass
+class KVCache:
+    """Contiguous per-layer keys/values, [batch, kv_heads, tokens, head_dim]."""
+
+    keys: list[torch.Tensor | None] = field(default_factory=list)
+    values: list[torch.Tensor | None] = field(default_factory=list)
+
+    def length(self) -> int:
+        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[2]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        while len(self.keys) <= layer:
+            self.keys.append(None)
+            self.values.append(None)
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+class ReferenceModel:
+    """Runs ModelIR in float32 torch."""
+
+    def __init__(self, ir: ModelIR, max_position: int | None = None):
+        self.ir = ir
+        self.arch = ir.arch
+        positions = max_position or self.arch.max_position
+        self.rope_tables = {name: r.tables(positions) for name, r in self.arch.ropes.items()}
+
+    @torch.no_grad()
+    def forward(
+        self, input_ids: torch.Tensor, cache: KVCache | None = None, all_logits: bool = True
+    ) -> torch.Tensor:
+        """Logits [batch, seq, vocab] (or [batch, vocab] for the last position)."""
+        start = cache.length() if cache is not None else 0
+        positions = torch.arange(start, start + input_ids.shape[1])
+        hidden = self.embed(input_ids)
+        for index in range(self.arch.num_layers):
+            hidden = self.layer_forward(index, hidden, positions, cache)
+        if not all_logits:
+            hidden = hidden[:, -1]
+        return self.logits(hidden)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = F.embedding(input_ids, self.ir.weights["embed_tokens"])
+        if self.arch.embedding_scale is not None:
+            hidden = hidden * torch.tensor(self.arch.embedding_scale, dtype=hidden.dtype)
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = rms_norm(hidden, self.ir.weights["final_norm"], self.arch.norm_eps)
+        logits = hidden @ self.ir.lm_head().T
+        if self.arch.final_softcap:
+            logits = torch.tanh(logits / self.arch.final_softcap) * self.arch.final_softcap
+        return logits
+
+    def layer_forward(
+        self, index: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache | None
+    ) -> torch.Tensor:
+        w = self._layer_weights(index)
+        attn_in = rms_norm(hidden, w["attn_norm"], self.arch.norm_eps)
+        attn = self.attention(index, attn_in, positions, cache)
+        if self.arch.sandwich_norm:
+            attn = rms_norm(attn, w["post_attn_norm"], self.arch.norm_eps)
+        hidden = hidden + attn
+        mlp = self.mlp(index, rms_norm(hidden, w["mlp_norm"], self.arch.norm_eps))
+        if self.arch.sandwich_norm:
+            mlp = rms_norm(mlp, w["post_mlp_norm"], self.arch.norm_eps)
+        return hidden + mlp
+
+    def attention(
+        self, index: int, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None
+    ) -> torch.Tensor:
+        spec, w = self.arch.layers[index], self._layer_weights(index)
+        batch, seq, _ = x.shape
+        q = linear(x, w, "q_proj").view(batch, seq, spec.num_heads, spec.head_dim)
+        k = linear(x, w, "k_proj").view(batch, seq, spec.num_kv_heads, spec.head_dim)
+        v = linear(x, w, "v_proj").view(batch, seq, spec.num_kv_heads, spec.head_dim)
+        if self.arch.qk_norm:
+            q = rms_norm(q, w["q_norm"], self.arch.norm_eps)
+            k = rms_norm(k, w["k_norm"], self.arch.norm_eps)
+        cos, sin = (t[positions] for t in self.rope_tables[spec.rope])
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if cache is not None:
+            k, v = cache.append(index, k, v)
+        out = self._attend(spec, q, k, v, positions)
+        return linear(out.transpose(1, 2).reshape(batch, seq, -1), w, "o_proj")
+
+    def _attend(
+        self, spec: LayerSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor
+    ) -> torch.Tensor:
+        groups = spec.num_heads // spec.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = (q @ k.transpose(-1, -2)) * self.arch.attn_scale
+        if self.arch.attn_softcap:
+            scores = torch.tanh(scores / self.arch.attn_softcap) * self.arch.attn_softcap
+        k_pos = torch.arange(k.shape[2])
+        allowed = attention_mask(q_pos, k_pos, spec.sliding_window)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v
+
+    def mlp(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        w = self._layer_weights(index)
+        gate = linear(x, w, "gate_proj")
+        gate = F.silu(gate) if self.arch.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return linear(gate * linear(x, w, "up_proj"), w, "down_proj")
+
+    def _layer_weights(self, index: int) -> _LayerWeights:
+        return _LayerWeights(self.ir.weights, f"layers.{index}.")
+
+
+class _LayerWeights:
+    """`w["q_proj.weight"]` reads `weights["layers.{i}.q_proj.weight"]`."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], prefix: str):
+        self.weights, self.prefix = weights, prefix
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.weights[self.prefix + name]
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return self.weights.get(self.prefix + name)
+
+
+def linear(x: torch.Tensor, w: _LayerWeights, name: str) -> torch.Tensor:
+    return F.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return x * torch.rsqrt(variance + eps) * weight
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half convention; x [batch, seq, heads, dim], cos/sin [seq, dim/2]."""
+    cos = torch.cat([cos, cos], dim=-1)[None, :, None, :]
+    sin = torch.cat([sin, sin], dim=-1)[None, :, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[q, k] bool: causal, and within the sliding window when there is one."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed &= q_pos[:, None] - k_pos[None, :] < window
+    return allowed
+
+
+def greedy_generate(model: ReferenceModel, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation with a KV cache; the reference for runtime outputs."""
+    cache = KVCache()
+    logits = model.forward(torch.tensor([prompt]), cache, all_logits=False)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(logits[0].argmax())
+        out.append(token)
+        logits = model.forward(torch.tensor([[token]]), cache, all_logits=False)
+    return out
+
+
+def spec_summary(arch: ArchSpec) -> str:
+    """One line for progress output."""
+    heads = {(s.num_heads, s.num_kv_heads) for s in arch.layers}
+    return (
+        f"{arch.family}: {arch.num_layers} layers, hidden {arch.hidden_size}, "
+        f"heads/kv {sorted(heads)}, vocab {arch.vocab_size}"
+    )

@@ -1,0 +1,1 @@
+"""llmopt.passes"""

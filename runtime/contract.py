@@ -1,0 +1,56 @@
+"""The paged-KV I/O contract: the seam between the compiler's graphs and the runtime.
+
+One forward step of a graph takes a right-padded batch of query tokens and returns
+logits for the requested rows plus the step's new cache entries. The graph never
+sees the whole pool as something to copy: it gathers the blocks named in
+`block_tables` and attends over them plus the step's own keys/values.
+
+Inputs (batch B, query length S, M blocks per table, N logit rows):
+  input_ids       int64 [B, S]   right-padded query tokens
+  position_ids    int64 [B, S]   absolute position of each query token
+  block_tables    int64 [B, M]   physical block ids; padding entries point at block 0
+  context_lens    int64 [B]      tokens already in the cache before this step
+  logits_indices  int64 [N]      rows of the flattened [B*S] hidden states to project
+  past.{i}.{t}    [num_blocks, block_size, *slot_shape]   pool tensor t of layer i
+
+Outputs:
+  logits          float32 [N, vocab]
+  new.{i}.{t}     [B, S, *slot_shape]   what this step writes into pool tensor t
+
+Cache tensors `t` are listed per layer in the manifest (`kv_cache.layers[i].tensors`):
+"key" and "value" at full precision, plus e.g. "key_scale"/"value_scale" for a
+quantized KV dtype. Each is indexed by slot (block * block_size + offset) on its two
+leading axes, so the runtime writes every tensor the same way:
+`pool.reshape(-1, *slot_shape)[slot_mapping] = new.reshape(-1, *slot_shape)`.
+
+Invariants the runtime keeps:
+  - a sequence's token at position p lives at slot block_table[p // bs] * bs + p % bs;
+  - the first `context_lens[b]` positions of sequence b are in the pool before the step,
+    and the step's query tokens are positions context_lens[b] .. context_lens[b]+S_b-1;
+  - padded query rows are garbage: their logits are never requested and their new
+    entries are never written (slot -1 is skipped);
+  - block 0 is a reserved null block that no sequence owns.
+"""
+
+from __future__ import annotations
+
+FORMAT_VERSION = 1
+
+INPUT_IDS = "input_ids"
+POSITION_IDS = "position_ids"
+BLOCK_TABLES = "block_tables"
+CONTEXT_LENS = "context_lens"
+LOGITS_INDICES = "logits_indices"
+LOGITS = "logits"
+
+NULL_BLOCK = 0
+
+
+def past_name(layer: int, tensor: str) -> str:
+    """Graph input holding pool tensor `tensor` of layer `layer`."""
+    return f"past.{layer}.{tensor}"
+
+
+def new_name(layer: int, tensor: str) -> str:
+    """Graph output holding the step's entries for pool tensor `tensor` of `layer`."""
+    return f"new.{layer}.{tensor}"

@@ -1,0 +1,92 @@
+"""The artifact manifest: the small ABI the runtime reads, and nothing else.
+
+The compiler writes it (`llmopt.compiler.artifact`), the runtime validates it here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmopt.runtime.contract import FORMAT_VERSION
+
+MANIFEST_FILE = "manifest.json"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CacheTensor(_Strict):
+    """One pool tensor of one layer, indexed by slot on its leading axes."""
+
+    name: str  # "key", "value", later "key_scale", ...
+    dtype: str  # numpy dtype name: float32, float16, int8, uint8
+    slot_shape: list[int]  # shape of one slot's entry, e.g. [kv_heads, head_dim]
+
+
+class CacheLayer(_Strict):
+    tensors: list[CacheTensor]
+
+
+class KVCacheSpec(_Strict):
+    layers: list[CacheLayer]
+
+    def bytes_per_token(self) -> int:
+        import numpy as np
+
+        total = 0
+        for layer in self.layers:
+            for t in layer.tensors:
+                total += int(np.prod(t.slot_shape)) * np.dtype(t.dtype).itemsize
+        return total
+
+
+class GraphSpec(_Strict):
+    file: str  # ONNX file, relative to the artifact directory
+    data_file: str | None = None  # external weights file, if any
+    opset: int
+    operator_set: str  # "onnxruntime" (contrib ops allowed) or "standard"
+
+
+class ModelSpec(_Strict):
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    max_position: int  # positions the graph's rotary tables cover
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    pad_token_id: int | None = None
+
+
+class RuntimeDefaults(_Strict):
+    block_size: int = 16
+    max_context: int = 2048
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512  # per-step token budget for chunked prefill
+    num_blocks: int | None = None  # None: enough for max_num_seqs * max_context
+
+
+class TokenizerSpec(_Strict):
+    file: str  # tokenizer.json, relative to the artifact directory
+    chat_template: str | None = None
+    add_bos_token: bool = False
+    bos_token: str | None = None
+    eos_token: str | None = None
+
+
+class Manifest(_Strict):
+    format_version: int = FORMAT_VERSION
+    model: ModelSpec
+    graphs: dict[str, GraphSpec]  # "target", later "draft"
+    kv_cache: KVCacheSpec
+    runtime: RuntimeDefaults
+    tokenizer: TokenizerSpec
+    generation: dict[str, Any] = Field(default_factory=dict)  # default sampling params
+    files: dict[str, str] = Field(default_factory=dict)  # relative path -> sha256
+    # Compiler-side records: for people and `llmopt inspect`, never read by the runtime loop.
+    ir: dict[str, Any] = Field(default_factory=dict)
+    recipe: dict[str, Any] = Field(default_factory=dict)
+    passes: list[dict[str, Any]] = Field(default_factory=list)
+    tools: dict[str, str] = Field(default_factory=dict)
