@@ -68,7 +68,8 @@ class _DecoderLowering:
         for i, spec in enumerate(self.arch.layers):
             for t in cache_tensors(spec):
                 elem = NP_TO_ONNX[np.dtype(t["dtype"])]
-                g.input(C.past_name(i, t["name"]), elem, ["num_blocks", "block_size", *t["slot_shape"]])
+                pool_shape = ["num_blocks", "block_size", *t["slot_shape"]]
+                g.input(C.past_name(i, t["name"]), elem, pool_shape)
                 g.output(C.new_name(i, t["name"]), elem, ["batch", "seq", *t["slot_shape"]])
         g.output(C.LOGITS, TensorProto.FLOAT, ["num_logits", self.arch.vocab_size])
 

@@ -104,7 +104,8 @@ class ReferenceModel:
         return linear(out.transpose(1, 2).reshape(batch, seq, -1), w, "o_proj")
 
     def _attend(
-        self, spec: LayerSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor
+        self, spec: LayerSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        q_pos: torch.Tensor,
     ) -> torch.Tensor:
         groups = spec.num_heads // spec.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
