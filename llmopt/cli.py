@@ -1,1 +1,168 @@
-def main(): print("ok")
+"""The `llmopt` command line: compile, inspect, generate, eval, bench.
+
+Only `compile` imports the compiler (torch, transformers); the other commands need
+the runtime alone. Errors in what the user gave are one line on stderr, exit code 1;
+set LLMOPT_DEBUG=1 for the traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+def _one_line_errors(command: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except KeyboardInterrupt:
+            sys.exit(130)
+        except Exception as exc:  # noqa: BLE001 - the CLI's boundary: report, do not crash
+            if os.environ.get("LLMOPT_DEBUG"):
+                raise
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            click.echo(f"error: {message}", err=True)
+            sys.exit(1)
+
+    return wrapper
+
+
+@click.group()
+@click.version_option(package_name="llmopt")
+def main() -> None:
+    """Ahead-of-time LLM optimization compiler and paged, continuously batched runtime."""
+
+
+@main.command("compile")
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path),
+              help="Artifact directory to write.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
+              help="Override a recipe value, e.g. --set target.weight_dtype=float16.")
+@_one_line_errors
+def compile_command(recipe: Path, out: Path, overrides: tuple[str, ...]) -> None:
+    """Compile RECIPE (YAML) into an artifact directory."""
+    import yaml
+
+    from llmopt.compiler.pipeline import compile_recipe
+    from llmopt.compiler.recipe import load_recipe, resolved_dict
+
+    resolved = load_recipe(recipe, list(overrides))
+    click.echo("resolved recipe:")
+    click.echo(yaml.safe_dump(resolved_dict(resolved), sort_keys=False).rstrip())
+    compile_recipe(resolved, out, log=click.echo)
+
+
+@main.command("inspect")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--pool-mib", type=float, default=1024.0, show_default=True,
+              help="KV pool size for the 'tokens that fit' line.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@_one_line_errors
+def inspect_command(artifact: Path, pool_mib: float, as_json: bool) -> None:
+    """Sizes, passes, KV bytes per token of ARTIFACT."""
+    from llmopt.runtime.inspect import describe, format_description
+
+    info = describe(artifact, pool_mib)
+    click.echo(json.dumps(info, indent=2) if as_json else format_description(info))
+
+
+@main.command("generate")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.argument("prompts", nargs=-1, required=True)
+@click.option("--chat", is_flag=True, help="Wrap each prompt in the chat template.")
+@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=None, help="0 = greedy (the default).")
+@click.option("--top-p", type=float, default=None)
+@click.option("--top-k", type=int, default=None)
+@click.option("--min-p", type=float, default=None)
+@click.option("--repetition-penalty", type=float, default=None)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt and line.")
+@_one_line_errors
+def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_tokens: int,
+                     temperature: float | None, top_p: float | None, top_k: int | None,
+                     min_p: float | None, repetition_penalty: float | None, seed: int | None,
+                     stop: tuple[str, ...], threads: int | None, as_json: bool) -> None:
+    """Generate a continuation of each PROMPT, batched together."""
+    from llmopt.runtime import LLM, SamplingParams
+
+    llm = LLM(artifact, num_threads=threads)
+    chosen = {"temperature": temperature if temperature is not None else 0.0, "top_p": top_p,
+              "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty,
+              "seed": seed}
+    params = SamplingParams(max_tokens=max_tokens, stop=list(stop),
+                            **{k: v for k, v in chosen.items() if v is not None})
+    for output in llm.generate(list(prompts), params, chat=chat):
+        if as_json:
+            record = {"prompt": output.prompt, "text": output.text,
+                      "token_ids": output.token_ids, "finish_reason": output.finish_reason,
+                      "prompt_tokens": len(output.prompt_token_ids),
+                      "ttft_ms": round(1000 * (output.metrics.ttft or 0.0), 3)}
+            click.echo(json.dumps(record))
+        else:
+            click.echo(output.text)
+
+
+@main.command("eval")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--text", "text_file", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--windows", type=int, default=64, show_default=True)
+@click.option("--seq-len", type=int, default=512, show_default=True)
+@click.option("--threads", type=int, default=None)
+@click.option("--json", "as_json", is_flag=True)
+@_one_line_errors
+def eval_command(artifact: Path, text_file: Path, windows: int, seq_len: int,
+                 threads: int | None, as_json: bool) -> None:
+    """Perplexity of ARTIFACT on a text file, computed by the runtime."""
+    from llmopt.runtime import LLM
+    from llmopt.runtime.evaluate import perplexity
+
+    llm = LLM(artifact, num_threads=threads, max_num_batched_tokens=seq_len)
+    result = perplexity(llm, text_file, windows=windows, seq_len=seq_len)
+    if as_json:
+        click.echo(json.dumps(result.to_dict()))
+    else:
+        click.echo(f"perplexity {result.ppl:.4f} over {result.tokens} tokens "
+                   f"({result.windows} x {result.seq_len}, {result.seconds:.1f} s)")
+
+
+@main.command("bench")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--batch", default="1,8", show_default=True, help="Comma-separated batch sizes.")
+@click.option("--prompt-len", type=int, default=128, show_default=True)
+@click.option("--gen-len", type=int, default=128, show_default=True)
+@click.option("--threads", type=int, default=None)
+@click.option("--json", "as_json", is_flag=True)
+@_one_line_errors
+def bench_command(artifact: Path, batch: str, prompt_len: int, gen_len: int,
+                  threads: int | None, as_json: bool) -> None:
+    """TTFT, decode tok/s per stream, aggregate tok/s and peak RSS."""
+    from llmopt.runtime import LLM
+    from llmopt.runtime.bench import run_bench
+
+    batches = [int(b) for b in batch.split(",") if b.strip()]
+    llm = LLM(artifact, num_threads=threads, max_num_seqs=max(batches),
+              max_context=prompt_len + gen_len + 1)
+    run_bench(llm, 1, min(prompt_len, 16), 4)  # warm-up: session init, first-run allocations
+    for size in batches:
+        result = run_bench(llm, size, prompt_len, gen_len)
+        if as_json:
+            click.echo(json.dumps(result.to_dict()))
+        else:
+            click.echo(f"batch {size:3d}: TTFT {result.ttft_ms:8.1f} ms, decode "
+                       f"{result.decode_tok_s_per_stream:6.1f} tok/s/stream, aggregate "
+                       f"{result.aggregate_tok_s:7.1f} tok/s, peak RSS "
+                       f"{result.peak_rss_mib:.0f} MiB")

@@ -1,0 +1,132 @@
+"""Write the artifact directory atomically: graphs, weights, tokenizer, manifest.
+
+Everything is written into a temporary sibling directory and renamed into place at
+the end, so a failed compile never leaves something that looks like an artifact.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import onnx
+from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.lower import cache_tensors
+from llmopt.compiler.onnx_graph import ONNX_OPSET, save_with_external_data
+from llmopt.compiler.recipe import Recipe, resolved_dict
+from llmopt.runtime.artifact import sha256_file
+from llmopt.runtime.contract import FORMAT_VERSION
+from llmopt.runtime.manifest import MANIFEST_FILE, Manifest
+
+_TOOLS = ("llmopt", "torch", "transformers", "onnx", "onnxruntime", "tokenizers")
+
+
+@contextmanager
+def staging_directory(out: Path) -> Iterator[Path]:
+    """Yield a temp dir beside `out`; on success it replaces `out`, on error it vanishes."""
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; an artifact is meant to be shared
+    try:
+        yield staging
+        _replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _replace(staging: Path, out: Path) -> None:
+    if out.exists():
+        if not (out / MANIFEST_FILE).is_file():
+            raise FileExistsError(f"{out} exists and is not an llmopt artifact; not replacing it")
+        trash = out.with_name(f".{out.name}.old")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(out, trash)
+        os.replace(staging, out)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(staging, out)
+
+
+def write_artifact(
+    directory: Path,
+    ir: ModelIR,
+    graphs: dict[str, tuple[onnx.ModelProto, str]],
+    recipe: Recipe,
+    pass_reports: list[dict[str, Any]],
+) -> Manifest:
+    """Write graphs (name -> (model, operator set)), tokenizer and manifest into `directory`."""
+    graph_specs = {}
+    for name, (model, operator_set) in graphs.items():
+        file = f"{name}.onnx"
+        data_file = save_with_external_data(model, directory / file)
+        graph_specs[name] = {"file": file, "data_file": data_file, "opset": ONNX_OPSET,
+                             "operator_set": operator_set}
+    for file, content in ir.tokenizer_files.items():
+        (directory / file).write_bytes(content)
+    for file in directory.iterdir():
+        file.chmod(0o644)
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        model=_model_spec(ir, recipe),
+        graphs=graph_specs,
+        kv_cache={"layers": [{"tensors": cache_tensors(spec)} for spec in ir.arch.layers]},
+        runtime=recipe.runtime.model_dump(),
+        tokenizer=_tokenizer_spec(ir),
+        generation=ir.generation_defaults,
+        files={p.name: sha256_file(p) for p in sorted(directory.iterdir()) if p.is_file()},
+        ir=_ir_record(ir),
+        recipe=resolved_dict(recipe),
+        passes=pass_reports,
+        tools=tool_versions(),
+    )
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest.model_dump(), indent=2))
+    return manifest
+
+
+def _model_spec(ir: ModelIR, recipe: Recipe) -> dict[str, Any]:
+    arch = ir.arch
+    return {
+        "vocab_size": arch.vocab_size,
+        "num_layers": arch.num_layers,
+        "hidden_size": arch.hidden_size,
+        "max_position": min(arch.max_position, recipe.runtime.max_context),
+        "bos_token_id": arch.bos_token_id,
+        "eos_token_ids": list(arch.eos_token_ids),
+        "pad_token_id": arch.pad_token_id,
+    }
+
+
+def _tokenizer_spec(ir: ModelIR) -> dict[str, Any]:
+    tokens = ir.annotations.get("tokens", {})
+    return {
+        "file": "tokenizer.json",
+        "chat_template": ir.chat_template,
+        "add_bos_token": ir.add_bos_token,
+        "bos_token": tokens.get("bos_token"),
+        "eos_token": tokens.get("eos_token"),
+    }
+
+
+def _ir_record(ir: ModelIR) -> dict[str, Any]:
+    arch = ir.arch.to_dict()
+    for rope in arch["ropes"].values():
+        rope["inv_freq"] = len(rope["inv_freq"])  # the table is in the graph; keep its size
+    return {"arch": arch, "source": ir.source, "parameters": ir.num_parameters()}
+
+
+def tool_versions() -> dict[str, str]:
+    versions = {}
+    for tool in _TOOLS:
+        try:
+            versions[tool] = importlib.metadata.version(tool)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions

@@ -1,0 +1,81 @@
+"""The compile pipeline, in one page: load → passes → lower → write the artifact."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmopt.compiler.artifact import staging_directory, write_artifact
+from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.loader import load_checkpoint
+from llmopt.compiler.lower import LoweringOptions, lower_to_onnx
+from llmopt.compiler.recipe import Recipe
+from llmopt.compiler.reference import spec_summary
+from llmopt.passes.registry import PASSES, load_pass
+from llmopt.runtime.manifest import Manifest
+
+
+@dataclass
+class PassContext:
+    """What a pass may read besides the IR: the recipe's calibration and quality settings."""
+
+    recipe: Recipe
+    log: Callable[[str], None]
+
+
+def compile_recipe(recipe: Recipe, out: Path, log: Callable[[str], None] = print) -> Manifest:
+    check_pass_order(recipe)
+    # Phase 1: load the checkpoint into the IR.
+    started = time.perf_counter()
+    log(f"[1/3] loading {recipe.model}")
+    ir = load_checkpoint(recipe.model)
+    log(f"      {spec_summary(ir.arch)}, {ir.num_parameters() / 1e6:.1f} M parameters "
+        f"({time.perf_counter() - started:.1f} s)")
+    # Phase 2: rewrite and quantize, in recipe order.
+    ir, reports = run_passes(ir, recipe, log)
+    # Phase 3: lower to ONNX and write the artifact atomically.
+    log(f"[3/3] lowering to ONNX ({recipe.target.operator_set} operators, "
+        f"{recipe.target.weight_dtype} weights) and writing {out}")
+    options = LoweringOptions(
+        operator_set=recipe.target.operator_set,
+        weight_dtype=recipe.target.weight_dtype,
+        max_position=min(ir.arch.max_position, recipe.runtime.max_context),
+    )
+    graph = lower_to_onnx(ir, options)
+    with staging_directory(out) as staging:
+        manifest = write_artifact(
+            staging, ir, {"target": (graph, options.operator_set)}, recipe, reports
+        )
+    log(f"      done in {time.perf_counter() - started:.1f} s")
+    return manifest
+
+
+def run_passes(
+    ir: ModelIR, recipe: Recipe, log: Callable[[str], None]
+) -> tuple[ModelIR, list[dict[str, Any]]]:
+    context = PassContext(recipe=recipe, log=log)
+    reports = []
+    configs = recipe.pass_configs()
+    log(f"[2/3] running {len(configs)} pass(es)")
+    for name, config in configs:
+        started = time.perf_counter()
+        log(f"      {name}: {config.model_dump()}")
+        result = load_pass(name).run(ir, config, context)
+        ir = result.ir
+        reports.append({"name": name, "config": config.model_dump(mode="json"),
+                        "seconds": round(time.perf_counter() - started, 3), **result.report})
+    return ir, reports
+
+
+def check_pass_order(recipe: Recipe) -> None:
+    """Every pass's requirements are provided by a pass before it, checked before work."""
+    provided: set[str] = set()
+    for entry in recipe.passes:
+        (name,) = entry
+        missing = set(PASSES[name].requires) - provided
+        if missing:
+            raise ValueError(f"pass {name!r} needs {sorted(missing)} from an earlier pass")
+        provided |= set(PASSES[name].provides)

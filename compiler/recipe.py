@@ -1,0 +1,171 @@
+"""The recipe: YAML validated once, at the boundary, with errors that name key and line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from llmopt.passes.registry import PASSES, load_pass
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message names the key and, if known, the line."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CalibrationConfig(_Strict):
+    text: str | None = None  # a UTF-8 text file; lossy passes need it
+    samples: int = Field(128, gt=0)
+    seq_len: int = Field(512, gt=0)
+
+
+class TargetConfig(_Strict):
+    backend: Literal["onnxruntime"] = "onnxruntime"
+    device: Literal["cpu"] = "cpu"
+    weight_dtype: Literal["float32", "float16"] = "float32"
+    # Contrib (fused) operators for ONNX Runtime, or standard ONNX only.
+    operator_set: Literal["onnxruntime", "standard"] = "onnxruntime"
+
+
+class QualityConfig(_Strict):
+    max_ppl_increase_pct: float | None = Field(None, ge=0)  # budget for lossy passes
+    eval_text: str | None = None  # held-out text the passes measure quality on
+
+
+class RuntimeConfig(_Strict):
+    block_size: int = Field(16, gt=0)
+    max_context: int = Field(2048, gt=0)
+    max_num_seqs: int = Field(16, gt=0)
+    max_num_batched_tokens: int = Field(512, gt=0)
+    num_blocks: int | None = Field(None, gt=0)  # None: fits max_num_seqs full contexts
+
+
+class Recipe(_Strict):
+    model: str
+    passes: list[dict[str, Any]] = Field(default_factory=list)
+    calibration: CalibrationConfig = CalibrationConfig()
+    target: TargetConfig = TargetConfig()
+    quality: QualityConfig = QualityConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+
+    @field_validator("passes")
+    @classmethod
+    def _known_passes(cls, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for entry in entries:
+            if len(entry) != 1:
+                raise ValueError("each pass is a one-key mapping: `- name: {options}`")
+            (name,) = entry
+            if name not in PASSES:
+                known = ", ".join(sorted(PASSES)) or "none yet"
+                raise ValueError(f"unknown pass {name!r} (known: {known})")
+        return entries
+
+    def pass_configs(self) -> list[tuple[str, BaseModel]]:
+        """(name, validated config) for each pass, in recipe order."""
+        configs = []
+        for entry in self.passes:
+            ((name, options),) = entry.items()
+            configs.append((name, load_pass(name).Config.model_validate(options or {})))
+        return configs
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    """Read, override (`key.path=value`) and validate a recipe file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise RecipeError(f"cannot read recipe {path}: {exc.strerror}") from exc
+    try:
+        raw = yaml.safe_load(text) or {}
+        lines = _key_lines(yaml.compose(text))
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{path}: invalid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping of keys, got {type(raw).__name__}")
+    for override in overrides:
+        _apply_override(raw, override)
+    raw = _resolve_paths(raw, path.parent)
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as exc:
+        raise RecipeError(_describe(exc, path, lines)) from None
+    for index, entry in enumerate(recipe.passes):
+        ((name, options),) = entry.items()
+        try:
+            load_pass(name).Config.model_validate(options or {})
+        except ValidationError as exc:
+            raise RecipeError(_describe(exc, path, lines, ("passes", index, name))) from None
+    return recipe
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> None:
+    key, sep, value = override.partition("=")
+    if not sep or not key:
+        raise RecipeError(f"--set expects key.path=value, got {override!r}")
+    node: Any = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+    leaf = parts[-1]
+    parsed = yaml.safe_load(value)
+    if isinstance(node, list):
+        node[int(leaf)] = parsed
+    else:
+        node[leaf] = parsed
+
+
+def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
+    """Relative file paths in a recipe are relative to the recipe's directory."""
+    def resolve(value: Any) -> Any:
+        if isinstance(value, str) and value and not Path(value).is_absolute():
+            candidate = base / value
+            return str(candidate) if candidate.exists() else value
+        return value
+
+    raw = dict(raw)
+    if "model" in raw:
+        raw["model"] = resolve(raw["model"])
+    for section, key in (("calibration", "text"), ("quality", "eval_text")):
+        if isinstance(raw.get(section), dict) and key in raw[section]:
+            raw[section] = {**raw[section], key: resolve(raw[section][key])}
+    return raw
+
+
+def _key_lines(node: yaml.Node | None, prefix: tuple = ()) -> dict[tuple, int]:
+    """Map each key path (as pydantic reports it) to its 1-based YAML line."""
+    lines: dict[tuple, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            path = (*prefix, key_node.value)
+            lines[path] = key_node.start_mark.line + 1
+            lines.update(_key_lines(value_node, path))
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            path = (*prefix, index)
+            lines[path] = item.start_mark.line + 1
+            lines.update(_key_lines(item, path))
+    return lines
+
+
+def _describe(
+    exc: ValidationError, path: Path, lines: dict[tuple, int], prefix: tuple = ()
+) -> str:
+    messages = []
+    for error in exc.errors():
+        loc = (*prefix, *error["loc"])
+        line = next((lines[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines), None)
+        where = f"{path}:{line}" if line else str(path)
+        key = ".".join(map(str, loc)) or "(top level)"
+        reason = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
+        messages.append(f"{where}: {key}: {reason}")
+    return "; ".join(messages)
+
+
+def resolved_dict(recipe: Recipe) -> dict[str, Any]:
+    return recipe.model_dump(mode="json")

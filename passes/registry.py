@@ -1,0 +1,35 @@
+"""The one registry of passes: recipe keys are exactly these names.
+
+Each entry names the module that holds the pass. A pass module defines a frozen
+pydantic `Config` and `run(ir, config, context) -> PassResult`; it is imported only
+when a recipe uses it, so heavy dependencies load lazily. An import error is an
+error, never a silent skip.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PassEntry:
+    module: str  # e.g. "llmopt.passes.rtn"
+    requires: tuple[str, ...] = ()  # facts earlier passes must provide
+    provides: tuple[str, ...] = ()
+
+
+# Filled in by the passes' issues (weight quantization, GQA regrouping, KV dtype, draft).
+PASSES: dict[str, PassEntry] = {}
+
+
+@dataclass
+class PassResult:
+    ir: Any  # the rewritten ModelIR
+    report: dict[str, Any] = field(default_factory=dict)  # what changed and what it cost
+
+
+def load_pass(name: str) -> ModuleType:
+    return importlib.import_module(PASSES[name].module)

@@ -1,0 +1,61 @@
+"""Throughput and latency of an artifact: TTFT, per-stream decode speed, aggregate speed."""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from llmopt.runtime.llm import LLM
+from llmopt.runtime.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    batch: int
+    prompt_len: int
+    gen_len: int
+    ttft_ms: float  # mean time from submission to first token (prefill of the whole batch)
+    decode_tok_s_per_stream: float  # mean over requests, after their first token
+    aggregate_tok_s: float  # generated tokens of all streams / wall time
+    decode_aggregate_tok_s: float  # batch * per-stream decode speed
+    wall_s: float
+    peak_rss_mib: float  # of this process so far
+
+    def to_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+def bench_prompts(vocab_size: int, batch: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    """Distinct random prompts so the prefix cache cannot share anything between them."""
+    rng = np.random.default_rng(seed)
+    low = min(1000, vocab_size // 4)
+    return [rng.integers(low, vocab_size, prompt_len).tolist() for _ in range(batch)]
+
+
+def run_bench(llm: LLM, batch: int, prompt_len: int, gen_len: int, seed: int = 0) -> BenchResult:
+    prompts = bench_prompts(llm.manifest.model.vocab_size, batch, prompt_len, seed)
+    params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    wall = time.perf_counter() - started
+    ttft, per_stream = [], []
+    for out in outputs:
+        m = out.metrics
+        ttft.append(m.first_token_time - m.arrival_time)
+        decode_time = m.finished_time - m.first_token_time
+        per_stream.append((len(out.token_ids) - 1) / decode_time if decode_time > 0 else 0.0)
+    generated = sum(len(o.token_ids) for o in outputs)
+    return BenchResult(
+        batch=batch, prompt_len=prompt_len, gen_len=gen_len,
+        ttft_ms=1000 * float(np.mean(ttft)),
+        decode_tok_s_per_stream=float(np.mean(per_stream)),
+        aggregate_tok_s=generated / wall,
+        decode_aggregate_tok_s=batch * float(np.mean(per_stream)),
+        wall_s=wall, peak_rss_mib=peak_rss_mib(),
+    )
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

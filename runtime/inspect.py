@@ -1,0 +1,60 @@
+"""`llmopt inspect`: what an artifact holds, what each pass did, what the KV cache costs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from llmopt.runtime.artifact import load_manifest
+
+_MIB = 1024 * 1024
+
+
+def describe(path: str | Path, pool_mib: float = 1024.0) -> dict[str, Any]:
+    path = Path(path)
+    manifest = load_manifest(path)
+    sizes = {name: (path / name).stat().st_size for name in manifest.files}
+    kv_bytes = manifest.kv_cache.bytes_per_token()
+    arch = manifest.ir.get("arch", {})
+    return {
+        "path": str(path),
+        "format_version": manifest.format_version,
+        "source": manifest.ir.get("source"),
+        "family": arch.get("family"),
+        "parameters": manifest.ir.get("parameters"),
+        "layers": manifest.model.num_layers,
+        "vocab_size": manifest.model.vocab_size,
+        "max_position": manifest.model.max_position,
+        "graphs": {name: g.model_dump() for name, g in manifest.graphs.items()},
+        "files": sizes,
+        "total_bytes": sum(sizes.values()),
+        "kv_dtypes": sorted({t.dtype for layer in manifest.kv_cache.layers for t in layer.tensors}),
+        "kv_bytes_per_token": kv_bytes,
+        "pool_mib": pool_mib,
+        "tokens_in_pool": int(pool_mib * _MIB // kv_bytes),
+        "passes": manifest.passes,
+        "runtime": manifest.runtime.model_dump(),
+        "tools": manifest.tools,
+    }
+
+
+def format_description(info: dict[str, Any]) -> str:
+    lines = [
+        f"artifact      {info['path']} (format {info['format_version']})",
+        f"source        {info['source']} ({info['family']}, "
+        f"{(info['parameters'] or 0) / 1e6:.1f} M parameters, {info['layers']} layers)",
+        f"size          {info['total_bytes'] / _MIB:.1f} MiB",
+    ]
+    lines += [f"  {name:<22} {size / _MIB:10.2f} MiB" for name, size in info["files"].items()]
+    for name, graph in info["graphs"].items():
+        lines.append(f"graph {name:<7} {graph['file']} (opset {graph['opset']}, "
+                     f"{graph['operator_set']} operators)")
+    lines += [
+        f"KV cache      {', '.join(info['kv_dtypes'])}, {info['kv_bytes_per_token']} bytes/token;"
+        f" {info['tokens_in_pool']} tokens fit in {info['pool_mib']:g} MiB",
+        f"passes        {len(info['passes'])}",
+    ]
+    for report in info["passes"]:
+        details = {k: v for k, v in report.items() if k not in ("name", "config")}
+        lines.append(f"  {report['name']}: {report.get('config')} {details}")
+    return "\n".join(lines)
