@@ -1,0 +1,56 @@
+"""Loading an artifact directory: its manifest, checked for format version and file hashes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from llmopt.runtime.contract import FORMAT_VERSION
+from llmopt.runtime.manifest import MANIFEST_FILE, Manifest
+
+
+class ArtifactError(ValueError):
+    """The directory is not an artifact this runtime can load, or its files are corrupt."""
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Read and validate `path/manifest.json`, then check every file it lists."""
+    path = Path(path)
+    manifest_path = path / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise ArtifactError(f"{path} is not an llmopt artifact: {MANIFEST_FILE} is missing")
+    raw = json.loads(manifest_path.read_text())
+    # Check the version before the schema: a newer manifest may not validate at all,
+    # and the version mismatch is the error worth reporting.
+    version = raw.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ArtifactError(
+            f"{manifest_path} has format_version {version} but this runtime reads "
+            f"format_version {FORMAT_VERSION}; recompile the artifact or update llmopt"
+        )
+    manifest = Manifest.model_validate(raw)
+    verify_files(path, manifest.files)
+    return manifest
+
+
+def verify_files(path: Path, files: dict[str, str]) -> None:
+    """Every listed file exists and has the sha256 the manifest records."""
+    for relative, expected in files.items():
+        file = path / relative
+        if not file.is_file():
+            raise ArtifactError(f"corrupt artifact {path}: {relative} is missing")
+        actual = sha256_file(file)
+        if actual != expected:
+            raise ArtifactError(
+                f"corrupt artifact {path}: sha256 of {relative} is {actual}, "
+                f"the manifest records {expected}"
+            )
+
+
+def sha256_file(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()

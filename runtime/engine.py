@@ -1,0 +1,193 @@
+"""LLMEngine: the step loop tying scheduler, KV cache manager, executor and sampler together.
+
+One step: schedule -> build the StepBatch -> execute -> sample the rows that caught up
+with their known tokens (and record logprobs of scored ones) -> append tokens and stop
+requests on eos, stop tokens, max_tokens or max context -> check stop strings -> free
+what finished. Requests join and leave between steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+from llmopt.runtime.kv_cache_manager import KVCacheManager, cdiv
+from llmopt.runtime.output import OutputText, RequestMetrics, RequestOutput
+from llmopt.runtime.request import Request
+from llmopt.runtime.sampler import log_softmax, sample
+from llmopt.runtime.sampling_params import SamplingParams
+from llmopt.runtime.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from llmopt.runtime.step_batch import Executor, logits_offsets, make_step_batch
+from llmopt.runtime.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int
+    num_blocks: int  # including the reserved null block 0
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_context: int
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        check_pool_size(self.num_blocks, self.block_size, self.max_context)
+
+
+def check_pool_size(num_blocks: int, block_size: int, max_context: int) -> None:
+    """The pool must hold at least one max-context sequence, or a lone request could stall."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    needed = cdiv(max_context, block_size)
+    if num_blocks - 1 < needed:
+        raise ValueError(
+            f"the KV pool has {num_blocks} blocks ({max(num_blocks - 1, 0)} usable: block 0 is "
+            f"reserved) but one sequence of max_context={max_context} tokens needs {needed} "
+            f"blocks of {block_size} tokens; raise num_blocks or lower max_context"
+        )
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        executor: Executor,
+        config: EngineConfig,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        tokenizer: Tokenizer | None = None,
+    ):
+        self.executor = executor
+        self.config = config
+        self.tokenizer = tokenizer
+        self.kv_cache_manager = KVCacheManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        scheduler_config = SchedulerConfig(
+            config.max_num_seqs, config.max_num_batched_tokens, config.max_context
+        )
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, eos_token_ids)
+        self.requests: dict[str, Request] = {}  # unfinished ones
+        self.prompts: dict[str, str | None] = {}
+        self.texts: dict[str, OutputText] = {}
+        self._ids = itertools.count()
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        score_only: bool = False,
+    ) -> str:
+        """Queue a request; it is scheduled from the next step on. Returns its id."""
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        request = Request(str(next(self._ids)), list(prompt_token_ids), params, score_only)
+        self.scheduler.add_request(request)  # raises on a prompt too long for the context
+        self.requests[request.request_id] = request
+        self.prompts[request.request_id] = prompt
+        if self.tokenizer is not None:
+            self.texts[request.request_id] = OutputText(self.tokenizer, params.stop)
+        return request.request_id
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.finish_request(request, "abort")
+            self._forget(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; outputs for every request that got a token or finished."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        logits = self.executor.execute(make_step_batch(scheduled, self.kv_cache_manager))
+        sampled = self._process_logits(scheduled, logits)
+        updated = self.scheduler.update_from_output(scheduled, sampled)
+        for request in updated:
+            self._check_stop_strings(request)
+        changed = {r.request_id: r for r in updated}
+        for item in scheduled:
+            if item.request.is_finished:
+                changed[item.request.request_id] = item.request
+        return [self._make_output(request) for request in changed.values()]
+
+    def _process_logits(
+        self, scheduled: list[ScheduledRequest], logits: np.ndarray
+    ) -> dict[str, int]:
+        """Sample the next token of requests that caught up; record logprobs of scored ones."""
+        to_sample: list[Request] = []
+        sample_rows: list[int] = []
+        row = 0
+        for item in scheduled:
+            num_rows = len(logits_offsets(item))
+            if item.request.score_only:
+                record_prompt_logprobs(item, logits[row : row + num_rows])
+            elif num_rows:
+                to_sample.append(item.request)
+                sample_rows.append(row)
+            row += num_rows
+        if not to_sample:
+            return {}
+        token_ids = sample(
+            logits[sample_rows],
+            [r.sampling_params for r in to_sample],
+            [r.generator for r in to_sample],
+            [r.all_token_ids for r in to_sample],
+        )
+        return {r.request_id: int(t) for r, t in zip(to_sample, token_ids, strict=True)}
+
+    def _check_stop_strings(self, request: Request) -> None:
+        text = self.texts.get(request.request_id)
+        if text is None:
+            return
+        if text.add_tokens(request.output_token_ids[-1:]):
+            if request.is_finished:
+                request.finish_reason = "stop"  # the stop string came before the limit
+            else:
+                self.scheduler.finish_request(request, "stop")
+        elif request.is_finished:
+            text.finish()
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        text = self.texts.get(request.request_id)
+        output = RequestOutput(
+            request_id=request.request_id,
+            prompt=self.prompts[request.request_id],
+            prompt_token_ids=request.prompt_token_ids,
+            text=text.visible_text(request.is_finished) if text else "",
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.finish_reason,
+            metrics=RequestMetrics(
+                request.arrival_time,
+                request.first_token_time,
+                request.finished_time,
+                request.num_preemptions,
+                request.num_cached_tokens,
+            ),
+            prompt_logprobs=request.prompt_logprobs,
+        )
+        if request.is_finished:
+            self.requests.pop(request.request_id, None)
+            self._forget(request.request_id)
+        return output
+
+    def _forget(self, request_id: str) -> None:
+        self.prompts.pop(request_id, None)
+        self.texts.pop(request_id, None)
+
+
+def record_prompt_logprobs(item: ScheduledRequest, logits: np.ndarray) -> None:
+    """Store logprob of token t+1 at each scored position t; one chunk bounds the memory."""
+    request, start = item.request, item.request.num_computed_tokens
+    num_rows = logits.shape[0]
+    if num_rows == 0:
+        return
+    targets = np.asarray(request.all_token_ids[start + 1 : start + 1 + num_rows])
+    logprobs = log_softmax(logits)[np.arange(num_rows), targets]
+    request.prompt_logprobs[start : start + num_rows] = logprobs

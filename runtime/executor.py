@@ -1,0 +1,158 @@
+"""OrtExecutor: runs the artifact's paged-KV graph with ONNX Runtime and owns the KV pool.
+
+The pool is one numpy array per layer per cache tensor, shaped
+[num_blocks, block_size, *slot_shape] in the manifest's dtype. It is bound to the graph
+through OrtValues that share its memory, so a step never copies it; after the graph
+runs, the step's `new.{i}.{t}` outputs are written into it at the slot mapping.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from llmopt.runtime import contract
+from llmopt.runtime.kv_cache_manager import cdiv
+from llmopt.runtime.manifest import KVCacheSpec
+from llmopt.runtime.step_batch import StepBatch
+
+OPTIMIZATION_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+class OrtExecutor:
+    def __init__(
+        self,
+        graph_path: str | Path,
+        kv_cache: KVCacheSpec,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_position: int,
+        num_threads: int | None = None,
+        optimization_level: str = "all",
+    ):
+        self.block_size = block_size
+        self.max_position = max_position
+        self.session = ort.InferenceSession(
+            str(graph_path),
+            session_options(num_threads, optimization_level),
+            providers=["CPUExecutionProvider"],
+        )
+        self.pools: dict[str, np.ndarray] = {}  # past name -> pool array
+        self.new_to_past: dict[str, str] = {}  # graph output -> the pool it is written into
+        for i, layer in enumerate(kv_cache.layers):
+            for t in layer.tensors:
+                shape = (num_blocks, block_size, *t.slot_shape)
+                self.pools[contract.past_name(i, t.name)] = np.zeros(shape, dtype=t.dtype)
+                self.new_to_past[contract.new_name(i, t.name)] = contract.past_name(i, t.name)
+        check_graph_io(self.session, list(self.pools), list(self.new_to_past))
+        # OrtValues over the pool arrays' own memory: binding them copies nothing.
+        self.pool_values = {
+            name: ort.OrtValue.ortvalue_from_numpy(pool) for name, pool in self.pools.items()
+        }
+
+    def execute(self, batch: StepBatch) -> np.ndarray:
+        inputs, slots = contract_inputs(batch, self.block_size, self.max_position)
+        binding = self.session.io_binding()
+        for name, array in inputs.items():
+            binding.bind_cpu_input(name, array)
+        for name, value in self.pool_values.items():
+            binding.bind_ortvalue_input(name, value)
+        output_names = [contract.LOGITS, *self.new_to_past]
+        for name in output_names:
+            binding.bind_output(name, "cpu")
+        self.session.run_with_iobinding(binding)
+        outputs = dict(zip(output_names, binding.get_outputs(), strict=True))
+
+        keep = slots >= 0  # padded query rows are garbage and never written
+        for name, past in self.new_to_past.items():
+            pool = self.pools[past]
+            new = outputs[name].numpy()
+            slot_shape = pool.shape[2:]
+            pool.reshape(-1, *slot_shape)[slots[keep]] = new.reshape(-1, *slot_shape)[keep]
+        logits = outputs[contract.LOGITS].numpy()
+        return logits[: batch.logits_indices.size].astype(np.float32, copy=False)
+
+
+def session_options(num_threads: int | None, optimization_level: str) -> ort.SessionOptions:
+    if optimization_level not in OPTIMIZATION_LEVELS:
+        raise ValueError(
+            f"unknown graph optimization level {optimization_level!r}; "
+            f"expected one of {sorted(OPTIMIZATION_LEVELS)}"
+        )
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = num_threads or 0  # 0: ONNX Runtime picks (physical cores)
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = OPTIMIZATION_LEVELS[optimization_level]
+    return options
+
+
+def contract_inputs(
+    batch: StepBatch, block_size: int, max_position: int
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The contract's right-padded inputs for `batch` and its padded [B*S] slot mapping.
+
+    Padding slots are -1: those rows are never written into the pool.
+    """
+    query_lens = np.asarray(batch.query_lens, dtype=np.int64)
+    context_lens = np.asarray(batch.context_lens, dtype=np.int64)
+    num_seqs, max_query = batch.num_seqs, int(query_lens.max())
+    valid = np.arange(max_query)[None, :] < query_lens[:, None]  # [B, S], row-major = packed
+
+    input_ids = np.zeros((num_seqs, max_query), dtype=np.int64)
+    input_ids[valid] = np.concatenate(batch.token_ids)
+    # Padded rows continue their sequence's positions, so a graph that masks the step's
+    # own keys by position or by index treats them alike; clipped to stay in the rotary table.
+    position_ids = np.minimum(context_lens[:, None] + np.arange(max_query), max_position - 1)
+    slots = np.full((num_seqs, max_query), -1, dtype=np.int64)
+    slots[valid] = batch.slot_mapping
+
+    # The graph gathers only the blocks that hold cached context; the step's own keys and
+    # values come from the step itself.
+    num_table_blocks = max(1, max(cdiv(int(c), block_size) for c in context_lens))
+    block_tables = np.full((num_seqs, num_table_blocks), contract.NULL_BLOCK, dtype=np.int64)
+    for b, table in enumerate(batch.block_tables):
+        used = table[:num_table_blocks]
+        block_tables[b, : len(used)] = used
+
+    # Packed row r is padded row padded_rows[r]. An empty request asks for one garbage row
+    # so that no graph ever sees a zero-sized Gather; it is sliced off after the run.
+    padded_rows = np.flatnonzero(valid)
+    logits_rows = batch.logits_indices if batch.logits_indices.size else np.zeros(1, np.int64)
+    inputs = {
+        contract.INPUT_IDS: input_ids,
+        contract.POSITION_IDS: position_ids,
+        contract.BLOCK_TABLES: block_tables,
+        contract.CONTEXT_LENS: context_lens,
+        contract.LOGITS_INDICES: padded_rows[logits_rows],
+    }
+    return inputs, slots.ravel()
+
+
+def check_graph_io(session: ort.InferenceSession, past: list[str], new: list[str]) -> None:
+    """Fail loudly when the graph's inputs and outputs do not match the manifest's KV layout."""
+    inputs = {i.name for i in session.get_inputs()}
+    outputs = {o.name for o in session.get_outputs()}
+    expected_inputs = {
+        contract.INPUT_IDS,
+        contract.POSITION_IDS,
+        contract.BLOCK_TABLES,
+        contract.CONTEXT_LENS,
+        contract.LOGITS_INDICES,
+        *past,
+    }
+    expected_outputs = {contract.LOGITS, *new}
+    if inputs != expected_inputs or not expected_outputs <= outputs:
+        raise ValueError(
+            "the graph does not follow the paged-KV contract for this manifest: "
+            f"missing inputs {sorted(expected_inputs - inputs)}, "
+            f"unexpected inputs {sorted(inputs - expected_inputs)}, "
+            f"missing outputs {sorted(expected_outputs - outputs)}"
+        )

@@ -1,0 +1,110 @@
+"""KVCacheManager: each request's block table on top of the BlockPool, and its slot mapping.
+
+A request's token at position p lives at slot `block_table[p // block_size] * block_size
++ p % block_size`. Its table grows as tokens are scheduled; a new request may start from
+blocks another request already computed (prefix caching of full blocks).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llmopt.runtime.block_pool import Block, BlockPool, hash_block_tokens
+from llmopt.runtime.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks)
+        self.block_tables: dict[str, list[Block]] = {}
+        # How many leading blocks of each request are registered in the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """Longest run of cached full blocks that starts the request's known tokens.
+
+        Returns the blocks and the number of tokens they hold. The block holding the last
+        known token is never reused: that token must be computed to produce logits.
+        """
+        if not self.enable_prefix_caching or request.score_only:
+            return [], 0  # scoring needs logits at every position, so computes them all
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in self._block_hashes(request)[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[Block] = ()
+    ) -> bool:
+        """Grow the block table to hold `num_new_tokens` more tokens; False if blocks run out.
+
+        `new_computed_blocks` are prefix-cache hits from `get_computed_blocks` for a
+        request being admitted; they go first in its table.
+        """
+        table = self.block_tables.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = max(num_required - len(table) - len(new_computed_blocks), 0)
+        # A cache hit that sits in the free queue stops being free once we take it.
+        num_free_hits = sum(1 for block in new_computed_blocks if block.ref_count == 0)
+        if not self.block_pool.can_allocate(num_new_blocks + num_free_hits):
+            return False
+
+        self.block_pool.touch(new_computed_blocks)
+        table = self.block_tables.setdefault(request.request_id, [])
+        table.extend(new_computed_blocks)
+        table.extend(self.block_pool.allocate(num_new_blocks))
+        cached = self.num_cached_blocks.get(request.request_id, 0)
+        self.num_cached_blocks[request.request_id] = cached + len(new_computed_blocks)
+        return True
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the request's blocks that are now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        first = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full <= first:
+            return
+        table = self.block_tables[request.request_id]
+        hashes = self._block_hashes(request)
+        for i in range(first, num_full):
+            self.block_pool.cache_full_block(table[i], hashes[i])
+        self.num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first so shared prefixes are evicted last."""
+        table = self.block_tables.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free(reversed(table))
+
+    def block_ids(self, request: Request) -> list[int]:
+        return [block.block_id for block in self.block_tables.get(request.request_id, [])]
+
+    def slot_mapping(self, request: Request, start: int, num_tokens: int) -> np.ndarray:
+        """Pool slots of positions start .. start + num_tokens - 1 of the request."""
+        block_ids = np.array(self.block_ids(request), dtype=np.int64)
+        positions = np.arange(start, start + num_tokens, dtype=np.int64)
+        return block_ids[positions // self.block_size] * self.block_size + (
+            positions % self.block_size
+        )
+
+    def _block_hashes(self, request: Request) -> list[bytes]:
+        """The request's chained block hashes, extended over every full block of known tokens."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        for i in range(len(hashes), request.num_tokens // bs):
+            parent = hashes[i - 1] if i > 0 else None
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs]))
+        return hashes

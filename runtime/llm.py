@@ -1,0 +1,170 @@
+"""LLM: the user-facing entry point over a compiled artifact directory."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+from llmopt.runtime.artifact import load_manifest
+from llmopt.runtime.engine import EngineConfig, LLMEngine
+from llmopt.runtime.executor import OrtExecutor
+from llmopt.runtime.kv_cache_manager import cdiv
+from llmopt.runtime.output import RequestOutput
+from llmopt.runtime.sampling_params import SamplingParams
+from llmopt.runtime.scheduler import check_prompt_length
+from llmopt.runtime.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Generate, stream and score with an artifact: `LLM("out/smollm2").generate("Hi")`.
+
+    Arguments left as None take the manifest's runtime defaults.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        num_threads: int | None = None,
+        block_size: int | None = None,
+        num_blocks: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_context: int | None = None,
+        enable_prefix_caching: bool = True,
+        optimization_level: str = "all",
+    ):
+        self.path = Path(path)
+        self.manifest = manifest = load_manifest(self.path)
+        defaults = manifest.runtime
+        block_size = block_size or defaults.block_size
+        max_context = max_context or defaults.max_context
+        max_num_seqs = max_num_seqs or defaults.max_num_seqs
+        if max_context > manifest.model.max_position:
+            raise ValueError(
+                f"max_context {max_context} exceeds the {manifest.model.max_position} "
+                "positions the graph's rotary tables cover"
+            )
+        if num_blocks is None:
+            num_blocks = defaults.num_blocks or max_num_seqs * cdiv(max_context, block_size) + 1
+        config = EngineConfig(  # checks the pool size before the pool is allocated
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or defaults.max_num_batched_tokens,
+            max_context=max_context,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        self.tokenizer = Tokenizer.from_file(
+            self.path / manifest.tokenizer.file, manifest.tokenizer
+        )
+        executor = OrtExecutor(
+            self.path / manifest.graphs["target"].file,
+            manifest.kv_cache,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_position=manifest.model.max_position,
+            num_threads=num_threads,
+            optimization_level=optimization_level,
+        )
+        self.engine = LLMEngine(
+            executor, config, eos_token_ids=manifest.model.eos_token_ids, tokenizer=self.tokenizer
+        )
+        self.default_params = SamplingParams.from_generation_config(manifest.generation)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched together; outputs in prompt order.
+
+        A prompt is text or token ids; with `chat=True` text is the user's message and
+        goes through the chat template.
+        """
+        prompt_list = [prompts] if _is_single_prompt(prompts) else list(prompts)
+        param_list = self._params_for(params, len(prompt_list))
+        encoded = [self._encode(p, chat) for p in prompt_list]
+        for token_ids in encoded:  # check all before queueing any
+            check_prompt_length(len(token_ids), self.engine.config.max_context, False)
+        request_ids = [
+            self.engine.add_request(ids, sp, prompt=p if isinstance(p, str) else None)
+            for p, ids, sp in zip(prompt_list, encoded, param_list, strict=True)
+        ]
+        finished = self._run_until_finished(set(request_ids))
+        return [finished[i] for i in request_ids]
+
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False
+    ) -> Iterator[str]:
+        """Yield text deltas of one request as its tokens arrive."""
+        request_id = self.engine.add_request(
+            self._encode(prompt, chat),
+            params or self.default_params,
+            prompt=prompt if isinstance(prompt, str) else None,
+        )
+        num_yielded = 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.request_id != request_id:
+                        continue
+                    if len(output.text) > num_yielded:
+                        yield output.text[num_yielded:]
+                        num_yielded = len(output.text)
+                    if output.finished:
+                        return
+        finally:
+            self.engine.abort_request(request_id)  # a no-op once it finished
+
+    def score(self, token_ids: Sequence[int]) -> np.ndarray:
+        """float32 [len - 1]: log-prob of token t+1 given tokens 0..t, for perplexity.
+
+        The sequence is prefilled in chunks of the step token budget with logits at every
+        position, and each chunk is reduced to log-probs before the next one runs.
+        """
+        request_id = self.engine.add_request(
+            [int(t) for t in token_ids], SamplingParams(max_tokens=1), score_only=True
+        )
+        return self._run_until_finished({request_id})[request_id].prompt_logprobs
+
+    def _run_until_finished(self, request_ids: set[str]) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(request_ids):
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError("the engine ran out of requests before these finished")
+            for output in self.engine.step():
+                if output.finished and output.request_id in request_ids:
+                    finished[output.request_id] = output
+        return finished
+
+    def _encode(self, prompt: Prompt, chat: bool) -> list[int]:
+        if isinstance(prompt, str):
+            if chat:
+                return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(prompt)
+        if chat:
+            raise ValueError("chat=True needs text prompts, not token ids")
+        return [int(t) for t in prompt]
+
+    def _params_for(
+        self, params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    ) -> list[SamplingParams]:
+        if params is None:
+            return [self.default_params] * num_prompts
+        if isinstance(params, SamplingParams):
+            return [params] * num_prompts
+        if len(params) != num_prompts:
+            raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts")
+        return list(params)
+
+
+def _is_single_prompt(prompts: Prompt | Sequence[Prompt]) -> bool:
+    """Text, or one list of token ids (rather than a list of prompts)."""
+    if isinstance(prompts, str):
+        return True
+    return len(prompts) > 0 and all(isinstance(t, int | np.integer) for t in prompts)

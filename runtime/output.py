@@ -1,0 +1,85 @@
+"""What a request gives back: RequestOutput, its metrics, and its text with stop strings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from llmopt.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None
+    finished_time: float | None
+    num_preemptions: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first output token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str  # while unfinished: the part that can no longer turn into a stop string
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length"; None while running
+    metrics: RequestMetrics
+    prompt_logprobs: np.ndarray | None = None  # scoring: logprob of token t+1 at t
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class OutputText:
+    """A request's decoded output, cut before the first stop string.
+
+    While a request runs, the last `len(longest stop) - 1` characters are held back from
+    `visible_text`: they might be the start of a stop string, which must never reach a
+    stream.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str]):
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.stopped = False  # a stop string was found; text ends before it
+
+    def add_tokens(self, token_ids: list[int]) -> bool:
+        """Decode new tokens; True when a stop string has appeared."""
+        if self.stopped:
+            return True
+        delta = self.detokenizer.add_tokens(token_ids)
+        # A stop string can only start within the last holdback characters of the old text.
+        search_from = max(0, len(self.text) - self.holdback)
+        self.text += delta
+        return bool(delta) and self._cut_at_stop(search_from)
+
+    def finish(self) -> None:
+        """Decode what an incomplete final character held back."""
+        if not self.stopped:
+            search_from = max(0, len(self.text) - self.holdback)
+            self.text += self.detokenizer.flush()
+            self._cut_at_stop(search_from)
+
+    def visible_text(self, finished: bool) -> str:
+        if finished or self.stopped:
+            return self.text
+        return self.text[: max(0, len(self.text) - self.holdback)]
+
+    def _cut_at_stop(self, search_from: int) -> bool:
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+        return self.stopped

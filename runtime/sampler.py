@@ -1,0 +1,103 @@
+"""Sampler: next tokens from a [N, vocab] logits batch, each row with its own parameters.
+
+The order follows Hugging Face `generate`: repetition penalty, then temperature, top-k,
+top-p and min-p, then a draw from the remaining distribution. Greedy rows
+(temperature 0) take the argmax, ties going to the lowest index like torch.argmax.
+
+Every row draws with its own request's generator and uses exactly one uniform number
+per token, so a seeded request gives the same tokens whatever batch it runs in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from llmopt.runtime.sampling_params import SamplingParams
+
+
+def sample(
+    logits: np.ndarray,
+    params: Sequence[SamplingParams],
+    generators: Sequence[np.random.Generator],
+    seen_token_ids: Sequence[Sequence[int]],
+) -> np.ndarray:
+    """One token id per row of `logits`; `seen_token_ids[r]` is row r's prompt + output."""
+    logits = np.array(logits, dtype=np.float32)  # a copy: the penalties edit it in place
+    apply_repetition_penalty(logits, [p.repetition_penalty for p in params], seen_token_ids)
+    token_ids = logits.argmax(axis=-1)  # right for greedy rows; random rows overwrite it
+    for row, p in enumerate(params):
+        if not p.greedy:
+            probs = filtered_probs(logits[row], p)
+            token_ids[row] = draw(probs, generators[row])
+    return token_ids.astype(np.int64)
+
+
+def apply_repetition_penalty(
+    logits: np.ndarray, penalties: Sequence[float], seen_token_ids: Sequence[Sequence[int]]
+) -> None:
+    """HF semantics: a seen token's logit is divided by the penalty if positive, else multiplied."""
+    for row, penalty in enumerate(penalties):
+        if penalty == 1.0:
+            continue
+        seen = np.unique(np.asarray(seen_token_ids[row], dtype=np.int64))
+        values = logits[row, seen]
+        logits[row, seen] = np.where(values > 0, values / penalty, values * penalty)
+
+
+def filtered_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """float64 probabilities of one row after temperature, top-k, top-p and min-p."""
+    scores = logits.astype(np.float64) / p.temperature
+    if 0 < p.top_k < scores.size:
+        scores = top_k_mask(scores, p.top_k)
+    if p.top_p < 1.0:
+        scores = top_p_mask(scores, p.top_p)
+    if p.min_p > 0.0:
+        scores = min_p_mask(scores, p.min_p)
+    return softmax(scores)
+
+
+def top_k_mask(scores: np.ndarray, k: int) -> np.ndarray:
+    """Keep scores >= the k-th largest (ties at the threshold are kept, as in HF)."""
+    threshold = np.partition(scores, scores.size - k)[scores.size - k]
+    return np.where(scores < threshold, -np.inf, scores)
+
+
+def top_p_mask(scores: np.ndarray, top_p: float) -> np.ndarray:
+    """Keep the smallest set of top tokens whose probability mass reaches top_p (HF rule)."""
+    order = np.argsort(scores, kind="stable")  # ascending, as HF sorts
+    cumulative = np.cumsum(softmax(scores[order]))
+    remove = cumulative <= 1.0 - top_p
+    remove[-1] = False  # always keep the most likely token
+    masked = scores.copy()
+    masked[order[remove]] = -np.inf
+    return masked
+
+
+def min_p_mask(scores: np.ndarray, min_p: float) -> np.ndarray:
+    """Drop tokens less likely than min_p times the most likely one."""
+    probs = softmax(scores)
+    return np.where(probs < min_p * probs.max(), -np.inf, scores)
+
+
+def softmax(scores: np.ndarray) -> np.ndarray:
+    exp = np.exp(scores - scores.max())
+    return exp / exp.sum()
+
+
+def draw(probs: np.ndarray, generator: np.random.Generator) -> int:
+    """Inverse-CDF draw with one uniform number: the index where the CDF first exceeds it."""
+    cdf = np.cumsum(probs)
+    index = int(np.searchsorted(cdf, generator.random() * cdf[-1], side="right"))
+    # Round-off can land past the last token with mass; step back onto one that has some.
+    index = min(index, probs.size - 1)
+    while probs[index] == 0.0:
+        index -= 1
+    return index
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax in float32, for scoring."""
+    logits = logits.astype(np.float32, copy=False)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))

@@ -1,0 +1,116 @@
+import numpy as np
+from llmopt.runtime.kv_cache_manager import KVCacheManager
+from llmopt.runtime.request import Request
+from llmopt.runtime.sampling_params import SamplingParams
+
+
+def request(request_id: str, prompt: list[int]) -> Request:
+    return Request(request_id, prompt, SamplingParams())
+
+
+def compute(manager: KVCacheManager, req: Request, num_tokens: int) -> None:
+    """What the scheduler + a step do: allocate, then mark tokens computed."""
+    assert manager.allocate_slots(req, num_tokens)
+    req.num_computed_tokens += num_tokens
+    manager.cache_blocks(req)
+
+
+def test_block_table_grows_by_whole_blocks_and_maps_slots():
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    req = request("a", list(range(10, 16)))  # 6 tokens
+    assert manager.allocate_slots(req, 6)
+    assert manager.block_ids(req) == [1, 2]
+    np.testing.assert_array_equal(manager.slot_mapping(req, 0, 6), [4, 5, 6, 7, 8, 9])
+    req.num_computed_tokens = 6
+    assert manager.allocate_slots(req, 2)  # positions 6, 7 still fit in block 2
+    assert manager.block_ids(req) == [1, 2]
+    req.num_computed_tokens = 8
+    assert manager.allocate_slots(req, 1)
+    assert manager.block_ids(req) == [1, 2, 3]
+    np.testing.assert_array_equal(manager.slot_mapping(req, 8, 1), [12])
+
+
+def test_allocate_slots_says_no_when_blocks_run_out():
+    manager = KVCacheManager(num_blocks=3, block_size=4)  # 2 usable blocks
+    req = request("a", list(range(9)))
+    assert not manager.allocate_slots(req, 9)
+    assert manager.block_ids(req) == [] and manager.block_pool.num_free_blocks == 2
+    assert manager.allocate_slots(req, 8)
+
+
+def test_free_releases_the_table_tail_first():
+    manager = KVCacheManager(num_blocks=5, block_size=2)
+    req = request("a", list(range(6)))
+    manager.allocate_slots(req, 6)
+    manager.free(req)
+    assert list(manager.block_pool.free_queue) == [4, 3, 2, 1]
+    assert manager.block_ids(req) == []
+
+
+def test_prefix_hit_shares_full_computed_blocks():
+    manager = KVCacheManager(num_blocks=16, block_size=4)
+    a = request("a", list(range(10)))
+    compute(manager, a, 10)
+    assert manager.block_ids(a) == [1, 2, 3]
+    assert manager.num_cached_blocks["a"] == 2  # the third block is not full
+
+    b = request("b", [*range(8), 99, 98, 97])
+    blocks, num_tokens = manager.get_computed_blocks(b)
+    assert [blk.block_id for blk in blocks] == [1, 2] and num_tokens == 8
+    b.num_computed_tokens = 0
+    assert manager.allocate_slots(b, 11 - 8, blocks)
+    assert manager.block_ids(b) == [1, 2, 4]
+    assert [manager.block_pool.blocks[i].ref_count for i in (1, 2, 3, 4)] == [2, 2, 1, 1]
+
+
+def test_prefix_hit_never_covers_the_last_token():
+    manager = KVCacheManager(num_blocks=16, block_size=4)
+    a = request("a", list(range(8)))
+    compute(manager, a, 8)
+    same = request("b", list(range(8)))
+    blocks, num_tokens = manager.get_computed_blocks(same)
+    assert [blk.block_id for blk in blocks] == [1] and num_tokens == 4
+
+
+def test_blocks_are_cached_only_once_computed():
+    manager = KVCacheManager(num_blocks=16, block_size=4)
+    a = request("a", list(range(8)))
+    assert manager.allocate_slots(a, 8)  # scheduled but not yet computed
+    assert manager.get_computed_blocks(request("b", list(range(9))))[1] == 0
+    a.num_computed_tokens = 5
+    manager.cache_blocks(a)
+    assert manager.get_computed_blocks(request("c", list(range(9))))[1] == 4
+
+
+def test_freed_prefix_is_reused_and_a_free_hit_counts_against_free_blocks():
+    manager = KVCacheManager(num_blocks=4, block_size=2)  # 3 usable blocks
+    a = request("a", [1, 2, 3, 4, 5])
+    compute(manager, a, 5)
+    manager.free(a)
+    assert list(manager.block_pool.free_queue) == [3, 2, 1]
+
+    b = request("b", [1, 2, 3, 4, 9, 9])
+    blocks, num_tokens = manager.get_computed_blocks(b)
+    assert [blk.block_id for blk in blocks] == [1, 2] and num_tokens == 4
+    # Needs 1 new block + the 2 hits leave the free queue: 3 <= 3 free.
+    assert manager.allocate_slots(b, 2, blocks)
+    assert manager.block_ids(b) == [1, 2, 3]
+    assert manager.block_pool.num_free_blocks == 0
+
+
+def test_prefix_caching_can_be_disabled():
+    manager = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    a = request("a", list(range(9)))
+    compute(manager, a, 9)
+    assert manager.get_computed_blocks(request("b", list(range(9)))) == ([], 0)
+
+
+def test_a_block_hits_only_after_the_same_prefix():
+    # B's second block has the same tokens as C's, but C computed it after other tokens:
+    # its keys and values belong to a different context, so the chain must stop at one.
+    manager = KVCacheManager(num_blocks=16, block_size=2)
+    p, q, r, s = [1, 2], [3, 4], [5, 6], [7, 8]
+    compute(manager, request("a", [*p, *q, 9]), 5)
+    compute(manager, request("c", [*r, *s, 9]), 5)
+    blocks, num_tokens = manager.get_computed_blocks(request("b", [*p, *s, 9]))
+    assert [blk.block_id for blk in blocks] == [1] and num_tokens == 2
