@@ -1,5 +1,8 @@
 import numpy as np
 import pytest
+from llmopt.runtime.engine import EngineConfig
+from llmopt.runtime.sampler import log_softmax
+from llmopt.runtime.sampling_params import SamplingParams
 from runtime_fakes import (
     fake_logits,
     history_hash,
@@ -8,10 +11,6 @@ from runtime_fakes import (
     reference_greedy,
     run_engine,
 )
-
-from llmopt.runtime.engine import EngineConfig
-from llmopt.runtime.sampler import log_softmax
-from llmopt.runtime.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
@@ -36,7 +35,8 @@ def workload(num: int = 16, seed: int = 0) -> tuple[list[list[int]], list[Sampli
 
 def one_at_a_time(prompts, params, **engine_kwargs):
     return [
-        run_engine(make_engine(**engine_kwargs), [p], [sp])[0] for p, sp in zip(prompts, params)
+        run_engine(make_engine(**engine_kwargs), [p], [sp])[0]
+        for p, sp in zip(prompts, params, strict=True)
     ]
 
 
@@ -60,6 +60,8 @@ def test_concurrent_requests_match_running_alone():
     for i in greedy:
         assert together[i].token_ids == reference_greedy(prompts[i], params[i].max_tokens)
     assert engine.kv_cache_manager.block_pool.num_free_blocks == 199  # everything freed
+    # Admission spreads over steps, so later sharers hit the cached 21-token prefix.
+    assert sum(o.metrics.num_cached_tokens == 20 for o in together) >= 4
 
 
 def test_requests_joining_between_steps_match_running_alone():
@@ -67,7 +69,7 @@ def test_requests_joining_between_steps_match_running_alone():
     alone = one_at_a_time(prompts, params)
     engine = make_engine(num_blocks=200)
     ids, finished = [], {}
-    pending = list(zip(prompts, params))
+    pending = list(zip(prompts, params, strict=True))
     while pending or engine.has_unfinished_requests():
         for _ in range(2):  # two new requests join before every step
             if pending:
