@@ -19,7 +19,7 @@ from typing import Any
 import onnx
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.lower import cache_tensors
-from llmopt.compiler.onnx_graph import ONNX_OPSET, save_with_external_data
+from llmopt.compiler.onnx_graph import save_with_external_data
 from llmopt.compiler.recipe import Recipe, resolved_dict
 from llmopt.runtime.artifact import sha256_file
 from llmopt.runtime.contract import FORMAT_VERSION
@@ -67,7 +67,7 @@ def write_artifact(
     for name, (model, operator_set) in graphs.items():
         file = f"{name}.onnx"
         data_file = save_with_external_data(model, directory / file)
-        graph_specs[name] = {"file": file, "data_file": data_file, "opset": ONNX_OPSET,
+        graph_specs[name] = {"file": file, "data_file": data_file, "opset": _opset(model),
                              "operator_set": operator_set}
     for file, content in ir.tokenizer_files.items():
         (directory / file).write_bytes(content)
@@ -89,6 +89,10 @@ def write_artifact(
     )
     (directory / MANIFEST_FILE).write_text(json.dumps(manifest.model_dump(), indent=2))
     return manifest
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
 
 
 def _model_spec(ir: ModelIR, recipe: Recipe) -> dict[str, Any]:

@@ -43,9 +43,10 @@ def cache_tensors(spec: LayerSpec) -> list[dict]:
 class _DecoderLowering:
     def __init__(self, ir: ModelIR, options: LoweringOptions):
         self.ir, self.arch, self.options = ir, ir.arch, options
-        self.g = GraphBuilder("llmopt_decoder")
-        self.ops: StandardOps = OPERATOR_SETS[options.operator_set](self.g, self.arch.norm_eps)
-        self._masks: dict[tuple[int | None, int], str] = {}
+        ops_type = OPERATOR_SETS[options.operator_set]
+        self.g = GraphBuilder("llmopt_decoder", ops_type.opset)
+        self.ops: StandardOps = ops_type(self.g, self.arch.norm_eps)
+        self._masks: dict[int | None, str] = {}
 
     def build(self) -> onnx.ModelProto:
         self._declare_io()
@@ -147,11 +148,11 @@ class _DecoderLowering:
         table = f"rope.{spec.rope}"
         q = self.ops.rotary(q, heads, dim, table, C.POSITION_IDS)
         k = self.ops.rotary(k, kv_heads, dim, table, C.POSITION_IDS)
-        k_new = g.op("Reshape", [k, g.const([0, 0, kv_heads, dim])], name="k_new")
-        v_new = g.op("Reshape", [v, g.const([0, 0, kv_heads, dim])], name="v_new")
-        keys = self._cache_io(index, "key", k_new, spec)
-        values = self._cache_io(index, "value", v_new, spec)
-        out = self._attend(spec, q, keys, values)
+        keys = self._cache_io(index, "key", k, spec)
+        values = self._cache_io(index, "value", v, spec)
+        mask = self._mask(spec.sliding_window)
+        out = self.ops.attention(q, keys, values, mask, spec, self.arch.attn_scale,
+                                 self.arch.attn_softcap)
         return self._linear(out, p, ["o_proj"])
 
     def _head_norm(self, x: str, heads: int, dim: int, weight: str) -> str:
@@ -161,51 +162,29 @@ class _DecoderLowering:
         return g.op("Reshape", [normed, g.const([0, 0, heads * dim])])
 
     def _cache_io(self, index: int, tensor: str, new: str, spec: LayerSpec) -> str:
-        """Emit the step's entries as `new.{i}.{t}`; return past + new, [B, L, kv_heads, D]."""
+        """Emit the step's entries (new [B, S, kv_heads*D]) as `new.{i}.{t}` in the cache
+        layout; return past + new as [B, L, kv_heads * D]."""
         g = self.g
+        width = spec.num_kv_heads * spec.head_dim
         narrow = spec.kv_dtype != "float32"
         elem = NP_TO_ONNX[np.dtype(spec.kv_dtype)]
-        stored = g.op("Cast", [new], to=elem) if narrow else new
-        g.op_into("Identity", [stored], [C.new_name(index, tensor)])
+        entries = g.op("Reshape", [new, g.const([0, 0, spec.num_kv_heads, spec.head_dim])])
+        g.op_into("Cast" if narrow else "Identity", [entries], [C.new_name(index, tensor)],
+                  **({"to": elem} if narrow else {}))
         blocks = g.op("Gather", [C.past_name(index, tensor), C.BLOCK_TABLES], axis=0)
-        past = g.op("Reshape", [blocks, g.const([0, -1, spec.num_kv_heads, spec.head_dim])])
+        past = g.op("Reshape", [blocks, g.const([0, -1, width])])
         if narrow:
             past = g.op("Cast", [past], to=TensorProto.FLOAT)
         return g.op("Concat", [past, new], axis=1, name=f"{tensor}s")
 
-    def _attend(self, spec: LayerSpec, q: str, keys: str, values: str) -> str:
-        g = self.g
-        groups, dim = spec.num_heads // spec.num_kv_heads, spec.head_dim
-        # Queries grouped by their KV head: [B, kv_heads, groups * S, D].
-        q = g.op("Reshape", [q, g.const([0, 0, spec.num_kv_heads, groups, dim])])
-        q = g.op("Transpose", [q], perm=[0, 2, 3, 1, 4])
-        q = g.op("Reshape", [q, g.const([0, 0, -1, dim])])
-        k_t = g.op("Transpose", [keys], perm=[0, 2, 3, 1])  # [B, kv_heads, D, L]
-        v = g.op("Transpose", [values], perm=[0, 2, 1, 3])  # [B, kv_heads, L, D]
-        scores = g.op("MatMul", [q, k_t], name="scores")
-        scores = g.op("Mul", [scores, g.const(self.arch.attn_scale, np.float32)])
-        if self.arch.attn_softcap:
-            cap = g.const(self.arch.attn_softcap, np.float32)
-            scores = g.op("Mul", [g.op("Tanh", [g.op("Div", [scores, cap])]), cap])
-        scores = g.op("Add", [scores, self._mask(spec.sliding_window, groups)])
-        probs = g.op("Softmax", [scores], axis=-1)
-        out = g.op("MatMul", [probs, v], name="attn")  # [B, kv_heads, groups * S, D]
-        out = g.op("Reshape", [out, g.const([0, 0, groups, -1, dim])])
-        out = g.op("Transpose", [out], perm=[0, 3, 1, 2, 4])  # [B, S, kv_heads, groups, D]
-        return g.op("Reshape", [out, g.const([0, 0, -1])])
-
-    def _mask(self, window: int | None, groups: int) -> str:
-        """Additive mask [B, 1, groups * S, L], built once per (window, groups)."""
-        key = (window, groups)
-        if key not in self._masks:
-            allowed = _AllowedKeys(self.g).build(window)
+    def _mask(self, window: int | None) -> str:
+        """Additive mask [B, 1, S, L], built once per window size and shared by layers."""
+        if window not in self._masks:
             g = self.g
+            allowed = _AllowedKeys(g).build(window)
             bias = g.op("Where", [allowed, g.const(0.0, np.float32), g.const(_NEG_INF, np.float32)])
-            bias = g.op("Unsqueeze", [bias, g.const([1])])  # [B, 1, S, L]
-            if groups > 1:
-                bias = g.op("Tile", [bias, g.const([1, 1, groups, 1])])
-            self._masks[key] = bias
-        return self._masks[key]
+            self._masks[window] = g.op("Unsqueeze", [bias, g.const([1])], name="mask")
+        return self._masks[window]
 
     def _head(self, hidden: str) -> None:
         g = self.g

@@ -9,13 +9,15 @@ the target itself.
 from __future__ import annotations
 
 import numpy as np
+from llmopt.compiler.ir import LayerSpec
 from llmopt.compiler.onnx_graph import MS_DOMAIN, GraphBuilder
 
 
 class StandardOps:
-    """Standard ONNX operators only."""
+    """Standard ONNX operators only (opset 21: what TensorRT's parser takes)."""
 
     operator_set = "standard"
+    opset = 21
 
     def __init__(self, g: GraphBuilder, eps: float):
         self.g, self.eps = g, eps
@@ -43,6 +45,34 @@ class StandardOps:
         out = g.op("Add", [g.op("Mul", [heads, cos]), g.op("Mul", [rotated, sin])], name="rope")
         return g.op("Reshape", [out, g.const([0, 0, -1])])
 
+    def attention(self, q: str, keys: str, values: str, mask: str, spec: LayerSpec,
+                  scale: float, softcap: float | None) -> str:
+        """Grouped-query attention. q [B, S, heads*D]; keys/values [B, L, kv_heads*D];
+        mask [B, 1, S, L] additive. Returns [B, S, heads*D]."""
+        g = self.g
+        kv_heads, dim = spec.num_kv_heads, spec.head_dim
+        groups = spec.num_heads // kv_heads
+        # Queries grouped by their KV head: [B, kv_heads, groups * S, D].
+        q = g.op("Reshape", [q, g.const([0, 0, kv_heads, groups, dim])])
+        q = g.op("Transpose", [q], perm=[0, 2, 3, 1, 4])
+        q = g.op("Reshape", [q, g.const([0, 0, -1, dim])])
+        k = g.op("Reshape", [keys, g.const([0, 0, kv_heads, dim])])
+        k_t = g.op("Transpose", [k], perm=[0, 2, 3, 1])  # [B, kv_heads, D, L]
+        v = g.op("Reshape", [values, g.const([0, 0, kv_heads, dim])])
+        v = g.op("Transpose", [v], perm=[0, 2, 1, 3])  # [B, kv_heads, L, D]
+        scores = g.op("MatMul", [q, k_t], name="scores")
+        scores = g.op("Mul", [scores, g.const(scale, np.float32)])
+        if softcap:
+            cap = g.const(softcap, np.float32)
+            scores = g.op("Mul", [g.op("Tanh", [g.op("Div", [scores, cap])]), cap])
+        if groups > 1:  # mask rows follow the query rows: group-major
+            mask = g.op("Tile", [mask, g.const([1, 1, groups, 1])])
+        probs = g.op("Softmax", [g.op("Add", [scores, mask])], axis=-1)
+        out = g.op("MatMul", [probs, v], name="attn")  # [B, kv_heads, groups * S, D]
+        out = g.op("Reshape", [out, g.const([0, 0, groups, -1, dim])])
+        out = g.op("Transpose", [out], perm=[0, 3, 1, 2, 4])  # [B, S, kv_heads, groups, D]
+        return g.op("Reshape", [out, g.const([0, 0, -1])])
+
     def _cos_sin(self, table: str, position_ids: str) -> tuple[str, str]:
         """cos/sin [B, S, 1, head_dim] for this step, computed once per table."""
         if table not in self._rope_cache:
@@ -58,9 +88,18 @@ class StandardOps:
 
 
 class OrtOps(StandardOps):
-    """ONNX Runtime contrib operators where they exist (fewer nodes per layer)."""
+    """ONNX Runtime's fused operators where they exist (fewer nodes per layer)."""
 
     operator_set = "onnxruntime"
+    opset = 23  # for the fused standard Attention operator
+
+    def attention(self, q: str, keys: str, values: str, mask: str, spec: LayerSpec,
+                  scale: float, softcap: float | None) -> str:
+        # One node, reading the 3-D [B, L, kv_heads*D] keys as they were gathered:
+        # no transposes of the KV, no head repetition.
+        return self.g.op("Attention", [q, keys, values, mask], name="attention",
+                         q_num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads,
+                         scale=scale, softcap=softcap or 0.0)
 
     def rms_norm(self, x: str, weight: str) -> str:
         return self.g.op("SimplifiedLayerNormalization", [x, weight], name="rms_norm",

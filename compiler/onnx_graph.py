@@ -9,14 +9,13 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 MS_DOMAIN = "com.microsoft"
-ONNX_OPSET = 21
 
 
 class GraphBuilder:
     """Appends nodes with fresh output names; constants and weights become initializers."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, opset: int):
+        self.name, self.opset = name, opset
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: dict[str, onnx.TensorProto] = {}
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -73,7 +72,7 @@ class GraphBuilder:
         graph = helper.make_graph(
             self.nodes, self.name, self.inputs, self.outputs, list(self.initializers.values())
         )
-        opsets = [helper.make_opsetid("", ONNX_OPSET)]
+        opsets = [helper.make_opsetid("", self.opset)]
         opsets += [helper.make_opsetid(d, 1) for d in sorted(self.domains)]
         model = helper.make_model(graph, opset_imports=opsets, producer_name="llmopt")
         model.ir_version = 10
