@@ -128,7 +128,7 @@ class LLM:
         position, and each chunk is reduced to log-probs before the next one runs.
         """
         request_id = self.engine.add_request(
-            [int(t) for t in token_ids], SamplingParams(max_tokens=1), score_only=True
+            self._checked_token_ids(token_ids), SamplingParams(max_tokens=1), score_only=True
         )
         return self._run_until_finished({request_id})[request_id].prompt_logprobs
 
@@ -149,7 +149,16 @@ class LLM:
             return self.tokenizer.encode(prompt)
         if chat:
             raise ValueError("chat=True needs text prompts, not token ids")
-        return [int(t) for t in prompt]
+        return self._checked_token_ids(prompt)
+
+    def _checked_token_ids(self, token_ids: Sequence[int]) -> list[int]:
+        """Token ids as ints, each inside the vocabulary (the graph would fail obscurely)."""
+        ids = [int(t) for t in token_ids]
+        vocab_size = self.manifest.model.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        return ids
 
     def _params_for(
         self, params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int

@@ -31,7 +31,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str  # while unfinished: the part that can no longer turn into a stop string
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length"; None while running
+    finish_reason: str | None  # "stop" | "length" | "abort"; None while running
     metrics: RequestMetrics
     prompt_logprobs: np.ndarray | None = None  # scoring: logprob of token t+1 at t
 

@@ -36,7 +36,7 @@ class Request:
     output_token_ids: list[int] = field(init=False, default_factory=list)
     num_computed_tokens: int = field(init=False, default=0)
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
-    finish_reason: str | None = field(init=False, default=None)  # "stop" | "length"
+    finish_reason: str | None = field(init=False, default=None)  # "stop" | "length" | "abort"
     num_preemptions: int = field(init=False, default=0)
     num_cached_tokens: int = field(init=False, default=0)  # prefix-cache hit at last admission
     first_token_time: float | None = field(init=False, default=None)

@@ -63,33 +63,40 @@ class Scheduler:
     def schedule(self) -> list[ScheduledRequest]:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        preempted = False
+        num_preemptions = self.num_preemptions
 
         # Running requests first: they hold blocks already, and decodes keep latency low.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv_cache_manager.allocate_slots(request, num_tokens):
-                preempted = True
-                victim = self.running.pop()
-                self._preempt(victim)
-                if victim is request:
-                    break
-            else:
-                scheduled.append(ScheduledRequest(request, num_tokens))
-                budget -= num_tokens
-                i += 1
-                continue
-            break  # the request preempted itself: nobody after it is left to serve
+            if not self._allocate_or_preempt(request, num_tokens):
+                break  # it preempted itself: every request after it is gone too
+            scheduled.append(ScheduledRequest(request, num_tokens))
+            budget -= num_tokens
+            i += 1
 
         # Then admit waiting requests, unless blocks just ran out.
-        while (
-            self.waiting
-            and not preempted
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        if self.num_preemptions == num_preemptions:
+            scheduled += self._admit_waiting(budget)
+        return scheduled
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int) -> bool:
+        """Allocate slots, preempting the latest admitted requests until they fit.
+
+        False when `request` itself had to be preempted.
+        """
+        while not self.kv_cache_manager.allocate_slots(request, num_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_waiting(self, budget: int) -> list[ScheduledRequest]:
+        """Move waiting requests to running, in order, while tokens, seats and blocks last."""
+        admitted = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_tokens = min(request.num_tokens - num_cached_tokens, budget)
@@ -99,9 +106,9 @@ class Scheduler:
             request.num_computed_tokens = request.num_cached_tokens = num_cached_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(ScheduledRequest(request, num_tokens))
+            admitted.append(ScheduledRequest(request, num_tokens))
             budget -= num_tokens
-        return scheduled
+        return admitted
 
     def update_from_output(
         self, scheduled: list[ScheduledRequest], sampled_token_ids: dict[str, int]

@@ -94,6 +94,13 @@ def test_too_long_prompt_is_rejected_before_anything_is_queued(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_token_ids_outside_the_vocabulary_are_rejected(llm):
+    with pytest.raises(ValueError, match=r"token ids \[64, -1\] are outside the vocabulary"):
+        llm.generate([3, 64, -1])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.score([3, 99])
+
+
 def test_pool_too_small_is_rejected(artifact):
     with pytest.raises(ValueError, match="the KV pool has 1 blocks"):
         LLM(artifact, num_blocks=1)
