@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -81,6 +82,9 @@ def load_checkpoint(model: str) -> ModelIR:
     try:
         config = AutoConfig.from_pretrained(ref.location, **ref.kwargs())
     except (OSError, ValueError) as exc:
+        # A model_type transformers does not know is unsupported, not missing.
+        if model_type := _local_model_type(ref):
+            family_for(model_type)
         raise CheckpointNotFoundError(f"cannot read model config from {model}: {exc}") from exc
     arch = arch_from_config(config)
     hf_model = AutoModelForCausalLM.from_pretrained(
@@ -98,6 +102,14 @@ def load_checkpoint(model: str) -> ModelIR:
         generation_defaults=generation_defaults(hf_model.generation_config),
         annotations={"tokens": _special_tokens(tokenizer)},
     )
+
+
+def _local_model_type(ref: CheckpointRef) -> str | None:
+    """`model_type` from a local config.json, or None when there is none to read."""
+    try:
+        return json.loads((Path(ref.location) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def arch_from_config(config: Any) -> ArchSpec:
