@@ -91,6 +91,7 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     for override in overrides:
         _apply_override(raw, override)
     raw = _resolve_paths(raw, path.parent)
+    _check_pass_names(raw.get("passes"), path, lines)
     try:
         recipe = Recipe.model_validate(raw)
     except ValidationError as exc:
@@ -102,6 +103,21 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
         except ValidationError as exc:
             raise RecipeError(_describe(exc, path, lines, ("passes", index, name))) from None
     return recipe
+
+
+def _check_pass_names(entries: Any, path: Path, lines: dict[tuple, int]) -> None:
+    """Name the line of an unknown pass (the schema alone would point at `passes:`)."""
+    if not isinstance(entries, list):
+        return
+    for index, entry in enumerate(entries):
+        if isinstance(entry, dict) and len(entry) == 1:
+            (name,) = entry
+            if name not in PASSES:
+                line = lines.get(("passes", index))
+                known = ", ".join(sorted(PASSES)) or "none yet"
+                where = f"{path}:{line}" if line else str(path)
+                raise RecipeError(f"{where}: passes.{index}: unknown pass {name!r} "
+                                  f"(known: {known})")
 
 
 def _apply_override(raw: dict[str, Any], override: str) -> None:

@@ -90,16 +90,19 @@ def inspect_command(artifact: Path, pool_mib: float, as_json: bool) -> None:
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--num-blocks", type=int, default=None, help="KV pool size in blocks.")
+@click.option("--max-context", type=int, default=None, help="Longest sequence, in tokens.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt and line.")
 @_one_line_errors
 def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_tokens: int,
                      temperature: float | None, top_p: float | None, top_k: int | None,
                      min_p: float | None, repetition_penalty: float | None, seed: int | None,
-                     stop: tuple[str, ...], threads: int | None, as_json: bool) -> None:
+                     stop: tuple[str, ...], threads: int | None, num_blocks: int | None,
+                     max_context: int | None, as_json: bool) -> None:
     """Generate a continuation of each PROMPT, batched together."""
     from llmopt.runtime import LLM, SamplingParams
 
-    llm = LLM(artifact, num_threads=threads)
+    llm = LLM(artifact, num_threads=threads, num_blocks=num_blocks, max_context=max_context)
     chosen = {"temperature": temperature if temperature is not None else 0.0, "top_p": top_p,
               "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty,
               "seed": seed}

@@ -20,7 +20,12 @@ def load_manifest(path: str | Path) -> Manifest:
     manifest_path = path / MANIFEST_FILE
     if not manifest_path.is_file():
         raise ArtifactError(f"{path} is not an llmopt artifact: {MANIFEST_FILE} is missing")
-    raw = json.loads(manifest_path.read_text())
+    try:
+        raw = json.loads(manifest_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArtifactError(f"corrupt artifact {path}: {MANIFEST_FILE}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ArtifactError(f"corrupt artifact {path}: {MANIFEST_FILE} is not a JSON object")
     # Check the version before the schema: a newer manifest may not validate at all,
     # and the version mismatch is the error worth reporting.
     version = raw.get("format_version")

@@ -1,0 +1,148 @@
+"""The CLI end to end on a tiny checkpoint, and every kind of bad input it must refuse."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from llmopt.cli import main
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def assert_one_line_error(code: int, stderr: str, *needles: str) -> None:
+    assert code != 0
+    assert "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def write_recipe(directory: Path, text: str) -> Path:
+    path = directory / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_checkpoints, tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("cli")
+    recipe = write_recipe(directory, f"model: {tiny_checkpoints['llama']}\n"
+                                     "runtime: {block_size: 4, max_context: 64}\n")
+    code, out, err = run("compile", recipe, "-o", directory / "art")
+    assert code == 0, err
+    assert "resolved recipe:" in out and "[3/3]" in out
+    return directory / "art"
+
+
+def test_generate_json_lines(artifact):
+    code, out, _ = run("generate", artifact, "hello", "abc", "--max-tokens", "5", "--json")
+    assert code == 0
+    records = [json.loads(line) for line in out.strip().splitlines()]
+    assert [r["prompt"] for r in records] == ["hello", "abc"]
+    for record in records:
+        assert len(record["token_ids"]) <= 5 and record["finish_reason"] in ("stop", "length")
+        assert isinstance(record["text"], str)
+
+
+def test_eval_and_bench_and_inspect(artifact, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 20)
+    code, out, _ = run("eval", artifact, "--text", text, "--windows", "2", "--seq-len", "32",
+                       "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert result["tokens"] == 2 * 31 and result["ppl"] > 1
+    code, out, _ = run("bench", artifact, "--batch", "1,2", "--prompt-len", "8", "--gen-len", "4",
+                       "--json")
+    assert code == 0
+    rows = [json.loads(line) for line in out.strip().splitlines()]
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["peak_rss_mib"] > 0 for r in rows)
+    code, out, _ = run("inspect", artifact, "--json")
+    info = json.loads(out)
+    # 3 layers x (key + value) x 2 KV heads x 16 dims x 4 bytes
+    assert code == 0 and info["kv_bytes_per_token"] == 3 * 2 * 2 * 16 * 4
+
+
+def test_set_overrides_the_recipe(tiny_checkpoints, tmp_path, artifact):
+    recipe = write_recipe(tmp_path, f"model: {tiny_checkpoints['llama']}\n")
+    code, out, err = run("compile", recipe, "-o", tmp_path / "fp16",
+                         "--set", "target.weight_dtype=float16", "--set", "runtime.max_context=64")
+    assert code == 0, err
+    manifest = json.loads((tmp_path / "fp16" / "manifest.json").read_text())
+    assert manifest["recipe"]["target"]["weight_dtype"] == "float16"
+    assert manifest["runtime"]["max_context"] == 64
+    fp16 = (tmp_path / "fp16" / "target.onnx.data").stat().st_size
+    assert fp16 < 0.6 * (artifact / "target.onnx.data").stat().st_size
+
+
+@pytest.mark.parametrize(
+    ("text", "needles"),
+    [
+        ("model: {m}\ncalibration:\n  sample: 3\n", ["recipe.yaml:3", "calibration.sample",
+                                                      "unknown key"]),
+        ("model: {m}\ntarget: {{weight_dtype: float64}}\n", ["recipe.yaml:2",
+                                                             "target.weight_dtype"]),
+        ("model: {m}\nruntime:\n  block_size: many\n", ["recipe.yaml:3", "runtime.block_size"]),
+        ("model: {m}\npasses:\n  - nonsense: {{}}\n", ["recipe.yaml:3", "unknown pass"]),
+        ("model: /no/such/model\n", ["model path not found", "/no/such/model"]),
+        ("model: [unclosed\n", ["invalid YAML"]),
+    ],
+)
+def test_bad_recipes_are_one_line_errors(text, needles, tiny_checkpoints, tmp_path):
+    recipe = write_recipe(tmp_path, text.format(m=tiny_checkpoints["llama"]))
+    code, _, err = run("compile", recipe, "-o", tmp_path / "out")
+    assert_one_line_error(code, err, *needles)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsupported_architecture_leaves_nothing(tmp_path):
+    checkpoint = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)).save_pretrained(
+        checkpoint)
+    recipe = write_recipe(tmp_path, f"model: {checkpoint}\n")
+    code, _, err = run("compile", recipe, "-o", tmp_path / "out")
+    assert_one_line_error(code, err, "unsupported architecture", "gpt2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2", "recipe.yaml"]
+
+
+def test_corrupt_artifact(artifact, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for file in artifact.iterdir():
+        (broken / file.name).write_bytes(file.read_bytes())
+    data = bytearray((broken / "target.onnx.data").read_bytes())
+    data[100] ^= 0xFF
+    (broken / "target.onnx.data").write_bytes(bytes(data))
+    code, _, err = run("generate", broken, "hi")
+    assert_one_line_error(code, err, "corrupt artifact", "target.onnx.data")
+    manifest = json.loads((broken / "manifest.json").read_text())
+    manifest["format_version"] = 99
+    (broken / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = run("inspect", broken)
+    assert_one_line_error(code, err, "format_version 99")
+    (broken / "manifest.json").write_text("{not json")
+    code, _, err = run("generate", broken, "hi")
+    assert_one_line_error(code, err, "manifest.json")
+    code, _, err = run("generate", tmp_path / "nothing-here", "hi")
+    assert_one_line_error(code, err, "not an llmopt artifact")
+
+
+def test_prompt_longer_than_the_context(artifact):
+    code, _, err = run("generate", artifact, "x" * 100)
+    assert_one_line_error(code, err, "100", "64")
+
+
+def test_zero_size_pool(artifact):
+    code, _, err = run("generate", artifact, "hi", "--num-blocks", "0")
+    assert_one_line_error(code, err, "block")
