@@ -2,11 +2,11 @@ import numpy as np
 import pytest
 from llmopt.runtime.sampler import (
     apply_repetition_penalty,
-    filtered_probs,
+    candidate_probs,
     log_softmax,
     min_p_mask,
     sample,
-    top_k_mask,
+    top_k_candidates,
     top_p_mask,
 )
 from llmopt.runtime.sampling_params import SamplingParams
@@ -27,9 +27,9 @@ def test_greedy_is_argmax_with_ties_to_the_lowest_index():
 
 def test_top_k_keeps_the_k_largest_and_ties_at_the_threshold():
     scores = np.array([1.0, 4.0, 3.0, 3.0, 0.0])
-    assert kept(top_k_mask(scores, 2)) == [1, 2, 3]
-    assert kept(top_k_mask(scores, 1)) == [1]
-    assert kept(top_k_mask(scores, 4)) == [0, 1, 2, 3]
+    assert top_k_candidates(scores, 2).tolist() == [1, 2, 3]
+    assert top_k_candidates(scores, 1).tolist() == [1]
+    assert top_k_candidates(scores, 4).tolist() == [0, 1, 2, 3]
 
 
 def test_top_p_keeps_the_smallest_set_reaching_the_mass():
@@ -38,6 +38,14 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass():
     assert kept(top_p_mask(scores, 0.9)) == [0, 1, 3]
     assert kept(top_p_mask(scores, 0.4)) == [1]
     assert kept(top_p_mask(scores, 1e-6)) == [1]  # the top token always stays
+
+
+def test_top_p_partial_sort_agrees_with_the_full_sort():
+    scores = np.random.default_rng(0).standard_normal(5000) * 2
+    for top_p in (0.05, 0.5, 0.9, 0.999):
+        # num_first=64 holds enough mass for small top_p and forces the fallback for large.
+        expected = kept(top_p_mask(scores, top_p, num_first=5000))
+        assert kept(top_p_mask(scores, top_p, num_first=64)) == expected
 
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability():
@@ -60,14 +68,18 @@ def test_repetition_penalty_can_change_the_greedy_choice():
     assert logits[0, 0] == 2.0  # the caller's logits are left alone
 
 
-def test_filtered_probs_applies_temperature_then_filters():
+def test_candidate_probs_apply_temperature_then_filters():
     logits = np.log(PROBS).astype(np.float32)
-    probs = filtered_probs(logits, SamplingParams(temperature=0.5))
+    ids, probs = candidate_probs(logits, SamplingParams(temperature=0.5))
     expected = PROBS**2 / (PROBS**2).sum()
+    assert ids.tolist() == [0, 1, 2, 3]
     np.testing.assert_allclose(probs, expected, rtol=1e-6)
 
-    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.75))
-    np.testing.assert_allclose(probs, [0.5 / 0.8, 0.3 / 0.8, 0, 0], rtol=1e-6)
+    shuffled = logits[[3, 1, 2, 0]]  # probs 0.05, 0.3, 0.15, 0.5
+    params = SamplingParams(temperature=1.0, top_k=3, top_p=0.75)
+    ids, probs = candidate_probs(shuffled, params)  # top-k leaves ids 1, 2, 3
+    assert ids.tolist() == [1, 2, 3]
+    np.testing.assert_allclose(probs, [0.3 / 0.8, 0, 0.5 / 0.8], rtol=1e-6)
 
 
 def test_sampling_matches_the_distribution():
