@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import onnx
+
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.lower import cache_tensors
 from llmopt.compiler.onnx_graph import save_with_external_data

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from llmopt.compiler.architectures import (
     ACTIVATIONS,
     FAMILIES,

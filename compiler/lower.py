@@ -13,11 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 import torch
+from onnx import TensorProto
+
 from llmopt.compiler.ir import LayerSpec, ModelIR
 from llmopt.compiler.lower_ops import OPERATOR_SETS, StandardOps
 from llmopt.compiler.onnx_graph import NP_TO_ONNX, GraphBuilder
 from llmopt.runtime import contract as C
-from onnx import TensorProto
 
 WEIGHT_DTYPES = {"float32": np.float32, "float16": np.float16}
 _NEG_INF = np.float32(-np.inf)

@@ -9,6 +9,7 @@ the target itself.
 from __future__ import annotations
 
 import numpy as np
+
 from llmopt.compiler.ir import LayerSpec
 from llmopt.compiler.onnx_graph import MS_DOMAIN, GraphBuilder
 

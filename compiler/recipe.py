@@ -6,8 +6,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from llmopt.passes.registry import PASSES, load_pass
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from llmopt.passes.registry import PASSES, load_pass
 
 
 class RecipeError(ValueError):

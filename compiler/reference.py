@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
 from llmopt.compiler.ir import ArchSpec, LayerSpec, ModelIR
 
 

@@ -7,6 +7,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
 from llmopt.runtime.llm import LLM
 from llmopt.runtime.sampling_params import SamplingParams
 

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from llmopt.runtime.contract import NULL_BLOCK
 
 BlockHash = bytes

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
+
 from llmopt.runtime.kv_cache_manager import KVCacheManager, cdiv
 from llmopt.runtime.output import OutputText, RequestMetrics, RequestOutput
 from llmopt.runtime.request import Request

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+
 from llmopt.runtime import contract
 from llmopt.runtime.kv_cache_manager import cdiv
 from llmopt.runtime.manifest import KVCacheSpec

@@ -8,6 +8,7 @@ blocks another request already computed (prefix caching of full blocks).
 from __future__ import annotations
 
 import numpy as np
+
 from llmopt.runtime.block_pool import Block, BlockPool, hash_block_tokens
 from llmopt.runtime.request import Request
 

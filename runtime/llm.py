@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
+
 from llmopt.runtime.artifact import load_manifest
 from llmopt.runtime.engine import EngineConfig, LLMEngine
 from llmopt.runtime.executor import OrtExecutor

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from llmopt.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from llmopt.runtime.block_pool import BlockHash
 from llmopt.runtime.sampling_params import SamplingParams
 

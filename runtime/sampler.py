@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
 from llmopt.runtime.sampling_params import SamplingParams
 
 

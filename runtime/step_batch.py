@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
 from llmopt.runtime.kv_cache_manager import KVCacheManager
 from llmopt.runtime.scheduler import ScheduledRequest
 

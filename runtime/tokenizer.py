@@ -18,6 +18,7 @@ import jinja2
 import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from llmopt.runtime.manifest import TokenizerSpec
 
 Message = dict[str, Any]

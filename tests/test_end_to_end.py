@@ -7,11 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tiny_checkpoints import TINY_CONFIGS
+from transformers import AutoModelForCausalLM
+
 from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.recipe import Recipe
 from llmopt.runtime import LLM, SamplingParams
-from tiny_checkpoints import TINY_CONFIGS
-from transformers import AutoModelForCausalLM
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 NEW_TOKENS = 40

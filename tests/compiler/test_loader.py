@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from llmopt.compiler.architectures import UnsupportedModelError
 from llmopt.compiler.loader import CheckpointNotFoundError, load_checkpoint
 

@@ -10,6 +10,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.lower import LoweringOptions, lower_to_onnx
 from llmopt.compiler.onnx_graph import MS_DOMAIN, save_with_external_data

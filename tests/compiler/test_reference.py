@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from llmopt.compiler.reference import KVCache, ReferenceModel, greedy_generate
 
 # Longer than the tiny configs' sliding window (12), so windows are exercised.

@@ -12,13 +12,14 @@ from collections.abc import Sequence
 
 import numpy as np
 import tokenizers
+from tokenizers import models, pre_tokenizers
+
 from llmopt.runtime.engine import EngineConfig, LLMEngine
 from llmopt.runtime.manifest import TokenizerSpec
 from llmopt.runtime.output import RequestOutput
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.step_batch import StepBatch
 from llmopt.runtime.tokenizer import Tokenizer
-from tokenizers import models, pre_tokenizers
 
 VOCAB_SIZE = 64
 _MODULUS = (1 << 61) - 1

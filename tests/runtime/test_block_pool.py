@@ -1,4 +1,5 @@
 import pytest
+
 from llmopt.runtime.block_pool import BlockPool, hash_block_tokens
 
 

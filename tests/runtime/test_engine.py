@@ -1,8 +1,5 @@
 import numpy as np
 import pytest
-from llmopt.runtime.engine import EngineConfig
-from llmopt.runtime.sampler import log_softmax
-from llmopt.runtime.sampling_params import SamplingParams
 from runtime_fakes import (
     fake_logits,
     history_hash,
@@ -11,6 +8,10 @@ from runtime_fakes import (
     reference_greedy,
     run_engine,
 )
+
+from llmopt.runtime.engine import EngineConfig
+from llmopt.runtime.sampler import log_softmax
+from llmopt.runtime.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 

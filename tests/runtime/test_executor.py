@@ -1,9 +1,10 @@
 import numpy as np
 import pytest
+from toy_artifact import VOCAB, build_artifact, manifest_dict, next_token
+
 from llmopt.runtime.executor import OrtExecutor, contract_inputs
 from llmopt.runtime.manifest import KVCacheSpec
 from llmopt.runtime.step_batch import StepBatch
-from toy_artifact import VOCAB, build_artifact, manifest_dict, next_token
 
 
 def batch_of(token_ids, context_lens, block_tables, slots, logits_indices) -> StepBatch:

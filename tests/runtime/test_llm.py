@@ -2,10 +2,11 @@ import json
 
 import numpy as np
 import pytest
+from toy_artifact import build_artifact, reference_greedy, toy_logits
+
 from llmopt.runtime import LLM, SamplingParams
 from llmopt.runtime.artifact import ArtifactError
 from llmopt.runtime.sampler import log_softmax
-from toy_artifact import build_artifact, reference_greedy, toy_logits
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 

@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+
 from llmopt.runtime.sampler import (
     apply_repetition_penalty,
     candidate_probs,

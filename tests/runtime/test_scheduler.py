@@ -1,4 +1,5 @@
 import pytest
+
 from llmopt.runtime.kv_cache_manager import KVCacheManager
 from llmopt.runtime.request import Request, RequestStatus
 from llmopt.runtime.sampling_params import SamplingParams

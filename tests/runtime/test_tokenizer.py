@@ -1,10 +1,11 @@
 import jinja2
 import pytest
 import tokenizers
-from llmopt.runtime.manifest import TokenizerSpec
-from llmopt.runtime.tokenizer import IncrementalDetokenizer, Tokenizer, render_chat_template
 from runtime_fakes import make_word_tokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from llmopt.runtime.manifest import TokenizerSpec
+from llmopt.runtime.tokenizer import IncrementalDetokenizer, Tokenizer, render_chat_template
 
 # SmolLM2-Instruct's template, as its tokenizer_config.json ships it.
 SMOLLM2_TEMPLATE = (

@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import tokenizers
-from llmopt.runtime.contract import FORMAT_VERSION
 from onnx import TensorProto, helper, numpy_helper
 from tokenizers import models, pre_tokenizers
+
+from llmopt.runtime.contract import FORMAT_VERSION
 
 VOCAB = 64
 EOS = 1
