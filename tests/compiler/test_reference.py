@@ -30,7 +30,7 @@ def test_cached_chunks_match_one_pass(ir):
     cache = KVCache()
     chunks = [model.forward(ids[:, a:b], cache) for a, b in ((0, 11), (11, 12), (12, 30))]
     assert cache.length() == 30
-    torch.testing.assert_close(torch.cat(chunks, dim=1), model.forward(ids), rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.cat(chunks, dim=1), model.forward(ids), rtol=0, atol=1e-4)
 
 
 def test_greedy_matches_transformers_generate(ir, hf_model):
