@@ -68,8 +68,10 @@ def write_artifact(
     for name, (model, operator_set) in graphs.items():
         file = f"{name}.onnx"
         data_file = save_with_external_data(model, directory / file)
+        props = {p.key: p.value for p in model.metadata_props}
         graph_specs[name] = {"file": file, "data_file": data_file, "opset": _opset(model),
-                             "operator_set": operator_set}
+                             "operator_set": operator_set, "nodes": len(model.graph.node),
+                             "nodes_per_layer": int(props.get("llmopt.nodes_per_layer", 0))}
     for file, content in ir.tokenizer_files.items():
         (directory / file).write_bytes(content)
     for file in directory.iterdir():

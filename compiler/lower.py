@@ -54,10 +54,18 @@ class _DecoderLowering:
         self._rope_tables()
         hidden = self._embed()
         x = self.ops.rms_norm(hidden, self._norm("layers.0.attn_norm"))
+        layer_nodes = []
         for index in range(self.arch.num_layers):
+            before = len(self.g.nodes)
             x, hidden = self._layer(index, x, hidden)
+            layer_nodes.append(len(self.g.nodes) - before)
         self._head(hidden)
-        return self.g.model()
+        model = self.g.model()
+        # Per-node overhead matters on a small CPU: record what each layer costs in nodes
+        # (the first layer also builds the step's shared masks and rotary inputs).
+        onnx.helper.set_model_props(model, {"llmopt.nodes_per_layer": str(max(layer_nodes[1:],
+                                                                                default=0))})
+        return model
 
     # --- graph interface --------------------------------------------------------------
     def _declare_io(self) -> None:

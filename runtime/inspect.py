@@ -48,7 +48,8 @@ def format_description(info: dict[str, Any]) -> str:
     lines += [f"  {name:<22} {size / _MIB:10.2f} MiB" for name, size in info["files"].items()]
     for name, graph in info["graphs"].items():
         lines.append(f"graph {name:<7} {graph['file']} (opset {graph['opset']}, "
-                     f"{graph['operator_set']} operators)")
+                     f"{graph['operator_set']} operators, {graph['nodes']} nodes, "
+                     f"{graph['nodes_per_layer']} per layer)")
     lines += [
         f"KV cache      {', '.join(info['kv_dtypes'])}, {info['kv_bytes_per_token']} bytes/token;"
         f" {info['tokens_in_pool']} tokens fit in {info['pool_mib']:g} MiB",

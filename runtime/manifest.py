@@ -48,6 +48,8 @@ class GraphSpec(_Strict):
     data_file: str | None = None  # external weights file, if any
     opset: int
     operator_set: str  # "onnxruntime" (contrib ops allowed) or "standard"
+    nodes: int | None = None  # graph nodes before ONNX Runtime's own fusions
+    nodes_per_layer: int | None = None
 
 
 class ModelSpec(_Strict):
