@@ -1,0 +1,82 @@
+"""Helpers shared by the benchmark scripts: machine description, worker subprocesses, JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+PACKAGES = ("llmopt", "torch", "transformers", "onnxruntime", "numpy", "tokenizers", "onnx")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile")
+THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model and flags, core counts, package versions and the git commit."""
+    return {
+        "cpu_model": _cpuinfo_field("model name"),
+        "cpu_flags": [f for f in CPU_FLAGS if f in _cpuinfo_field("flags").split()],
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": {name: _version(name) for name in PACKAGES},
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_modified_files": _git("status", "--porcelain", "--untracked-files=no").splitlines(),
+        "loadavg_at_start": list(os.getloadavg()),
+    }
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    """This process's environment with every OpenMP/BLAS pool pinned to `threads`."""
+    return {**os.environ, **{var: str(threads) for var in THREAD_ENV_VARS}}
+
+
+def run_json_worker(args: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """Run `python <args>` in a fresh process; its last stdout line is one JSON object."""
+    proc = subprocess.run(
+        [sys.executable, *args], env=env, cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise RuntimeError(f"worker {args} failed with exit code {proc.returncode}")
+    return json.loads(lines[-1])
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def _cpuinfo_field(name: str) -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == name:
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() if name == "model name" else ""
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
+    except OSError:
+        return ""
+    return out.stdout.strip()
