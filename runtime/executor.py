@@ -59,6 +59,22 @@ class OrtExecutor:
         }
 
     def execute(self, batch: StepBatch) -> np.ndarray:
+        """Run the step as few right-padded graph calls as keep padding waste small.
+
+        One [B, S] call for a decode row beside a 512-token prefill chunk would compute
+        512 rows for that decode; grouping by query length avoids it.
+        """
+        groups = padding_groups(batch.query_lens)
+        if len(groups) == 1:
+            return self._run(batch)
+        parts = [(rows, self._run(sub)) for sub, rows in
+                 (select_sequences(batch, seqs) for seqs in groups)]
+        logits = np.empty((batch.logits_indices.size, parts[0][1].shape[1]), dtype=np.float32)
+        for rows, part in parts:
+            logits[rows] = part
+        return logits
+
+    def _run(self, batch: StepBatch) -> np.ndarray:
         inputs, slots = contract_inputs(batch, self.block_size, self.max_position)
         binding = self.session.io_binding()
         for name, array in inputs.items():
@@ -79,6 +95,42 @@ class OrtExecutor:
             pool.reshape(-1, *slot_shape)[slots[keep]] = new.reshape(-1, *slot_shape)[keep]
         logits = outputs[contract.LOGITS].numpy()
         return logits[: batch.logits_indices.size].astype(np.float32, copy=False)
+
+
+def padding_groups(query_lens: list[int], max_waste: float = 0.25) -> list[list[int]]:
+    """Partition sequences (by index) into groups whose right-padded [B, S] call wastes at
+    most `max_waste` of its rows: longest first, greedily."""
+    order = sorted(range(len(query_lens)), key=lambda i: -query_lens[i])
+    groups: list[list[int]] = []
+    real = 0
+    for index in order:
+        if groups:
+            longest = query_lens[groups[-1][0]]
+            padded = longest * (len(groups[-1]) + 1)
+            if padded <= (1 + max_waste) * (real + query_lens[index]):
+                groups[-1].append(index)
+                real += query_lens[index]
+                continue
+        groups.append([index])
+        real = query_lens[index]
+    return groups
+
+
+def select_sequences(batch: StepBatch, seqs: list[int]) -> tuple[StepBatch, np.ndarray]:
+    """The sub-batch of sequences `seqs`, and which of `batch`'s logits rows it returns."""
+    starts, lens = batch.query_start, batch.query_lens
+    packed = np.concatenate([np.arange(starts[s], starts[s] + lens[s]) for s in seqs])
+    new_row = np.full(int(sum(lens)), -1, dtype=np.int64)
+    new_row[packed] = np.arange(packed.size)
+    mine = np.flatnonzero(new_row[batch.logits_indices] >= 0)
+    sub_batch = StepBatch(
+        token_ids=[batch.token_ids[s] for s in seqs],
+        context_lens=[batch.context_lens[s] for s in seqs],
+        block_tables=[batch.block_tables[s] for s in seqs],
+        slot_mapping=batch.slot_mapping[packed],
+        logits_indices=new_row[batch.logits_indices[mine]],
+    )
+    return sub_batch, mine
 
 
 def session_options(num_threads: int | None, optimization_level: str) -> ort.SessionOptions:

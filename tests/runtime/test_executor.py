@@ -98,3 +98,34 @@ def test_unknown_optimization_level_is_an_error(tmp_path):
             max_position=64,
             optimization_level="fast",
         )
+
+
+def test_padding_groups_keep_decodes_apart_from_long_prefill_chunks():
+    from llmopt.runtime.executor import padding_groups
+
+    assert padding_groups([1, 1, 1]) == [[0, 1, 2]]
+    assert padding_groups([1, 512, 1, 1]) == [[1], [0, 2, 3]]
+    assert padding_groups([128, 128, 100, 1]) == [[0, 1, 2], [3]]
+    groups = padding_groups([7, 3, 9, 9, 1, 2])
+    assert sorted(i for g in groups for i in g) == list(range(6))
+
+
+def test_a_mixed_step_gives_the_logits_of_separate_steps(executor):
+    """Prefill chunks and decodes split into several graph calls, logits in batch order."""
+    from llmopt.runtime.executor import select_sequences
+
+    batch = StepBatch(
+        token_ids=[[5], [1, 2, 3, 4, 5, 6, 7, 8], [9]],
+        context_lens=[0, 0, 0],
+        block_tables=[[1], [2, 3], [4]],
+        slot_mapping=np.array([4, 8, 9, 10, 11, 12, 13, 14, 15, 16]),
+        logits_indices=np.array([0, 8, 9]),
+    )
+    sub, rows = select_sequences(batch, [2, 0])
+    assert sub.token_ids == [[9], [5]] and rows.tolist() == [0, 2]
+    assert sub.logits_indices.tolist() == [1, 0] and sub.slot_mapping.tolist() == [16, 4]
+    together = executor.execute(batch)
+    # Each sequence alone (rewriting the same entries at the same slots) gives its rows.
+    for seq, row in ((0, 0), (1, 1), (2, 2)):
+        alone, _ = select_sequences(batch, [seq])
+        np.testing.assert_array_equal(executor.execute(alone)[0], together[row])
