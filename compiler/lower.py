@@ -36,8 +36,12 @@ def lower_to_onnx(ir: ModelIR, options: LoweringOptions) -> onnx.ModelProto:
 
 
 def cache_tensors(spec: LayerSpec) -> list[dict]:
-    """The manifest's description of one layer's pool tensors."""
-    shape = [spec.num_kv_heads, spec.head_dim]
+    """The manifest's description of one layer's pool tensors.
+
+    A slot holds all KV heads of a token side by side, [kv_heads * head_dim]: the layout
+    the attention reads after the gather, so no reshapes sit between graph and pool.
+    """
+    shape = [spec.num_kv_heads * spec.head_dim]
     return [{"name": t, "dtype": spec.kv_dtype, "slot_shape": shape} for t in ("key", "value")]
 
 
@@ -171,15 +175,16 @@ class _DecoderLowering:
         return g.op("Reshape", [normed, g.const([0, 0, heads * dim])])
 
     def _cache_io(self, index: int, tensor: str, new: str, spec: LayerSpec) -> str:
-        """Emit the step's entries (new [B, S, kv_heads*D]) as `new.{i}.{t}` in the cache
-        layout; return past + new as [B, L, kv_heads * D]."""
+        """Emit the step's entries (new [B, S, kv_heads*D]) as `new.{i}.{t}`; return
+        past + new as [B, L, kv_heads * D]."""
         g = self.g
         width = spec.num_kv_heads * spec.head_dim
         narrow = spec.kv_dtype != "float32"
-        elem = NP_TO_ONNX[np.dtype(spec.kv_dtype)]
-        entries = g.op("Reshape", [new, g.const([0, 0, spec.num_kv_heads, spec.head_dim])])
-        g.op_into("Cast" if narrow else "Identity", [entries], [C.new_name(index, tensor)],
-                  **({"to": elem} if narrow else {}))
+        if narrow:
+            elem = NP_TO_ONNX[np.dtype(spec.kv_dtype)]
+            g.op_into("Cast", [new], [C.new_name(index, tensor)], to=elem)
+        else:  # the step's keys/values are the output itself: no copy node
+            new = g.rename(new, C.new_name(index, tensor))
         blocks = g.op("Gather", [C.past_name(index, tensor), C.BLOCK_TABLES], axis=0)
         past = g.op("Reshape", [blocks, g.const([0, -1, width])])
         if narrow:

@@ -50,6 +50,14 @@ class GraphBuilder:
         if domain:
             self.domains.add(domain)
 
+    def rename(self, value: str, new_name: str) -> str:
+        """Give a just-produced, not yet consumed value a new name (e.g. a graph output)."""
+        for node in reversed(self.nodes):
+            if value in node.output:
+                node.output[list(node.output).index(value)] = new_name
+                return new_name
+        raise KeyError(f"no node produces {value!r}")
+
     def weight(self, name: str, array: np.ndarray) -> str:
         if name not in self.initializers:
             self.initializers[name] = numpy_helper.from_array(np.ascontiguousarray(array), name)

@@ -23,7 +23,7 @@ class CacheTensor(_Strict):
 
     name: str  # "key", "value", later "key_scale", ...
     dtype: str  # numpy dtype name: float32, float16, int8, uint8
-    slot_shape: list[int]  # shape of one slot's entry, e.g. [kv_heads, head_dim]
+    slot_shape: list[int]  # shape of one slot's entry, e.g. [kv_heads * head_dim]
 
 
 class CacheLayer(_Strict):
