@@ -27,6 +27,8 @@ from typing import Any, Literal
 
 import torch
 
+from llmopt.compiler.quant_format import QuantizedLinear
+
 Activation = Literal["silu", "gelu_tanh"]
 KV_DTYPES = ("float32", "float16")
 
@@ -104,6 +106,22 @@ class ModelIR:
     add_bos_token: bool = False
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     annotations: dict[str, Any] = field(default_factory=dict)  # pass records
+    # Linear name ("layers.0.q_proj", "lm_head") -> its integer weights. The float weight
+    # in `weights` is kept equal to their dequantization, so the reference model computes
+    # exactly what the quantized graph computes (fake quantization).
+    quantized: dict[str, QuantizedLinear] = field(default_factory=dict)
+
+    def copy(self) -> ModelIR:
+        """A new IR sharing tensors: passes rewrite the copy and leave their input intact."""
+        return dataclasses.replace(self, weights=dict(self.weights),
+                                   annotations=dict(self.annotations),
+                                   quantized=dict(self.quantized))
+
+    def set_quantized(self, linear: str, q: QuantizedLinear) -> None:
+        self.quantized[linear] = q
+        key = "embed_tokens" if linear == "lm_head" and self.arch.tie_word_embeddings else (
+            f"{linear}.weight")
+        self.weights[key] = q.dequantize()
 
     def lm_head(self) -> torch.Tensor:
         if self.arch.tie_word_embeddings:

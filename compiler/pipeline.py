@@ -14,8 +14,13 @@ from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.lower import LoweringOptions, lower_to_onnx
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import spec_summary
+from llmopt.passes.quality import QualityProbe
 from llmopt.passes.registry import PASSES, load_pass
 from llmopt.runtime.manifest import Manifest
+
+
+class QualityBudgetError(ValueError):
+    """A lossy pass cost more than the recipe's quality budget allows."""
 
 
 @dataclass
@@ -24,6 +29,17 @@ class PassContext:
 
     recipe: Recipe
     log: Callable[[str], None]
+    _probe: QualityProbe | None = None
+
+    def quality_probe(self, ir: ModelIR) -> QualityProbe | None:
+        """Held-out windows to measure a pass's cost on; None without `quality.eval_text`."""
+        quality = self.recipe.quality
+        if quality.eval_text is None:
+            return None
+        if self._probe is None:
+            self._probe = QualityProbe.from_text(ir, quality.eval_text, quality.eval_windows,
+                                                 quality.eval_seq_len)
+        return self._probe
 
 
 def compile_recipe(recipe: Recipe, out: Path, log: Callable[[str], None] = print) -> Manifest:
@@ -65,9 +81,25 @@ def run_passes(
         log(f"      {name}: {config.model_dump()}")
         result = load_pass(name).run(ir, config, context)
         ir = result.ir
-        reports.append({"name": name, "config": config.model_dump(mode="json"),
-                        "seconds": round(time.perf_counter() - started, 3), **result.report})
+        report = {"name": name, "config": config.model_dump(mode="json"),
+                  "seconds": round(time.perf_counter() - started, 3), **result.report}
+        reports.append(report)
+        check_budget(name, report, recipe.quality.max_ppl_increase_pct, log)
     return ir, reports
+
+
+def check_budget(name: str, report: dict[str, Any], budget: float | None,
+                 log: Callable[[str], None]) -> None:
+    quality = report.get("quality")
+    if not quality:
+        return
+    log(f"      {name}: perplexity {quality['ppl_before']} -> {quality['ppl_after']} "
+        f"({quality['ppl_increase_pct']:+.2f} %), KL {quality['kl']}, "
+        f"top-1 agreement {100 * quality['top1_agreement']:.1f} %")
+    if budget is not None and quality["ppl_increase_pct"] > budget:
+        raise QualityBudgetError(
+            f"pass {name!r} raised perplexity by {quality['ppl_increase_pct']:.2f} %, over the "
+            f"recipe's quality.max_ppl_increase_pct of {budget} % (no artifact written)")
 
 
 def check_pass_order(recipe: Recipe) -> None:

@@ -6,7 +6,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from llmopt.passes.registry import PASSES, load_pass
 
@@ -34,8 +41,16 @@ class TargetConfig(_Strict):
 
 
 class QualityConfig(_Strict):
-    max_ppl_increase_pct: float | None = Field(None, ge=0)  # budget for lossy passes
+    max_ppl_increase_pct: float | None = Field(None, ge=0)  # budget for each lossy pass
     eval_text: str | None = None  # held-out text the passes measure quality on
+    eval_windows: int = Field(8, gt=0)
+    eval_seq_len: int = Field(512, gt=0)
+
+    @model_validator(mode="after")
+    def _budget_needs_text(self) -> QualityConfig:
+        if self.max_ppl_increase_pct is not None and self.eval_text is None:
+            raise ValueError("max_ppl_increase_pct needs eval_text to measure against")
+        return self
 
 
 class RuntimeConfig(_Strict):

@@ -6,6 +6,7 @@ by calling `layer_forward` layer by layer (see `decoder_layers`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,8 @@ class ReferenceModel:
     def __init__(self, ir: ModelIR, max_position: int | None = None):
         self.ir = ir
         self.arch = ir.arch
+        # Called with (layer index, linear name, input) before every decoder linear.
+        self.observer: Callable[[int, str, torch.Tensor], None] | None = None
         positions = max_position or self.arch.max_position
         self.rope_tables = {name: r.tables(positions) for name, r in self.arch.ropes.items()}
 
@@ -90,9 +93,9 @@ class ReferenceModel:
     ) -> torch.Tensor:
         spec, w = self.arch.layers[index], self._layer_weights(index)
         batch, seq, _ = x.shape
-        q = linear(x, w, "q_proj").view(batch, seq, spec.num_heads, spec.head_dim)
-        k = linear(x, w, "k_proj").view(batch, seq, spec.num_kv_heads, spec.head_dim)
-        v = linear(x, w, "v_proj").view(batch, seq, spec.num_kv_heads, spec.head_dim)
+        q = self.linear(index, x, "q_proj").view(batch, seq, spec.num_heads, spec.head_dim)
+        k = self.linear(index, x, "k_proj").view(batch, seq, spec.num_kv_heads, spec.head_dim)
+        v = self.linear(index, x, "v_proj").view(batch, seq, spec.num_kv_heads, spec.head_dim)
         if self.arch.qk_norm:
             q = rms_norm(q, w["q_norm"], self.arch.norm_eps)
             k = rms_norm(k, w["k_norm"], self.arch.norm_eps)
@@ -102,7 +105,7 @@ class ReferenceModel:
         if cache is not None:
             k, v = cache.append(index, k, v)
         out = self._attend(spec, q, k, v, positions)
-        return linear(out.transpose(1, 2).reshape(batch, seq, -1), w, "o_proj")
+        return self.linear(index, out.transpose(1, 2).reshape(batch, seq, -1), "o_proj")
 
     def _attend(
         self, spec: LayerSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -119,10 +122,16 @@ class ReferenceModel:
         return torch.softmax(scores, dim=-1) @ v
 
     def mlp(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        w = self._layer_weights(index)
-        gate = linear(x, w, "gate_proj")
+        gate = self.linear(index, x, "gate_proj")
         gate = F.silu(gate) if self.arch.activation == "silu" else F.gelu(gate, approximate="tanh")
-        return linear(gate * linear(x, w, "up_proj"), w, "down_proj")
+        return self.linear(index, gate * self.linear(index, x, "up_proj"), "down_proj")
+
+    def linear(self, index: int, x: torch.Tensor, name: str) -> torch.Tensor:
+        """Layer `index`'s linear `name` on x; calibration observes its input here."""
+        if self.observer is not None:
+            self.observer(index, name, x)
+        w = self._layer_weights(index)
+        return F.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))
 
     def _layer_weights(self, index: int) -> _LayerWeights:
         return _LayerWeights(self.ir.weights, f"layers.{index}.")
@@ -139,10 +148,6 @@ class _LayerWeights:
 
     def get(self, name: str) -> torch.Tensor | None:
         return self.weights.get(self.prefix + name)
-
-
-def linear(x: torch.Tensor, w: _LayerWeights, name: str) -> torch.Tensor:
-    return F.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -21,8 +21,10 @@ class PassEntry:
     provides: tuple[str, ...] = ()
 
 
-# Filled in by the passes' issues (weight quantization, GQA regrouping, KV dtype, draft).
-PASSES: dict[str, PassEntry] = {}
+PASSES: dict[str, PassEntry] = {
+    # Weight quantization: one per recipe.
+    "rtn": PassEntry("llmopt.passes.rtn", provides=("quantized_weights",)),
+}
 
 
 @dataclass

@@ -56,6 +56,10 @@ def format_description(info: dict[str, Any]) -> str:
         f"passes        {len(info['passes'])}",
     ]
     for report in info["passes"]:
-        details = {k: v for k, v in report.items() if k not in ("name", "config")}
-        lines.append(f"  {report['name']}: {report.get('config')} {details}")
+        summary = {k: v for k, v in report.items()
+                   if k not in ("name", "config") and not isinstance(v, dict | list)}
+        lines.append(f"  {report['name']}: {report.get('config')}")
+        lines.append(f"    {summary}")
+        if report.get("quality"):
+            lines.append(f"    quality: {report['quality']}")
     return "\n".join(lines)

@@ -1,0 +1,145 @@
+"""Group-wise integer weights: the offline transform and how the graph consumes it.
+
+Both halves live here so they cannot drift: `group_quantize` and `QuantizedLinear`
+define the numbers, `pack_matmul_nbits` lays them out for ONNX Runtime's MatMulNBits.
+
+A linear weight w [N, K] (out, in) is cut along K into groups of `group_size` (the last
+group may be shorter: SmolLM2's 576 is not a multiple of 128). Each group of each row has
+a float scale and a zero point, and w ≈ (q - zero) * scale with integer codes
+q in [0, 2^bits). Symmetric quantization fixes zero = 2^(bits-1); GGUF's Q4_1 has a
+fractional zero (-min/scale), which MatMulNBits accepts as a float zero point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class QuantizedLinear:
+    bits: int
+    group_size: int
+    codes: torch.Tensor  # uint8 [N, K], values in [0, 2^bits)
+    scales: torch.Tensor  # float32 [N, G], G = ceil(K / group_size)
+    zeros: torch.Tensor  # float32 [N, G]
+    symmetric: bool
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] these codes stand for."""
+        scales = expand_groups(self.scales, self.group_size, self.codes.shape[1])
+        zeros = expand_groups(self.zeros, self.group_size, self.codes.shape[1])
+        return (self.codes.float() - zeros) * scales
+
+    def integer_zeros(self) -> bool:
+        return bool(torch.equal(self.zeros, self.zeros.round()))
+
+
+def expand_groups(per_group: torch.Tensor, group_size: int, k: int) -> torch.Tensor:
+    """[N, G] -> [N, K]: each group's value repeated over its columns."""
+    return per_group.repeat_interleave(group_size, dim=1)[:, :k]
+
+
+def group_view(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N, K] -> [N, G, group_size], the short last group padded by repeating its edge
+    value (so padding never widens a group's range)."""
+    n, k = w.shape
+    pad = -k % group_size
+    if pad:
+        w = torch.cat([w, w[:, -1:].expand(n, pad)], dim=1)
+    return w.reshape(n, -1, group_size)
+
+
+def quant_params(
+    w: torch.Tensor, bits: int, group_size: int, symmetric: bool, clip: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest scales and zeros [N, G] of w; `clip` [N, G] shrinks each group's
+    range (AWQ's and GPTQ's clipping search)."""
+    groups = group_view(w, group_size)
+    w_max, w_min = groups.amax(dim=-1), groups.amin(dim=-1)
+    if clip is not None:
+        w_max, w_min = w_max * clip, w_min * clip
+    levels = 2**bits - 1
+    if symmetric:
+        half = 2 ** (bits - 1)
+        scales = torch.maximum(w_max.abs(), w_min.abs()) / (half - 0.5)
+        scales = scales.clamp(min=1e-10)
+        zeros = torch.full_like(scales, float(half))
+    else:
+        w_max, w_min = w_max.clamp(min=0), w_min.clamp(max=0)  # zero is exactly representable
+        scales = ((w_max - w_min) / levels).clamp(min=1e-10)
+        zeros = (-w_min / scales).round().clamp(0, levels)
+    return scales, zeros
+
+
+def quantize_with(
+    w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int
+) -> torch.Tensor:
+    """Integer codes of w [N, K] under given per-group scales and zeros."""
+    k = w.shape[1]
+    codes = w / expand_groups(scales, group_size, k) + expand_groups(zeros, group_size, k)
+    return codes.round().clamp(0, 2**bits - 1).to(torch.uint8)
+
+
+def group_quantize(
+    w: torch.Tensor, bits: int, group_size: int, symmetric: bool, clip: torch.Tensor | None = None
+) -> QuantizedLinear:
+    """Round-to-nearest (RTN) group quantization of a float weight [N, K]."""
+    w = w.float()
+    scales, zeros = quant_params(w, bits, group_size, symmetric, clip)
+    codes = quantize_with(w, scales, zeros, bits, group_size)
+    return QuantizedLinear(bits, group_size, codes, scales, zeros, symmetric)
+
+
+def concat_outputs(parts: list[QuantizedLinear]) -> QuantizedLinear:
+    """Stack linears along N (fused QKV or gate/up): same bits and groups along K."""
+    first = parts[0]
+    if any((p.bits, p.group_size, p.shape[1]) != (first.bits, first.group_size, first.shape[1])
+           for p in parts):
+        raise ValueError("fused projections need the same bits, group size and input width")
+    return QuantizedLinear(
+        first.bits, first.group_size,
+        torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+        torch.cat([p.zeros for p in parts]), all(p.symmetric for p in parts),
+    )
+
+
+# --- the graph side: ONNX Runtime's MatMulNBits ------------------------------------------
+def pack_matmul_nbits(q: QuantizedLinear) -> dict[str, np.ndarray]:
+    """MatMulNBits inputs: B uint8 [N, k_blocks, blob], scales [N, k_blocks] and, unless
+    symmetric (implicit zero 2^(bits-1)), zero points — packed uint8 when integral, float
+    otherwise. Codes are packed low bits first along K; the short last block is padded
+    with zero codes, which the kernel never reads past K."""
+    n, k = q.shape
+    k_blocks = -(-k // q.group_size)
+    codes = np.zeros((n, k_blocks * q.group_size), dtype=np.uint8)
+    codes[:, :k] = q.codes.numpy()
+    per_byte = 8 // q.bits
+    codes = codes.reshape(n, k_blocks, q.group_size // per_byte, per_byte)
+    packed = np.zeros(codes.shape[:3], dtype=np.uint8)
+    for i in range(per_byte):
+        packed |= codes[..., i] << (q.bits * i)
+    arrays = {"B": packed, "scales": q.scales.numpy().astype(np.float32)}
+    if not q.symmetric:
+        arrays["zero_points"] = (_pack_zero_points(q.zeros.numpy(), q.bits)
+                                 if q.integer_zeros() else q.zeros.numpy().astype(np.float32))
+    return arrays
+
+
+def _pack_zero_points(zeros: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 [N, ceil(G * bits / 8)]: each row's zero points packed low bits first."""
+    per_byte = 8 // bits
+    n, groups = zeros.shape
+    padded = np.zeros((n, -(-groups // per_byte) * per_byte), dtype=np.uint8)
+    padded[:, :groups] = zeros.astype(np.uint8)
+    padded = padded.reshape(n, -1, per_byte)
+    packed = np.zeros(padded.shape[:2], dtype=np.uint8)
+    for i in range(per_byte):
+        packed |= padded[..., i] << (bits * i)
+    return packed

@@ -1,0 +1,70 @@
+"""Calibration data, and running it through the model one decoder layer at a time.
+
+Layer-wise calibration keeps memory bounded (the hidden states of the calibration set
+and one layer's statistics) and lets each layer see the activations of the model as
+already rewritten below it, which is what GPTQ and AWQ both want.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.recipe import CalibrationConfig
+from llmopt.compiler.reference import ReferenceModel
+
+Observer = Callable[[int, str, torch.Tensor], None]
+
+
+def calibration_windows(ir: ModelIR, config: CalibrationConfig) -> torch.Tensor:
+    """int64 [samples, seq_len]: consecutive non-overlapping windows of the calibration text
+    (the first `samples` of them), tokenized without special tokens."""
+    if config.text is None:
+        raise ValueError("this pass needs calibration data: set calibration.text in the recipe")
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(ir.tokenizer_files["tokenizer.json"].decode())
+    text = Path(config.text).read_text(encoding="utf-8")
+    ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False).ids, dtype=torch.int64)
+    available = len(ids) // config.seq_len
+    if available < config.samples:
+        raise ValueError(f"{config.text} holds {available} windows of {config.seq_len} tokens; "
+                         f"calibration.samples asks for {config.samples}")
+    return ids[: config.samples * config.seq_len].view(config.samples, config.seq_len)
+
+
+class LayerwiseRunner:
+    """Holds the calibration set's hidden states at the input of the current layer."""
+
+    def __init__(self, ir: ModelIR, windows: torch.Tensor, batch_size: int = 8):
+        self.model = ReferenceModel(ir, windows.shape[1])
+        self.positions = torch.arange(windows.shape[1])
+        with torch.no_grad():
+            self.hidden = [self.model.embed(batch) for batch in windows.split(batch_size)]
+        self.layer = 0
+
+    @torch.no_grad()
+    def run_layer(self, observer: Observer | None = None) -> list[torch.Tensor]:
+        """Run the current layer over the calibration set with its current weights,
+        calling `observer` on every linear's input; returns the layer's outputs."""
+        with observing(self.model, observer):
+            return [self.model.layer_forward(self.layer, h, self.positions, None)
+                    for h in self.hidden]
+
+    def advance(self) -> None:
+        """Move to the next layer, feeding it this layer's (rewritten) outputs."""
+        self.hidden = self.run_layer()
+        self.layer += 1
+
+
+@contextmanager
+def observing(model: ReferenceModel, observer: Observer | None) -> Iterator[None]:
+    previous, model.observer = model.observer, observer
+    try:
+        yield
+    finally:
+        model.observer = previous

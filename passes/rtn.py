@@ -1,0 +1,42 @@
+"""RTN: round-to-nearest group-wise weight quantization — the baseline the calibrated
+methods (GPTQ, AWQ) must beat.
+
+Recipe: `- rtn: {bits: 4, group_size: 32, symmetric: false, include_lm_head: false}`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.quant_format import group_quantize
+from llmopt.passes.registry import PassResult
+from llmopt.passes.weight_quant import (
+    WeightQuantConfig,
+    float_weight,
+    quantization_report,
+    target_linears,
+)
+
+
+class Config(WeightQuantConfig):
+    pass
+
+
+def run(ir: ModelIR, config: Config, context: Any) -> PassResult:
+    started = time.perf_counter()
+    out = ir.copy()
+    errors = {}
+    for name in target_linears(ir, config):
+        w = float_weight(ir, name)
+        q = group_quantize(w, config.bits, config.group_size, config.symmetric)
+        out.set_quantized(name, q)
+        errors[name] = relative_error(w, q.dequantize())
+    report = quantization_report(ir, out, errors, time.perf_counter() - started, context)
+    return PassResult(out, report)
+
+
+def relative_error(w, w_hat) -> float:
+    """||w - w_hat|| / ||w||: the weight error a linear takes."""
+    return float((w - w_hat).norm() / w.norm())

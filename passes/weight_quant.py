@@ -1,0 +1,68 @@
+"""What every weight-quantization pass shares: its config fields and which linears it takes."""
+
+from __future__ import annotations
+
+import fnmatch
+import resource
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from llmopt.compiler.ir import ModelIR
+
+DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class WeightQuantConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bits: Literal[4, 8] = 4
+    group_size: Literal[32, 64, 128] = 128
+    symmetric: bool = False
+    # The LM head (the tied embedding on SmolLM2: 21 % of its weights) stays float unless asked.
+    include_lm_head: bool = False
+    skip: list[str] = Field(default_factory=list)  # glob patterns of linear names
+
+    @model_validator(mode="after")
+    def _patterns_are_strings(self) -> WeightQuantConfig:
+        if any(not p for p in self.skip):
+            raise ValueError("skip patterns must be non-empty")
+        return self
+
+
+def target_linears(ir: ModelIR, config: WeightQuantConfig) -> list[str]:
+    """Linear names to quantize, in execution order: decoder linears, then the LM head."""
+    names = [f"layers.{i}.{p}" for i in range(ir.arch.num_layers) for p in DECODER_LINEARS]
+    if config.include_lm_head:
+        names.append("lm_head")
+    chosen = [n for n in names if not any(fnmatch.fnmatch(n, pat) for pat in config.skip)]
+    already = [n for n in chosen if n in ir.quantized]
+    if already:
+        raise ValueError(f"{already[0]} is already quantized; one weight-quantization pass only")
+    return chosen
+
+
+def float_weight(ir: ModelIR, linear: str):
+    """The float weight [out, in] of a linear (the LM head may be the tied embedding)."""
+    if linear == "lm_head":
+        return ir.lm_head()
+    return ir.weights[f"{linear}.weight"]
+
+
+def quantization_report(before: ModelIR, after: ModelIR, errors: dict[str, float],
+                        seconds: float, context: Any) -> dict[str, Any]:
+    """Per-linear weight error, cost, bytes, and quality against the input IR."""
+    probe = context.quality_probe(before) if context is not None else None
+    quantized = [after.quantized[n] for n in errors]
+    float_bytes = sum(4 * q.shape[0] * q.shape[1] for q in quantized)
+    packed_bytes = sum(q.shape[0] * q.shape[1] * q.bits // 8 + 8 * q.scales.numel()
+                       for q in quantized)
+    return {
+        "linears": len(errors),
+        "mean_relative_error": round(sum(errors.values()) / max(1, len(errors)), 5),
+        "per_layer_relative_error": {n: round(e, 5) for n, e in errors.items()},
+        "quantize_seconds": round(seconds, 2),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "weight_bytes": {"float32": float_bytes, "quantized": packed_bytes},
+        "quality": probe.compare(before, after) if probe else None,
+    }
