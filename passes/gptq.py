@@ -1,0 +1,187 @@
+"""GPTQ (Frantar et al., 2022): quantize a linear's columns one at a time, pushing each
+column's rounding error onto the columns not yet quantized through the inverse Hessian of
+the layer-wise objective ||X W^T - X Ŵ^T||², H = 2/n Σ x xᵀ over the calibration tokens.
+
+Recipe: `- gptq: {bits: 4, group_size: 64, symmetric: false, act_order: true, damp: 0.01,
+block_size: 128, include_lm_head: false}` with a `calibration:` block.
+
+Layer by layer, true-sequentially: the groups of linears that share an input —
+[q, k, v] → [o] → [gate, up] → [down] — each take their Hessian from a run of the layer
+whose earlier groups are already quantized, then the next layer sees this layer's
+quantized outputs. The output stays plain group-wise (`QuantizedLinear`, no g_idx):
+with act-order, group scales and zeros are fixed from the float weight in its original
+column order ("static groups") before the permuted walk, so a column's group never moves.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from pydantic import Field
+
+from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.quant_format import QuantizedLinear, quant_params
+from llmopt.compiler.reference import rms_norm
+from llmopt.passes.calibration import LayerwiseRunner, calibration_windows
+from llmopt.passes.registry import PassResult
+from llmopt.passes.rtn import relative_error
+from llmopt.passes.weight_quant import (
+    WeightQuantConfig,
+    float_weight,
+    quantization_report,
+    target_linears,
+)
+
+# Linears sharing one input, in the order a decoder layer computes them.
+SEQUENTIAL_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
+                     ("down_proj",))
+
+
+class Config(WeightQuantConfig):
+    act_order: bool = True  # walk columns by descending H_ii (static groups: see above)
+    damp: float = Field(0.01, gt=0)  # added to H's diagonal, times its mean
+    block_size: int = Field(128, gt=0)  # columns per lazy batch update
+
+
+class HessianAccumulator:
+    """Σ x xᵀ over the tokens seen, in float64; memory is one [K, K] matrix."""
+
+    def __init__(self, k: int):
+        self.sum = torch.zeros(k, k, dtype=torch.float64)
+        self.tokens = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        self.sum += (x.T @ x).double()  # float32 products, float64 running sum
+        self.tokens += x.shape[0]
+
+    def hessian(self) -> torch.Tensor:
+        return self.sum * (2 / max(1, self.tokens))
+
+
+def run(ir: ModelIR, config: Config, context: Any) -> PassResult:
+    started = time.perf_counter()
+    targets = set(target_linears(ir, config))
+    windows = calibration_windows(ir, context.recipe.calibration)
+    out = ir.copy()
+    runner = LayerwiseRunner(out, windows)  # reads out.weights: sees each quantized linear
+    errors: dict[str, float] = {}
+    losses: dict[str, float] = {}
+    for layer in range(ir.arch.num_layers):
+        layer_started = time.perf_counter()
+        for group in SEQUENTIAL_GROUPS:
+            names = [f"layers.{layer}.{p}" for p in group if f"layers.{layer}.{p}" in targets]
+            if names:
+                hessian = _group_hessian(runner, group[0])
+                for name in names:
+                    _quantize_linear(ir, out, name, hessian, config, errors, losses)
+        runner.advance()
+        layer_loss = sum(v for n, v in losses.items() if n.startswith(f"layers.{layer}."))
+        context.log(f"      gptq layer {layer + 1}/{ir.arch.num_layers}: loss {layer_loss:.4g} "
+                    f"({time.perf_counter() - layer_started:.1f} s)")
+    if "lm_head" in targets:
+        # The head's input: the final norm of the last layer's (quantized) outputs.
+        accumulator = HessianAccumulator(ir.arch.hidden_size)
+        for hidden in runner.hidden:
+            accumulator.add(rms_norm(hidden, out.weights["final_norm"], ir.arch.norm_eps))
+        _quantize_linear(ir, out, "lm_head", accumulator.hessian(), config, errors, losses)
+        context.log(f"      gptq lm_head: loss {losses['lm_head']:.4g}")
+    report = quantization_report(ir, out, errors, time.perf_counter() - started, context)
+    report["gptq_loss"] = {n: round(v, 6) for n, v in losses.items()}
+    report["calibration_samples"] = int(windows.shape[0])
+    report["calibration_tokens"] = int(windows.numel())
+    return PassResult(out, report)
+
+
+def _group_hessian(runner: LayerwiseRunner, first: str) -> torch.Tensor:
+    """H of the input the group shares, from a run of the current layer as it is now."""
+    accumulators: list[HessianAccumulator] = []
+
+    def observe(_layer: int, name: str, x: torch.Tensor) -> None:
+        if name == first:
+            if not accumulators:
+                accumulators.append(HessianAccumulator(x.shape[-1]))
+            accumulators[0].add(x)
+
+    runner.run_layer(observe)
+    return accumulators[0].hessian()
+
+
+def _quantize_linear(ir: ModelIR, out: ModelIR, name: str, hessian: torch.Tensor,
+                     config: Config, errors: dict, losses: dict) -> None:
+    w = float_weight(ir, name).float()
+    q, loss = gptq_quantize(w, hessian, config.bits, config.group_size, config.symmetric,
+                            config.act_order, config.damp, config.block_size)
+    out.set_quantized(name, q)
+    errors[name] = relative_error(w, q.dequantize())
+    losses[name] = loss
+
+
+@torch.no_grad()
+def gptq_quantize(
+    w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int, symmetric: bool,
+    act_order: bool = True, damp: float = 0.01, block_size: int = 128,
+) -> tuple[QuantizedLinear, float]:
+    """GPTQ of a float weight [N, K] under H [K, K]; returns the codes and the GPTQ
+    objective Σ err² / [H⁻¹]_jj summed over columns (err: each column's rounding error)."""
+    w = w.float().clone()
+    n, k = w.shape
+    h = hessian.double().clone()
+    dead = h.diagonal() == 0  # inputs that are always zero: any weight works, take 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    levels = 2**bits - 1
+    groups = -(-k // group_size)
+    if act_order:
+        # Static groups: every group's scale and zero from the unpermuted float weight.
+        scales, zeros = quant_params(w, bits, group_size, symmetric)
+        perm = torch.argsort(h.diagonal(), descending=True)
+    else:
+        scales, zeros = torch.zeros(n, groups), torch.zeros(n, groups)
+        perm = torch.arange(k)
+        # Blocks hold whole groups, so a group's parameters see all updates before it.
+        block_size = max(group_size, block_size // group_size * group_size)
+    w, h = w[:, perm], h[perm][:, perm]
+    u = _inverse_hessian_factor(h, damp).float()
+    group_of = perm // group_size  # original group of each permuted column
+    codes = torch.zeros(n, k)
+    loss = torch.zeros((), dtype=torch.float64)
+    for b1 in range(0, k, block_size):
+        b2 = min(b1 + block_size, k)
+        block, u_block = w[:, b1:b2].clone(), u[b1:b2, b1:b2]
+        block_err = torch.zeros_like(block)
+        for i in range(b2 - b1):
+            j = b1 + i
+            g = int(group_of[j])
+            if not act_order and j % group_size == 0:
+                # Dynamic groups: parameters of the error-updated weights of this group.
+                s, z = quant_params(block[:, i:i + group_size], bits, group_size, symmetric)
+                scales[:, g], zeros[:, g] = s[:, 0], z[:, 0]
+            s, z = scales[:, g], zeros[:, g]
+            col = block[:, i]
+            q = (col / s + z).round().clamp(0, levels)  # quant_format.quantize_with's math
+            codes[:, j] = q
+            err = (col - (q - z) * s) / u_block[i, i]
+            loss += err.double().pow(2).sum()
+            block[:, i:] -= err[:, None] * u_block[i, i:][None, :]
+            block_err[:, i] = err
+        w[:, b2:] -= block_err @ u[b1:b2, b2:]  # the lazy update of the columns after the block
+    codes = codes[:, torch.argsort(perm)].to(torch.uint8)
+    return QuantizedLinear(bits, group_size, codes, scales, zeros, symmetric), float(loss)
+
+
+def _inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper Cholesky factor U of (H + λI)⁻¹ (UᵀU = H⁻¹), λ = damp × mean diag(H); λ grows
+    tenfold while H is too ill-conditioned to factor."""
+    eye = torch.eye(h.shape[0], dtype=h.dtype)
+    mean_diag = h.diagonal().mean()
+    for attempt in range(4):
+        lower, info = torch.linalg.cholesky_ex(h + damp * 10**attempt * mean_diag * eye)
+        if info == 0:
+            inverse = torch.cholesky_inverse(lower)
+            u, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            if info == 0:
+                return u
+    raise ValueError("GPTQ: the Hessian is not positive definite even with 1000x damping")

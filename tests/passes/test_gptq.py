@@ -1,0 +1,122 @@
+"""GPTQ: numerics on a single linear, the group-wise format it produces, and end to end
+through the compiler and the runtime on tiny checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from llmopt.compiler.loader import load_checkpoint
+from llmopt.compiler.pipeline import compile_recipe, run_passes
+from llmopt.compiler.quant_format import group_quantize, quant_params
+from llmopt.compiler.recipe import Recipe
+from llmopt.compiler.reference import ReferenceModel
+from llmopt.passes.gptq import gptq_quantize
+from llmopt.runtime import LLM
+
+
+def correlated_inputs(tokens: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Inputs with strongly correlated features and uneven scales, like a layer's."""
+    gen = torch.Generator().manual_seed(seed)
+    latent = torch.randn(tokens, k // 4, generator=gen)
+    mix = torch.randn(k // 4, k, generator=gen)
+    scales = torch.exp(torch.randn(k, generator=gen))
+    return (latent @ mix + 0.1 * torch.randn(tokens, k, generator=gen)) * scales
+
+
+def hessian_of(x: torch.Tensor) -> torch.Tensor:
+    return 2 / x.shape[0] * (x.double().T @ x.double())
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_output_error_clearly_below_rtn(act_order, symmetric):
+    k, n = 160, 48  # 160 = 2 groups of 64 and a short one of 32
+    x = correlated_inputs(4096, k)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
+    q, loss = gptq_quantize(w, hessian_of(x), 4, 64, symmetric, act_order)
+    rtn = group_quantize(w, 4, 64, symmetric)
+    gptq_err = (x @ (w - q.dequantize()).T).norm()
+    rtn_err = (x @ (w - rtn.dequantize()).T).norm()
+    assert gptq_err < 0.7 * rtn_err
+    assert loss > 0
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_loss_is_the_output_error_it_leaves(act_order):
+    """With negligible damping, the summed objective Σ err²/[H⁻¹]_jj equals tr(Δ H Δᵀ)
+    of the final weight error Δ: the error feedback is exact."""
+    x = correlated_inputs(4096, 160)
+    w = torch.randn(48, 160, generator=torch.Generator().manual_seed(1))
+    h = hessian_of(x)
+    q, loss = gptq_quantize(w, h, 4, 64, False, act_order, damp=1e-7)
+    delta = (w - q.dequantize()).double()
+    assert loss == pytest.approx(float(torch.trace(delta @ h @ delta.T)), rel=0.01)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_isotropic_inputs_give_rtn_exactly(act_order):
+    """With H ∝ I no error feeds forward, so GPTQ is round-to-nearest in the same format."""
+    w = torch.randn(16, 96, generator=torch.Generator().manual_seed(2))
+    q, _ = gptq_quantize(w, torch.eye(96) * 3.0, 4, 32, False, act_order)
+    rtn = group_quantize(w, 4, 32, False)
+    assert torch.equal(q.codes, rtn.codes)
+    assert torch.equal(q.scales, rtn.scales) and torch.equal(q.zeros, rtn.zeros)
+
+
+def test_act_order_keeps_plain_static_groups():
+    k, n, group = 160, 24, 64
+    x = correlated_inputs(2048, k, seed=3)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(4))
+    q, _ = gptq_quantize(w, hessian_of(x), 4, group, False, act_order=True)
+    scales, zeros = quant_params(w, 4, group, False)  # from the unpermuted float weight
+    assert q.shape == (n, k) and q.codes.dtype == torch.uint8 and int(q.codes.max()) <= 15
+    assert q.scales.shape == (n, 3) and torch.equal(q.scales, scales)
+    assert torch.equal(q.zeros, zeros)
+    assert not torch.equal(q.codes, group_quantize(w, 4, group, False).codes)  # it did work
+
+
+def test_dead_columns():
+    x = correlated_inputs(1024, 64, seed=5)
+    x[:, [3, 40]] = 0  # inputs that never fire
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(6))
+    for act_order in (False, True):
+        q, loss = gptq_quantize(w, hessian_of(x), 4, 32, False, act_order)
+        assert torch.isfinite(q.dequantize()).all() and np.isfinite(loss)
+        assert torch.equal(q.dequantize()[:, [3, 40]], torch.zeros(8, 2))
+
+
+def calibration_text(path: Path, chars: int = 3000) -> Path:
+    rng = np.random.default_rng(7)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "it", "ran", "far", "away"]
+    text = " ".join(rng.choice(words, size=chars // 3))
+    path.write_text(text[:chars] + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(("arch", "include_lm_head"), [("llama", True), ("qwen2", False)])
+def test_artifact_equals_fake_quant_reference(arch, include_lm_head, tiny_checkpoints,
+                                              tmp_path):
+    text = calibration_text(tmp_path / "calib.txt")
+    gptq = {"bits": 4, "group_size": 32, "act_order": True, "include_lm_head": include_lm_head}
+    recipe = Recipe(model=str(tiny_checkpoints[arch]), passes=[{"gptq": gptq}],
+                    calibration={"text": str(text), "samples": 8, "seq_len": 64},
+                    runtime={"block_size": 4, "max_context": 256, "max_num_seqs": 4})
+    manifest = compile_recipe(recipe, tmp_path / "out", log=lambda _: None)
+    ir, _ = run_passes(load_checkpoint(recipe.model), recipe, log=lambda _: None)
+    report = manifest.passes[0]
+    assert report["calibration_samples"] == 8
+    assert len(report["gptq_loss"]) == 7 * 3 + include_lm_head
+    for name, q in ir.quantized.items():
+        key = "embed_tokens" if name == "lm_head" else f"{name}.weight"
+        assert torch.equal(ir.weights[key], q.dequantize())
+
+    tokens = [int(t) for t in np.random.default_rng(8).integers(3, 256, 60)]
+    with torch.no_grad():
+        logits = ReferenceModel(ir).forward(torch.tensor([tokens]))[0]
+    expected = torch.log_softmax(logits, dim=-1)[torch.arange(59), torch.tensor(tokens[1:])]
+    got = LLM(tmp_path / "out", max_num_batched_tokens=16).score(tokens)
+    np.testing.assert_allclose(got, expected.numpy(), atol=1e-4)
