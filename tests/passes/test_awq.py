@@ -1,0 +1,125 @@
+"""AWQ: scale folding is exact, the scale search beats RTN where activations have outliers,
+and an AWQ artifact computes what the fake-quantized reference computes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from llmopt.compiler.loader import load_checkpoint
+from llmopt.compiler.pipeline import PassContext, compile_recipe, run_passes
+from llmopt.compiler.recipe import Recipe
+from llmopt.compiler.reference import ReferenceModel
+from llmopt.passes import awq, rtn
+from llmopt.runtime import LLM
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tokens(count: int, seed: int = 0) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).integers(3, 256, count))[None]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+def test_folding_scales_is_exact_before_quantization(arch, tiny_checkpoints):
+    ir = load_checkpoint(str(tiny_checkpoints[arch]))
+    folded = ir.copy()
+    generator = torch.Generator().manual_seed(0)
+    for layer, spec in enumerate(ir.arch.layers):
+        for group in awq.SCALE_GROUPS:
+            tie = spec.num_heads // spec.num_kv_heads if group.per_kv_head else 1
+            prev = folded.weights.get(f"layers.{layer}.{group.prev}",
+                                      folded.weights.get(f"layers.{layer}.{group.prev}.weight"))
+            s = torch.exp(torch.randn(prev.shape[0], generator=generator))
+            awq.fold_scale(folded, f"layers.{layer}.{group.prev}",
+                           [f"layers.{layer}.{n}" for n in group.linears], s, (tie, spec.head_dim))
+    if arch == "qwen2":
+        assert not torch.equal(folded.weights["layers.0.v_proj.bias"],
+                               ir.weights["layers.0.v_proj.bias"])
+    ids = tokens(40)
+    expected = ReferenceModel(ir).forward(ids)
+    got = ReferenceModel(folded).forward(ids)
+    assert (got - expected).abs().max() < 1e-5 * max(1.0, float(expected.abs().max()))
+
+
+def outlier_layer(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs [2048, 256] with 4 channels 30x larger than the rest, and a weight [96, 256]."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(2048, 256, generator=generator)
+    x[:, [3, 70, 141, 200]] *= 30
+    return x, torch.randn(96, 256, generator=generator)
+
+
+def test_scale_search_beats_rtn_on_outlier_channels():
+    x, w = outlier_layer()
+    config = awq.Config(bits=4, group_size=64, grid=20, clip=False)
+    alpha, s, ratio = awq.search_scale([w], x.abs().mean(0), x.T @ x / len(x), (1, 1), config)
+    expected = x @ w.T
+    rtn_error = (x @ awq.fake_quant(w, config).T - expected).pow(2).mean()
+    awq_error = ((x / s) @ awq.fake_quant(w * s, config).T - expected).pow(2).mean()
+    assert alpha > 0
+    assert awq_error < 0.5 * rtn_error
+    assert ratio == pytest.approx(float(awq_error / rtn_error), rel=1e-3)
+
+
+def test_clip_search_never_raises_output_error():
+    x, w = outlier_layer(seed=1)
+    config = awq.Config(bits=4, group_size=64)
+    clip = awq.search_clip(w, x.T @ x / len(x), config)
+    assert clip.shape == (96, 4) and clip.min() >= 0.5 and clip.max() == 1.0
+    expected = x @ w.T
+    unclipped = (x @ awq.fake_quant(w, config).T - expected).pow(2).mean()
+    clipped = (x @ awq.fake_quant(w, config, clip).T - expected).pow(2).mean()
+    assert clipped < unclipped
+
+
+@pytest.fixture(scope="module")
+def calibration_text(tmp_path_factory):
+    """Random printable text: the tiny tokenizer gives one token per character."""
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_text("".join(chr(c) for c in rng.integers(32, 127, 4000)))
+    return path
+
+
+def recipe(checkpoint, calibration_text, **options) -> Recipe:
+    return Recipe(model=str(checkpoint), passes=[{"awq": options}],
+                  calibration={"text": str(calibration_text), "samples": 8, "seq_len": 64},
+                  runtime={"block_size": 4, "max_context": 256, "max_num_seqs": 4})
+
+
+def test_one_alpha_without_clipping_is_rtn(tiny_checkpoints, calibration_text):
+    ir = load_checkpoint(str(tiny_checkpoints["llama"]))
+    r = recipe(tiny_checkpoints["llama"], calibration_text, grid=1, clip=False, group_size=32)
+    out = awq.run(ir, r.pass_configs()[0][1], PassContext(r, log=lambda _: None)).ir
+    base = rtn.run(ir, rtn.Config(group_size=32), None).ir
+    assert set(out.quantized) == set(base.quantized)
+    for name, q in out.quantized.items():
+        assert torch.equal(q.codes, base.quantized[name].codes)
+        assert torch.allclose(q.scales, base.quantized[name].scales)
+
+
+@pytest.mark.parametrize(("arch", "options"), [
+    ("llama", {"group_size": 32}),
+    ("qwen2", {"group_size": 32, "symmetric": True, "include_lm_head": True}),
+])
+def test_artifact_equals_fake_quant_reference(arch, options, tiny_checkpoints, calibration_text,
+                                              tmp_path):
+    r = recipe(tiny_checkpoints[arch], calibration_text, grid=5, **options)
+    ir, reports = run_passes(load_checkpoint(r.model), r, log=lambda _: None)
+    report = reports[0]
+    assert report["linears"] == 21 + options.get("include_lm_head", False)
+    assert all(0 <= v["alpha"] < 1 for v in report["awq"]["scales"].values())
+    compile_recipe(r, tmp_path / "awq", log=lambda _: None)
+    ids = tokens(60, seed=3)
+    logp = torch.log_softmax(ReferenceModel(ir).forward(ids)[0], dim=-1)
+    expected = logp[torch.arange(59), ids[0, 1:]].numpy()
+    got = LLM(tmp_path / "awq", max_num_batched_tokens=16).score(ids[0].tolist())
+    np.testing.assert_allclose(got, expected, atol=1e-4)
