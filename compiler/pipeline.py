@@ -59,6 +59,7 @@ def compile_recipe(recipe: Recipe, out: Path, log: Callable[[str], None] = print
         operator_set=recipe.target.operator_set,
         weight_dtype=recipe.target.weight_dtype,
         max_position=min(ir.arch.max_position, recipe.runtime.max_context),
+        nbits_accuracy_level=recipe.target.nbits_accuracy_level,
     )
     graph = lower_to_onnx(ir, options)
     with staging_directory(out) as staging:

@@ -38,6 +38,9 @@ class TargetConfig(_Strict):
     weight_dtype: Literal["float32", "float16"] = "float32"
     # Contrib (fused) operators for ONNX Runtime, or standard ONNX only.
     operator_set: Literal["onnxruntime", "standard"] = "onnxruntime"
+    # MatMulNBits' accuracy_level for quantized linears: 0 computes in float32 (exactly the
+    # fake-quantized model); 4 quantizes activations to int8 per block (faster, not exact).
+    nbits_accuracy_level: Literal[0, 4] = 0
 
 
 class QualityConfig(_Strict):

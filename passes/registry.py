@@ -24,6 +24,7 @@ class PassEntry:
 PASSES: dict[str, PassEntry] = {
     # Weight quantization: one per recipe.
     "rtn": PassEntry("llmopt.passes.rtn", provides=("quantized_weights",)),
+    "gguf_weights": PassEntry("llmopt.passes.gguf_weights", provides=("quantized_weights",)),
     "awq": PassEntry("llmopt.passes.awq", provides=("quantized_weights",)),
     "gptq": PassEntry("llmopt.passes.gptq", provides=("quantized_weights",)),
 }
