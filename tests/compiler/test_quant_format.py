@@ -1,0 +1,86 @@
+"""Group quantization numerics and the MatMulNBits layout that consumes them."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from llmopt.compiler.quant_format import (
+    QuantizedLinear,
+    concat_outputs,
+    group_quantize,
+    pack_matmul_nbits,
+)
+
+
+def weight(n: int = 24, k: int = 72, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rtn_error_is_at_most_half_a_step(bits, symmetric):
+    w = weight()
+    q = group_quantize(w, bits, 32, symmetric)
+    assert q.codes.dtype == torch.uint8 and int(q.codes.max()) < 2**bits
+    assert q.scales.shape == (24, 3)  # 72 = 32 + 32 + a short group of 8
+    step = q.scales.repeat_interleave(32, dim=1)[:, :72]
+    inside = (q.codes > 0) & (q.codes < 2**bits - 1)  # clipped codes may err more
+    assert ((w - q.dequantize()).abs()[inside] <= step[inside] / 2 + 1e-6).all()
+    if symmetric:
+        assert (q.zeros == 2 ** (bits - 1)).all()
+
+
+def test_short_last_group_uses_only_its_own_columns():
+    w = weight()
+    w[:, 64:] *= 0.01  # the last group's range is tiny: its scale must be too
+    q = group_quantize(w, 4, 32, symmetric=False)
+    alone = group_quantize(w[:, 64:], 4, 32, symmetric=False)
+    torch.testing.assert_close(q.scales[:, 2], alone.scales[:, 0])
+    torch.testing.assert_close(q.dequantize()[:, 64:], alone.dequantize())
+
+
+def test_concat_needs_matching_groups():
+    a, b = group_quantize(weight(), 4, 32, False), group_quantize(weight(seed=1), 4, 64, False)
+    with pytest.raises(ValueError, match="same bits"):
+        concat_outputs([a, b])
+    both = concat_outputs([a, group_quantize(weight(seed=1), 4, 32, False)])
+    assert both.shape == (48, 72)
+
+
+def run_matmul_nbits(q: QuantizedLinear, x: np.ndarray) -> np.ndarray:
+    packed = pack_matmul_nbits(q)
+    n, k = q.shape
+    node = helper.make_node("MatMulNBits", ["x", *packed], ["y"], domain="com.microsoft",
+                            K=k, N=n, bits=q.bits, block_size=q.group_size)
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(v, name) for name, v in packed.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize(("bits", "group", "k", "symmetric", "float_zero"), [
+    (4, 32, 72, False, False),
+    (4, 32, 72, True, False),
+    (4, 128, 576, False, False),  # SmolLM2's width: 4.5 groups of 128
+    (4, 64, 576, False, True),  # GGUF Q4_1-style fractional zero points
+    (8, 32, 72, False, False),
+    (8, 64, 576, True, False),
+])
+def test_matmul_nbits_computes_the_dequantized_product(bits, group, k, symmetric, float_zero):
+    q = group_quantize(weight(40, k), bits, group, symmetric)
+    if float_zero:
+        q = QuantizedLinear(q.bits, q.group_size, q.codes, q.scales, q.zeros + 0.37, False)
+        assert "zero_points" in pack_matmul_nbits(q)
+        assert pack_matmul_nbits(q)["zero_points"].dtype == np.float32
+    x = np.random.default_rng(0).standard_normal((5, k)).astype(np.float32)
+    expected = x @ q.dequantize().numpy().T
+    np.testing.assert_allclose(run_matmul_nbits(q, x), expected, rtol=1e-4, atol=1e-4)

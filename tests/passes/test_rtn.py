@@ -1,0 +1,76 @@
+"""RTN through the whole pipeline: recipe → pass → MatMulNBits graph → runtime."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from llmopt.compiler.loader import load_checkpoint
+from llmopt.compiler.pipeline import QualityBudgetError, compile_recipe
+from llmopt.compiler.recipe import Recipe
+from llmopt.compiler.reference import ReferenceModel
+from llmopt.passes import rtn
+from llmopt.passes.weight_quant import target_linears
+from llmopt.runtime import LLM
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    rng = random.Random(0)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far"]
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    path.write_text(" ".join(rng.choice(words) for _ in range(4000)))
+    return path
+
+
+def recipe(checkpoint: Path, text: Path, **rtn_options) -> Recipe:
+    return Recipe(
+        model=str(checkpoint),
+        passes=[{"rtn": rtn_options}],
+        quality={"eval_text": str(text), "eval_windows": 2, "eval_seq_len": 64},
+        runtime={"block_size": 4, "max_context": 128},
+    )
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text"])
+def test_artifact_computes_the_fake_quantized_model(arch, tiny_checkpoints, text_file, tmp_path):
+    config = {"bits": 4, "group_size": 32, "include_lm_head": arch == "llama"}
+    manifest = compile_recipe(recipe(tiny_checkpoints[arch], text_file, **config), tmp_path / "a",
+                              log=lambda _: None)
+    report = manifest.passes[0]
+    assert report["name"] == "rtn" and report["quality"]["tokens"] == 2 * 63
+    ir = load_checkpoint(str(tiny_checkpoints[arch]))
+    quantized = rtn.run(ir, rtn.Config(**config), None).ir
+    tokens = list(range(3, 43))
+    with torch.no_grad():
+        logits = ReferenceModel(quantized).forward(torch.tensor([tokens]))[0, :-1]
+    expected = torch.log_softmax(logits, -1)[torch.arange(39), torch.tensor(tokens[1:])]
+    got = LLM(tmp_path / "a").score(tokens)
+    np.testing.assert_allclose(got, expected.numpy(), atol=1e-4)
+    graph = json.loads((tmp_path / "a" / "manifest.json").read_text())["graphs"]["target"]
+    assert graph["nodes_per_layer"] == 20 + (arch == "qwen2")  # MatMulNBits replaces MatMul 1:1
+
+
+def test_budget_fails_the_compile_and_writes_nothing(tiny_checkpoints, text_file, tmp_path):
+    strict = recipe(tiny_checkpoints["llama"], text_file, bits=4, group_size=32)
+    strict = strict.model_copy(update={"quality": strict.quality.model_copy(
+        update={"max_ppl_increase_pct": 0.0001})})
+    with pytest.raises(QualityBudgetError, match="max_ppl_increase_pct"):
+        compile_recipe(strict, tmp_path / "out", log=lambda _: None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_target_selection(tiny_checkpoints):
+    ir = load_checkpoint(str(tiny_checkpoints["llama"]))
+    names = target_linears(ir, rtn.Config(skip=["layers.0.*", "*.down_proj"],
+                                          include_lm_head=True))
+    assert "layers.0.q_proj" not in names and "layers.1.down_proj" not in names
+    assert names[-1] == "lm_head" and "layers.1.q_proj" in names
+    once = rtn.run(ir, rtn.Config(), None).ir
+    with pytest.raises(ValueError, match="already quantized"):
+        rtn.run(once, rtn.Config(), None)
