@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -52,8 +52,10 @@ def test_artifact_computes_the_fake_quantized_model(arch, tiny_checkpoints, text
     expected = torch.log_softmax(logits, -1)[torch.arange(39), torch.tensor(tokens[1:])]
     got = LLM(tmp_path / "a").score(tokens)
     np.testing.assert_allclose(got, expected.numpy(), atol=1e-4)
-    graph = json.loads((tmp_path / "a" / "manifest.json").read_text())["graphs"]["target"]
-    assert graph["nodes_per_layer"] == 20 + (arch == "qwen2")  # MatMulNBits replaces MatMul 1:1
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "a" / "target.onnx")).graph.node]
+    # Fused QKV, o, fused gate/up, down per layer (+ the LM head): all int4, no float MatMul.
+    assert ops.count("MatMulNBits") == 4 * ir.arch.num_layers + config["include_lm_head"]
+    assert "MatMul" not in ops
 
 
 def test_budget_fails_the_compile_and_writes_nothing(tiny_checkpoints, text_file, tmp_path):
