@@ -18,8 +18,8 @@ Outputs:
   new.{i}.{t}     [B, S, *slot_shape]   what this step writes into pool tensor t
 
 Cache tensors `t` are listed per layer in the manifest (`kv_cache.layers[i].tensors`):
-"key" and "value" at full precision, plus e.g. "key_scale"/"value_scale" for a
-quantized KV dtype. Each is indexed by slot (block * block_size + offset) on its two
+"key" and "value" (slot shape [kv_heads * head_dim], all heads of a token side by side),
+plus e.g. "key_scale"/"value_scale" for a quantized KV dtype. Each is indexed by slot (block * block_size + offset) on its two
 leading axes, so the runtime writes every tensor the same way:
 `pool.reshape(-1, *slot_shape)[slot_mapping] = new.reshape(-1, *slot_shape)`.
 
@@ -28,7 +28,12 @@ Invariants the runtime keeps:
   - the first `context_lens[b]` positions of sequence b are in the pool before the step,
     and the step's query tokens are positions context_lens[b] .. context_lens[b]+S_b-1;
   - padded query rows are garbage: their logits are never requested and their new
-    entries are never written (slot -1 is skipped);
+    entries are never written (slot -1 is skipped); their position_ids are arbitrary but
+    must lie inside the graph's rotary table;
+
+What the graph guarantees: a query attends to past position p only when
+p < context_lens[b] (and inside its layer's sliding window), and to the step's own key j
+only when j <= its own row index (causal by index, so right padding never leaks).
   - block 0 is a reserved null block that no sequence owns.
 """
 
