@@ -15,6 +15,7 @@ column order ("static groups") before the permuted walk, so a column's group nev
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -24,7 +25,7 @@ from pydantic import Field
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.quant_format import QuantizedLinear, quant_params
 from llmopt.compiler.reference import rms_norm
-from llmopt.passes.calibration import LayerwiseRunner, calibration_windows
+from llmopt.passes.calibration import LayerwiseRunner, calibration_windows, observing
 from llmopt.passes.registry import PassResult
 from llmopt.passes.rtn import relative_error
 from llmopt.passes.weight_quant import (
@@ -48,13 +49,14 @@ class Config(WeightQuantConfig):
 class HessianAccumulator:
     """Σ x xᵀ over the tokens seen, in float64; memory is one [K, K] matrix."""
 
-    def __init__(self, k: int):
-        self.sum = torch.zeros(k, k, dtype=torch.float64)
+    def __init__(self):
+        self.sum: torch.Tensor | None = None
         self.tokens = 0
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
-        self.sum += (x.T @ x).double()  # float32 products, float64 running sum
+        products = (x.T @ x).double()  # float32 products, float64 running sum
+        self.sum = products if self.sum is None else self.sum + products
         self.tokens += x.shape[0]
 
     def hessian(self) -> torch.Tensor:
@@ -74,7 +76,7 @@ def run(ir: ModelIR, config: Config, context: Any) -> PassResult:
         for group in SEQUENTIAL_GROUPS:
             names = [f"layers.{layer}.{p}" for p in group if f"layers.{layer}.{p}" in targets]
             if names:
-                hessian = _group_hessian(runner, group[0])
+                hessian = group_hessian(runner, group[0])
                 for name in names:
                     _quantize_linear(ir, out, name, hessian, config, errors, losses)
         runner.advance()
@@ -83,7 +85,7 @@ def run(ir: ModelIR, config: Config, context: Any) -> PassResult:
                     f"({time.perf_counter() - layer_started:.1f} s)")
     if "lm_head" in targets:
         # The head's input: the final norm of the last layer's (quantized) outputs.
-        accumulator = HessianAccumulator(ir.arch.hidden_size)
+        accumulator = HessianAccumulator()
         for hidden in runner.hidden:
             accumulator.add(rms_norm(hidden, out.weights["final_norm"], ir.arch.norm_eps))
         _quantize_linear(ir, out, "lm_head", accumulator.hessian(), config, errors, losses)
@@ -95,18 +97,25 @@ def run(ir: ModelIR, config: Config, context: Any) -> PassResult:
     return PassResult(out, report)
 
 
-def _group_hessian(runner: LayerwiseRunner, first: str) -> torch.Tensor:
-    """H of the input the group shares, from a run of the current layer as it is now."""
-    accumulators: list[HessianAccumulator] = []
+def group_hessian(runner: LayerwiseRunner, first: str) -> torch.Tensor:
+    """H of the input the group shares, from the current layer as it is now. Each batch
+    runs only until that input is seen: the rest of the layer would be thrown away."""
+    accumulator = HessianAccumulator()
 
     def observe(_layer: int, name: str, x: torch.Tensor) -> None:
         if name == first:
-            if not accumulators:
-                accumulators.append(HessianAccumulator(x.shape[-1]))
-            accumulators[0].add(x)
+            accumulator.add(x)
+            raise _InputSeen
 
-    runner.run_layer(observe)
-    return accumulators[0].hessian()
+    with torch.no_grad(), observing(runner.model, observe):
+        for hidden in runner.hidden:
+            with contextlib.suppress(_InputSeen):
+                runner.model.layer_forward(runner.layer, hidden, runner.positions, None)
+    return accumulator.hessian()
+
+
+class _InputSeen(Exception):
+    """Stops a calibration forward once the group's input has been accumulated."""
 
 
 def _quantize_linear(ir: ModelIR, out: ModelIR, name: str, hessian: torch.Tensor,

@@ -14,7 +14,8 @@ from llmopt.compiler.pipeline import compile_recipe, run_passes
 from llmopt.compiler.quant_format import group_quantize, quant_params
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
-from llmopt.passes.gptq import gptq_quantize
+from llmopt.passes.calibration import LayerwiseRunner
+from llmopt.passes.gptq import HessianAccumulator, gptq_quantize, group_hessian
 from llmopt.runtime import LLM
 
 
@@ -87,6 +88,17 @@ def test_dead_columns():
         q, loss = gptq_quantize(w, hessian_of(x), 4, 32, False, act_order)
         assert torch.isfinite(q.dequantize()).all() and np.isfinite(loss)
         assert torch.equal(q.dequantize()[:, [3, 40]], torch.zeros(8, 2))
+
+
+def test_group_hessian_stops_early_but_sees_every_token(tiny_checkpoints):
+    ir = load_checkpoint(str(tiny_checkpoints["llama"]))
+    runner = LayerwiseRunner(ir, torch.randint(3, 256, (5, 24)), batch_size=2)
+    runner.advance()  # layer 1, fed by layer 0's outputs
+    full = {n: HessianAccumulator() for n in ("q_proj", "o_proj", "gate_proj", "down_proj")}
+    runner.run_layer(lambda _, name, x: full[name].add(x) if name in full else None)
+    for name, accumulator in full.items():
+        assert accumulator.tokens == 5 * 24
+        torch.testing.assert_close(group_hessian(runner, name), accumulator.hessian())
 
 
 def calibration_text(path: Path, chars: int = 3000) -> Path:
