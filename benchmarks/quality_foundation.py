@@ -12,15 +12,15 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from llmopt.compiler.hf_reference import hf_perplexity
 from llmopt.runtime import LLM
-from llmopt.runtime.evaluate import perplexity, windows_of
+from llmopt.runtime.evaluate import perplexity
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_TEXT = ROOT.parent / "shared" / "data" / "wikitext2-test.raw.txt"
@@ -39,15 +39,9 @@ def transformers_ppl(windows: int, seq_len: int) -> dict[str, float]:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
     token_ids = tokenizer(TEST_TEXT.read_text(), add_special_tokens=False)["input_ids"]
-    started, nll, count = time.perf_counter(), 0.0, 0
-    with torch.no_grad():
-        for window in windows_of(token_ids, seq_len, windows):
-            logits = model(torch.tensor([window])).logits[0, :-1]
-            targets = torch.tensor(window[1:])
-            nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
-            count += len(targets)
-    return {"ppl": math.exp(nll / count), "tokens": count,
-            "seconds": time.perf_counter() - started}
+    started = time.perf_counter()
+    ppl, count = hf_perplexity(model, token_ids, windows, seq_len)
+    return {"ppl": ppl, "tokens": count, "seconds": time.perf_counter() - started}
 
 
 def llmopt_ppl(artifact: Path, windows: int, seq_len: int) -> dict[str, float]:

@@ -19,8 +19,9 @@ Outputs:
 
 Cache tensors `t` are listed per layer in the manifest (`kv_cache.layers[i].tensors`):
 "key" and "value" (slot shape [kv_heads * head_dim], all heads of a token side by side),
-plus e.g. "key_scale"/"value_scale" for a quantized KV dtype. Each is indexed by slot (block * block_size + offset) on its two
-leading axes, so the runtime writes every tensor the same way:
+plus e.g. "key_scale"/"value_scale" for a quantized KV dtype. Each is indexed by slot
+(block * block_size + offset) on its two leading axes, so the runtime writes every
+tensor the same way:
 `pool.reshape(-1, *slot_shape)[slot_mapping] = new.reshape(-1, *slot_shape)`.
 
 Invariants the runtime keeps:

@@ -5,7 +5,6 @@ against transformers on the same checkpoint. Slow: run in CI, skip locally with
 from __future__ import annotations
 
 import importlib.util
-import math
 from pathlib import Path
 
 import pytest
@@ -13,10 +12,11 @@ import torch
 from tiny_checkpoints import SHARED_DATA
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from llmopt.compiler.hf_reference import hf_perplexity
 from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.recipe import load_recipe
 from llmopt.runtime import LLM, SamplingParams
-from llmopt.runtime.evaluate import perplexity, windows_of
+from llmopt.runtime.evaluate import perplexity
 
 pytestmark = pytest.mark.slow
 
@@ -69,22 +69,11 @@ def test_greedy_chat_equals_transformers(artifact, hf):
         assert output.text == tokenizer.decode(expected, skip_special_tokens=True)
 
 
-def transformers_perplexity(model, tokenizer, windows: int, seq_len: int) -> float:
-    token_ids = tokenizer(TEST_TEXT.read_text(), add_special_tokens=False)["input_ids"]
-    nll, count = 0.0, 0
-    with torch.no_grad():
-        for window in windows_of(token_ids, seq_len, windows):
-            logits = model(torch.tensor([window])).logits[0, :-1]
-            targets = torch.tensor(window[1:])
-            nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
-            count += len(targets)
-    return math.exp(nll / count)
-
-
 def test_perplexity_equals_transformers(artifact, hf):
     """The shared protocol: 64 windows of 512 tokens of WikiText-2 test, no BOS."""
     model, tokenizer = hf
-    expected = transformers_perplexity(model, tokenizer, windows=64, seq_len=512)
+    token_ids = tokenizer(TEST_TEXT.read_text(), add_special_tokens=False)["input_ids"]
+    expected, _ = hf_perplexity(model, token_ids, windows=64, seq_len=512)
     result = perplexity(LLM(artifact, max_num_batched_tokens=512), TEST_TEXT, 64, 512)
     assert result.tokens == 64 * 511
     assert abs(result.ppl - expected) / expected < 1e-3
