@@ -71,7 +71,9 @@ def write_artifact(
         props = {p.key: p.value for p in model.metadata_props}
         graph_specs[name] = {"file": file, "data_file": data_file, "opset": _opset(model),
                              "operator_set": operator_set, "nodes": len(model.graph.node),
-                             "nodes_per_layer": int(props.get("llmopt.nodes_per_layer", 0))}
+                             "nodes_per_layer": int(props.get("llmopt.nodes_per_layer", 0)),
+                             "nbits_accuracy_level": int(props.get("llmopt.nbits_accuracy_level",
+                                                                   0))}
     for file, content in ir.tokenizer_files.items():
         (directory / file).write_bytes(content)
     for file in directory.iterdir():

@@ -18,7 +18,12 @@ from onnx import TensorProto
 from llmopt.compiler.ir import LayerSpec, ModelIR
 from llmopt.compiler.lower_ops import OPERATOR_SETS, StandardOps
 from llmopt.compiler.onnx_graph import MS_DOMAIN, NP_TO_ONNX, GraphBuilder
-from llmopt.compiler.quant_format import QuantizedLinear, concat_outputs, pack_matmul_nbits
+from llmopt.compiler.quant_format import (
+    QuantizedLinear,
+    concat_outputs,
+    pack_dequantize_linear,
+    pack_matmul_nbits,
+)
 from llmopt.runtime import contract as C
 
 WEIGHT_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -33,6 +38,9 @@ class LoweringOptions:
     # MatMulNBits' accuracy_level: 0 computes in float32 (exactly the fake-quantized model);
     # 4 quantizes activations to int8 per block (faster on CPUs with VNNI, not exact).
     nbits_accuracy_level: int = 0
+    # "matmul_nbits" (ONNX Runtime's int4/int8 kernel) or "dequantize_linear" (standard
+    # ONNX; ONNX Runtime fuses it back into MatMulNBits); None: the operator set's choice.
+    quantized_matmul: str | None = None
 
 
 def lower_to_onnx(ir: ModelIR, options: LoweringOptions) -> onnx.ModelProto:
@@ -71,8 +79,10 @@ class _DecoderLowering:
         model = self.g.model()
         # Per-node overhead matters on a small CPU: record what each layer costs in nodes
         # (the first layer also builds the step's shared masks and rotary inputs).
-        onnx.helper.set_model_props(model, {"llmopt.nodes_per_layer": str(max(layer_nodes[1:],
-                                                                                default=0))})
+        onnx.helper.set_model_props(model, {
+            "llmopt.nodes_per_layer": str(max(layer_nodes[1:], default=0)),
+            "llmopt.nbits_accuracy_level": str(self.options.nbits_accuracy_level),
+        })
         return model
 
     # --- graph interface --------------------------------------------------------------
@@ -115,7 +125,7 @@ class _DecoderLowering:
         w = self.ir.weights
         quantized = [self.ir.quantized.get(prefix + p) for p in parts]
         if all(quantized):
-            out = self._matmul_nbits(x, f"{prefix}{'_'.join(parts)}", concat_outputs(quantized))
+            out = self._quantized_matmul(x, f"{prefix}{'_'.join(parts)}", concat_outputs(quantized))
         else:  # float, or a fused group only partly quantized: its float (dequantized) weights
             weight = np.concatenate([_np(w[f"{prefix}{p}.weight"]) for p in parts], axis=0)
             out = self.g.op("MatMul", [x, self._stored(f"{prefix}{'_'.join(parts)}", weight.T)])
@@ -124,7 +134,17 @@ class _DecoderLowering:
             out = self.g.op("Add", [out, self.g.weight(f"{prefix}{'_'.join(parts)}.bias", bias)])
         return out
 
-    def _matmul_nbits(self, x: str, name: str, q: QuantizedLinear) -> str:
+    def _quantized_matmul(self, x: str, name: str, q: QuantizedLinear) -> str:
+        """x @ wᵀ for integer weights, in the form the target's operators take."""
+        form = self.options.quantized_matmul or self.ops.quantized_matmul
+        if form == "dequantize_linear":
+            packed = pack_dequantize_linear(q)
+            if packed is None:  # fractional zero points: only float weights can say them
+                return self.g.op("MatMul", [x, self._stored(name, q.dequantize().numpy().T)])
+            inputs = [self.g.weight(f"{name}.{key}", packed[key]) for key in packed]
+            weight = self.g.op("DequantizeLinear", inputs, name=f"{name}.dq", axis=0,
+                               block_size=q.group_size)
+            return self.g.op("MatMul", [x, weight])
         packed = pack_matmul_nbits(q)
         inputs = [x] + [self.g.weight(f"{name}.{key}", packed[key])
                         for key in ("B", "scales", "zero_points") if key in packed]
@@ -223,7 +243,7 @@ class _DecoderLowering:
         rows = g.op("Gather", [flat, C.LOGITS_INDICES], axis=0)
         normed = self.ops.rms_norm(rows, self._norm("final_norm"))
         if "lm_head" in self.ir.quantized:
-            logits = self._matmul_nbits(normed, "lm_head", self.ir.quantized["lm_head"])
+            logits = self._quantized_matmul(normed, "lm_head", self.ir.quantized["lm_head"])
         elif self.arch.tie_word_embeddings:  # share the embedding table: [vocab, hidden]
             table = self._stored("embed_tokens", _np(self.ir.weights["embed_tokens"]))
             logits = g.op("Gemm", [normed, table], transB=1, name="lm_head")

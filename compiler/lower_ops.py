@@ -19,6 +19,7 @@ class StandardOps:
 
     operator_set = "standard"
     opset = 21
+    quantized_matmul = "dequantize_linear"
 
     def __init__(self, g: GraphBuilder, eps: float):
         self.g, self.eps = g, eps
@@ -93,6 +94,7 @@ class OrtOps(StandardOps):
 
     operator_set = "onnxruntime"
     opset = 23  # for the fused standard Attention operator
+    quantized_matmul = "matmul_nbits"
 
     def attention(self, q: str, keys: str, values: str, mask: str, spec: LayerSpec,
                   scale: float, softcap: float | None) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -143,3 +144,24 @@ def _pack_zero_points(zeros: np.ndarray, bits: int) -> np.ndarray:
     for i in range(per_byte):
         packed |= padded[..., i] << (bits * i)
     return packed
+
+
+# --- the graph side: standard ONNX, blocked DequantizeLinear (opset 21) → MatMul ---------
+def pack_dequantize_linear(q: QuantizedLinear) -> dict[str, np.ndarray] | None:
+    """DequantizeLinear inputs for MatMul's B = wᵀ [K, N], blocked along K (axis 0).
+
+    Symmetric codes become signed (q - 2^(bits-1)) with no zero point at all — TensorRT's
+    dequantize accepts only zero zero-points; asymmetric ones stay unsigned with unsigned
+    zero points. None when zero points are fractional (GGUF Q4_1): DequantizeLinear has
+    no float zero point.
+    """
+    if not q.integer_zeros():
+        return None
+    codes = q.codes.numpy().T.astype(np.int16)
+    scales = np.ascontiguousarray(q.scales.numpy().T, dtype=np.float32)
+    if q.symmetric:
+        signed = ml_dtypes.int4 if q.bits == 4 else np.int8
+        return {"x": (codes - 2 ** (q.bits - 1)).astype(signed), "x_scale": scales}
+    unsigned = ml_dtypes.uint4 if q.bits == 4 else np.uint8
+    zeros = q.zeros.numpy().T.astype(np.int16).astype(unsigned)
+    return {"x": codes.astype(unsigned), "x_scale": scales, "x_zero_point": zeros}

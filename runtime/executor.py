@@ -37,12 +37,13 @@ class OrtExecutor:
         max_position: int,
         num_threads: int | None = None,
         optimization_level: str = "all",
+        nbits_accuracy_level: int = 0,
     ):
         self.block_size = block_size
         self.max_position = max_position
         self.session = ort.InferenceSession(
             str(graph_path),
-            session_options(num_threads, optimization_level),
+            session_options(num_threads, optimization_level, nbits_accuracy_level),
             providers=["CPUExecutionProvider"],
         )
         self.pools: dict[str, np.ndarray] = {}  # past name -> pool array
@@ -133,7 +134,9 @@ def select_sequences(batch: StepBatch, seqs: list[int]) -> tuple[StepBatch, np.n
     return sub_batch, mine
 
 
-def session_options(num_threads: int | None, optimization_level: str) -> ort.SessionOptions:
+def session_options(
+    num_threads: int | None, optimization_level: str, nbits_accuracy_level: int = 0
+) -> ort.SessionOptions:
     if optimization_level not in OPTIMIZATION_LEVELS:
         raise ValueError(
             f"unknown graph optimization level {optimization_level!r}; "
@@ -144,6 +147,11 @@ def session_options(num_threads: int | None, optimization_level: str) -> ort.Ses
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = OPTIMIZATION_LEVELS[optimization_level]
+    # ONNX Runtime fuses DequantizeLinear → MatMul into MatMulNBits with int8 activations
+    # (accuracy level 4) unless told otherwise: keep the artifact's own choice.
+    options.add_session_config_entry(
+        "session.qdq_matmulnbits_accuracy_level", str(nbits_accuracy_level)
+    )
     return options
 
 

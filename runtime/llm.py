@@ -70,6 +70,7 @@ class LLM:
             max_position=manifest.model.max_position,
             num_threads=num_threads,
             optimization_level=optimization_level,
+            nbits_accuracy_level=manifest.graphs["target"].nbits_accuracy_level,
         )
         self.engine = LLMEngine(
             executor, config, eos_token_ids=manifest.model.eos_token_ids, tokenizer=self.tokenizer

@@ -50,6 +50,8 @@ class GraphSpec(_Strict):
     operator_set: str  # "onnxruntime" (contrib ops allowed) or "standard"
     nodes: int | None = None  # graph nodes before ONNX Runtime's own fusions
     nodes_per_layer: int | None = None
+    # MatMulNBits accuracy: 0 = float32 activations (exact), 4 = int8 activations.
+    nbits_accuracy_level: int = 0
 
 
 class ModelSpec(_Strict):

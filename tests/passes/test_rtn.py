@@ -28,10 +28,12 @@ def text_file(tmp_path_factory) -> Path:
     return path
 
 
-def recipe(checkpoint: Path, text: Path, **rtn_options) -> Recipe:
+def recipe(checkpoint: Path, text: Path, operator_set: str = "onnxruntime",
+           **rtn_options) -> Recipe:
     return Recipe(
         model=str(checkpoint),
         passes=[{"rtn": rtn_options}],
+        target={"operator_set": operator_set},
         quality={"eval_text": str(text), "eval_windows": 2, "eval_seq_len": 64},
         runtime={"block_size": 4, "max_context": 128},
     )
@@ -78,3 +80,23 @@ def test_target_selection(tiny_checkpoints):
     once = rtn.run(ir, rtn.Config(), None).ir
     with pytest.raises(ValueError, match="already quantized"):
         rtn.run(once, rtn.Config(), None)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_standard_onnx_form_computes_the_same(symmetric, tiny_checkpoints, text_file, tmp_path):
+    """Blocked DequantizeLinear → MatMul (what TensorRT takes; symmetric: signed int4 with
+    no zero points) gives the fake-quantized model's numbers under ONNX Runtime too."""
+    config = {"bits": 4, "group_size": 32, "symmetric": symmetric}
+    compile_recipe(recipe(tiny_checkpoints["llama"], text_file, "standard", **config),
+                   tmp_path / "std", log=lambda _: None)
+    graph = onnx.load(str(tmp_path / "std" / "target.onnx"))
+    dq = [n for n in graph.graph.node if n.op_type == "DequantizeLinear"]
+    assert len(dq) == 4 * 3 and all(n.domain == "" for n in graph.graph.node)
+    assert all((len(n.input) == 2) == symmetric for n in dq)  # no zero point when symmetric
+    ir = load_checkpoint(str(tiny_checkpoints["llama"]))
+    quantized = rtn.run(ir, rtn.Config(**config), None).ir
+    tokens = list(range(3, 43))
+    with torch.no_grad():
+        logits = ReferenceModel(quantized).forward(torch.tensor([tokens]))[0, :-1]
+    expected = torch.log_softmax(logits, -1)[torch.arange(39), torch.tensor(tokens[1:])]
+    np.testing.assert_allclose(LLM(tmp_path / "std").score(tokens), expected.numpy(), atol=1e-4)
