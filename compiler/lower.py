@@ -21,8 +21,10 @@ from llmopt.compiler.onnx_graph import MS_DOMAIN, NP_TO_ONNX, GraphBuilder
 from llmopt.compiler.quant_format import (
     QuantizedLinear,
     concat_outputs,
+    group_sum_matrix,
     pack_dequantize_linear,
     pack_matmul_nbits,
+    split_fractional_zeros,
 )
 from llmopt.runtime import contract as C
 
@@ -136,12 +138,17 @@ class _DecoderLowering:
 
     def _quantized_matmul(self, x: str, name: str, q: QuantizedLinear) -> str:
         """x @ wᵀ for integer weights, in the form the target's operators take."""
+        if not q.integer_zeros():  # fractional zero points: symmetric codes + group offsets
+            symmetric, offset = split_fractional_zeros(q)
+            g, k = self.g, q.shape[1]
+            sums = g.op("MatMul", [x, g.weight(f"group_sum.{k}.{q.group_size}",
+                                               group_sum_matrix(k, q.group_size))])
+            correction = g.op("MatMul", [sums, g.weight(f"{name}.group_offset", offset)])
+            return g.op("Add", [self._quantized_matmul(x, name, symmetric), correction])
         form = self.options.quantized_matmul or self.ops.quantized_matmul
         if form == "dequantize_linear":
-            packed = pack_dequantize_linear(q)
-            if packed is None:  # fractional zero points: only float weights can say them
-                return self.g.op("MatMul", [x, self._stored(name, q.dequantize().numpy().T)])
-            inputs = [self.g.weight(f"{name}.{key}", packed[key]) for key in packed]
+            inputs = [self.g.weight(f"{name}.{key}", value)
+                      for key, value in pack_dequantize_linear(q).items()]
             weight = self.g.op("DequantizeLinear", inputs, name=f"{name}.dq", axis=0,
                                block_size=q.group_size)
             return self.g.op("MatMul", [x, weight])

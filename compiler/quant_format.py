@@ -111,12 +111,33 @@ def concat_outputs(parts: list[QuantizedLinear]) -> QuantizedLinear:
     )
 
 
+def split_fractional_zeros(q: QuantizedLinear) -> tuple[QuantizedLinear, np.ndarray]:
+    """w = s(c - z) = s(c - h) + s(h - z), h = 2^(bits-1): symmetric codes plus a per-group
+    offset O = s(h - z), returned [G, N]. Then x·wᵀ = x·w_symᵀ + (x·E)·O with E [K, G] the
+    0/1 matrix that sums each group's inputs — exact, and it keeps fractional zero points
+    (GGUF Q4_1) off ONNX Runtime's slow float-zero-point MatMulNBits path."""
+    half = float(2 ** (q.bits - 1))
+    symmetric = QuantizedLinear(q.bits, q.group_size, q.codes, q.scales,
+                                torch.full_like(q.scales, half), True)
+    offset = ((half - q.zeros) * q.scales).T.contiguous().numpy().astype(np.float32)
+    return symmetric, offset
+
+
+def group_sum_matrix(k: int, group_size: int) -> np.ndarray:
+    """E [K, G]: E[i, i // group_size] = 1."""
+    groups = -(-k // group_size)
+    matrix = np.zeros((k, groups), dtype=np.float32)
+    matrix[np.arange(k), np.arange(k) // group_size] = 1.0
+    return matrix
+
+
 # --- the graph side: ONNX Runtime's MatMulNBits ------------------------------------------
 def pack_matmul_nbits(q: QuantizedLinear) -> dict[str, np.ndarray]:
     """MatMulNBits inputs: B uint8 [N, k_blocks, blob], scales [N, k_blocks] and, unless
     symmetric (implicit zero 2^(bits-1)), zero points — packed uint8 when integral, float
-    otherwise. Codes are packed low bits first along K; the short last block is padded
-    with zero codes, which the kernel never reads past K."""
+    otherwise (correct, but a slow path in ONNX Runtime: see split_fractional_zeros).
+    Codes are packed low bits first along K; the short last block is padded with zero
+    codes, which the kernel never reads past K."""
     n, k = q.shape
     k_blocks = -(-k // q.group_size)
     codes = np.zeros((n, k_blocks * q.group_size), dtype=np.uint8)
@@ -147,16 +168,16 @@ def _pack_zero_points(zeros: np.ndarray, bits: int) -> np.ndarray:
 
 
 # --- the graph side: standard ONNX, blocked DequantizeLinear (opset 21) → MatMul ---------
-def pack_dequantize_linear(q: QuantizedLinear) -> dict[str, np.ndarray] | None:
+def pack_dequantize_linear(q: QuantizedLinear) -> dict[str, np.ndarray]:
     """DequantizeLinear inputs for MatMul's B = wᵀ [K, N], blocked along K (axis 0).
 
     Symmetric codes become signed (q - 2^(bits-1)) with no zero point at all — TensorRT's
     dequantize accepts only zero zero-points; asymmetric ones stay unsigned with unsigned
-    zero points. None when zero points are fractional (GGUF Q4_1): DequantizeLinear has
-    no float zero point.
+    zero points. Fractional zero points have no DequantizeLinear form: split them first
+    (split_fractional_zeros).
     """
     if not q.integer_zeros():
-        return None
+        raise ValueError("DequantizeLinear needs integer zero points")
     codes = q.codes.numpy().T.astype(np.int16)
     scales = np.ascontiguousarray(q.scales.numpy().T, dtype=np.float32)
     if q.symmetric:

@@ -84,3 +84,15 @@ def test_matmul_nbits_computes_the_dequantized_product(bits, group, k, symmetric
     x = np.random.default_rng(0).standard_normal((5, k)).astype(np.float32)
     expected = x @ q.dequantize().numpy().T
     np.testing.assert_allclose(run_matmul_nbits(q, x), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_fractional_zero_points_split_into_symmetric_codes_and_group_offsets():
+    from llmopt.compiler.quant_format import group_sum_matrix, split_fractional_zeros
+
+    q = group_quantize(weight(16, 72), 4, 32, symmetric=False)
+    q = QuantizedLinear(4, 32, q.codes, q.scales, q.zeros + 0.37, False)  # Q4_1-like
+    symmetric, offset = split_fractional_zeros(q)
+    assert symmetric.symmetric and offset.shape == (3, 16)
+    x = np.random.default_rng(1).standard_normal((5, 72)).astype(np.float32)
+    split = x @ symmetric.dequantize().numpy().T + (x @ group_sum_matrix(72, 32)) @ offset
+    np.testing.assert_allclose(split, x @ q.dequantize().numpy().T, rtol=1e-5, atol=1e-4)
