@@ -154,31 +154,29 @@ def gptq_quantize(
         block_size = max(group_size, block_size // group_size * group_size)
     w, h = w[:, perm], h[perm][:, perm]
     u = _inverse_hessian_factor(h, damp).float()
-    group_of = perm // group_size  # original group of each permuted column
+    group_of = (perm // group_size).tolist()  # original group of each permuted column
     codes = torch.zeros(n, k)
-    loss = torch.zeros((), dtype=torch.float64)
+    loss = 0.0
     for b1 in range(0, k, block_size):
         b2 = min(b1 + block_size, k)
         block, u_block = w[:, b1:b2].clone(), u[b1:b2, b1:b2]
-        block_err = torch.zeros_like(block)
-        for i in range(b2 - b1):
-            j = b1 + i
-            g = int(group_of[j])
+        block_err = torch.empty_like(block)
+        for i, d in enumerate(u_block.diagonal().tolist()):
+            j, g = b1 + i, group_of[b1 + i]
             if not act_order and j % group_size == 0:
                 # Dynamic groups: parameters of the error-updated weights of this group.
-                s, z = quant_params(block[:, i:i + group_size], bits, group_size, symmetric)
-                scales[:, g], zeros[:, g] = s[:, 0], z[:, 0]
-            s, z = scales[:, g], zeros[:, g]
-            col = block[:, i]
-            q = (col / s + z).round().clamp(0, levels)  # quant_format.quantize_with's math
+                scales[:, g:g + 1], zeros[:, g:g + 1] = quant_params(
+                    block[:, i:i + group_size], bits, group_size, symmetric)
+            s, z, col = scales[:, g], zeros[:, g], block[:, i]
+            q = (col / s + z).round_().clamp_(0, levels)  # quant_format.quantize_with's math
             codes[:, j] = q
-            err = (col - (q - z) * s) / u_block[i, i]
-            loss += err.double().pow(2).sum()
-            block[:, i:] -= err[:, None] * u_block[i, i:][None, :]
+            err = (col - (q - z) * s).div_(d)
+            block[:, i:].addr_(err, u_block[i, i:], alpha=-1)  # feed the error forward
             block_err[:, i] = err
-        w[:, b2:] -= block_err @ u[b1:b2, b2:]  # the lazy update of the columns after the block
+        loss += float(block_err.double().pow(2).sum())
+        w[:, b2:].addmm_(block_err, u[b1:b2, b2:], alpha=-1)  # lazy update after the block
     codes = codes[:, torch.argsort(perm)].to(torch.uint8)
-    return QuantizedLinear(bits, group_size, codes, scales, zeros, symmetric), float(loss)
+    return QuantizedLinear(bits, group_size, codes, scales, zeros, symmetric), loss
 
 
 def _inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
