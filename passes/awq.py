@@ -28,7 +28,7 @@ import torch
 from pydantic import Field
 
 from llmopt.compiler.ir import ModelIR
-from llmopt.compiler.quant_format import group_quantize, group_view
+from llmopt.compiler.quant_format import group_quantize, group_view, quant_params
 from llmopt.compiler.reference import rms_norm
 from llmopt.passes.calibration import LayerwiseRunner, calibration_windows
 from llmopt.passes.registry import PassResult
@@ -37,9 +37,12 @@ from llmopt.passes.weight_quant import WeightQuantConfig, quantization_report, t
 
 
 class Config(WeightQuantConfig):
-    grid: int = Field(20, ge=1, le=100)  # α in {0, 1/grid, ..., (grid-1)/grid}; α = 0 is RTN
+    grid: int = Field(20, ge=1, le=100)  # α in {0, 1/grid, ..., (grid-1)/grid}
     clip: bool = True  # search a clipping ratio per weight group
     search_tokens: int = Field(8192, gt=0)  # tokens per input the error Grams are built from
+    # s = mean|x|^α / mean|ŵ|^(1-α), ŵ = |w| over its group's max (AutoAWQ's "duo scaling");
+    # off: s = mean|x|^α as in the paper. On SmolLM2 g128: perplexity 35.6 on, 36.4 off.
+    duo_scaling: bool = True
 
 
 @dataclass(frozen=True)
@@ -161,19 +164,30 @@ def search_scale(weights: list[torch.Tensor], mean_abs: torch.Tensor, gram: torc
     """(α, s over `prev`'s outputs, error / RTN's error) minimizing the summed output error
     of `weights` (which share the input that `mean_abs` and `gram` describe)."""
     mean_abs = _mean_per_kv_head(mean_abs, *layout).clamp(min=1e-8)
+    w_mean = _mean_per_kv_head(relative_magnitude(weights, config.group_size), *layout)
+    rtn_error = sum(output_error(w - fake_quant(w, config), gram) for w in weights)
     best = (math.inf, 0.0, torch.ones_like(mean_abs))
-    rtn_error = None
     for step in range(config.grid):
         alpha = step / config.grid
-        s = mean_abs.pow(alpha).clamp(min=1e-4)
+        s = mean_abs.pow(alpha)
+        if config.duo_scaling:
+            s = s / (w_mean.pow(1 - alpha) + 1e-4)
+        s = s.clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
         s_in = _repeat_per_head(s, *layout)
         error = sum(output_error(w - fake_quant(w * s_in, config) / s_in, gram)
                     for w in weights)
-        rtn_error = error if rtn_error is None else rtn_error
         if error < best[0]:
             best = (error, alpha, s)
     return best[1], best[2], best[0] / max(rtn_error, 1e-30)
+
+
+def relative_magnitude(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
+    """Mean over output rows of |w| / its group's max |w|, per input channel [K]."""
+    w = torch.cat(weights).abs()
+    groups = group_view(w, group_size)
+    ratio = groups / (groups.amax(-1, keepdim=True) + 1e-6)
+    return ratio.flatten(1)[:, : w.shape[1]].mean(0)
 
 
 def fold_scale(ir: ModelIR, prev: str, names: list[str], s: torch.Tensor,
@@ -230,7 +244,12 @@ def search_clip(w: torch.Tensor, gram: torch.Tensor, config: Config,
 
 
 def fake_quant(w: torch.Tensor, config: Config, clip: torch.Tensor | None = None) -> torch.Tensor:
-    return group_quantize(w, config.bits, config.group_size, config.symmetric, clip).dequantize()
+    """`group_quantize(w, ...).dequantize()`, computed in the group view: the same numbers
+    without materializing codes or expanding scales (the searches call this 800 times a layer)."""
+    scales, zeros = quant_params(w, config.bits, config.group_size, config.symmetric, clip)
+    scales, zeros = scales[..., None], zeros[..., None]
+    codes = (group_view(w, config.group_size) / scales + zeros).round()
+    return ((codes.clamp(0, 2**config.bits - 1) - zeros) * scales).flatten(1)[:, : w.shape[1]]
 
 
 def output_error(d: torch.Tensor, gram: torch.Tensor) -> float:

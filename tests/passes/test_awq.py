@@ -9,6 +9,7 @@ import torch
 
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.pipeline import PassContext, compile_recipe, run_passes
+from llmopt.compiler.quant_format import group_quantize
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes import awq, rtn
@@ -57,9 +58,20 @@ def outlier_layer(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(96, 256, generator=generator)
 
 
-def test_scale_search_beats_rtn_on_outlier_channels():
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_fake_quant_is_group_quantize(symmetric):
+    w = torch.randn(48, 200)  # a short last group
+    clip = torch.rand(48, 4) * 0.5 + 0.5
+    config = awq.Config(bits=4, group_size=64, symmetric=symmetric)
+    for c in (None, clip):
+        expected = group_quantize(w, 4, 64, symmetric, c).dequantize()
+        assert torch.equal(awq.fake_quant(w, config, c), expected)
+
+
+@pytest.mark.parametrize("duo_scaling", [False, True])
+def test_scale_search_beats_rtn_on_outlier_channels(duo_scaling):
     x, w = outlier_layer()
-    config = awq.Config(bits=4, group_size=64, grid=20, clip=False)
+    config = awq.Config(bits=4, group_size=64, grid=20, clip=False, duo_scaling=duo_scaling)
     alpha, s, ratio = awq.search_scale([w], x.abs().mean(0), x.T @ x / len(x), (1, 1), config)
     expected = x @ w.T
     rtn_error = (x @ awq.fake_quant(w, config).T - expected).pow(2).mean()
@@ -97,7 +109,8 @@ def recipe(checkpoint, calibration_text, **options) -> Recipe:
 
 def test_one_alpha_without_clipping_is_rtn(tiny_checkpoints, calibration_text):
     ir = load_checkpoint(str(tiny_checkpoints["llama"]))
-    r = recipe(tiny_checkpoints["llama"], calibration_text, grid=1, clip=False, group_size=32)
+    r = recipe(tiny_checkpoints["llama"], calibration_text, grid=1, clip=False,
+               duo_scaling=False, group_size=32)
     out = awq.run(ir, r.pass_configs()[0][1], PassContext(r, log=lambda _: None)).ir
     base = rtn.run(ir, rtn.Config(group_size=32), None).ir
     assert set(out.quantized) == set(base.quantized)
@@ -108,7 +121,8 @@ def test_one_alpha_without_clipping_is_rtn(tiny_checkpoints, calibration_text):
 
 @pytest.mark.parametrize(("arch", "options"), [
     ("llama", {"group_size": 32}),
-    ("qwen2", {"group_size": 32, "symmetric": True, "include_lm_head": True}),
+    ("qwen2", {"group_size": 32, "symmetric": True, "include_lm_head": True,
+               "duo_scaling": False}),
 ])
 def test_artifact_equals_fake_quant_reference(arch, options, tiny_checkpoints, calibration_text,
                                               tmp_path):
