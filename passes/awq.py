@@ -11,7 +11,14 @@ the weights are rounded (RTN).
 Output errors go through the input's Gram matrix H = XᵀX: ||X(W - Ŵ)ᵀ||² =
 tr((W - Ŵ) H (W - Ŵ)ᵀ), exact on the sampled tokens and cheaper than X itself once
 there are more tokens than input channels. Layers are calibrated in order, and each
-layer sees the outputs of the layers below it as quantized (`LayerwiseRunner.advance`).
+layer sees the outputs of the layers below it as quantized (`LayerwiseRunner.advance`;
+feeding float outputs instead measured the same on SmolLM2: 36.3 vs 36.4 perplexity).
+The LM head, when included, gets the clipping search only: tied, it is also the embedding,
+which a scale would change.
+
+SmolLM2-135M, WikiText-2 perplexity (fp32 29.53), 8 x 512 calibration tokens (32 x 512
+measured no better), 4-bit asymmetric: group 128 35.6 (RTN 39.2), 64 34.5 (RTN 38.8),
+32 32.8 (RTN 37.0).
 
 Recipe: `- awq: {bits: 4, group_size: 128, symmetric: false, grid: 20, clip: true}`,
 with `calibration.text`.
