@@ -5,7 +5,7 @@ The compiler writes it (`llmopt.compiler.artifact`), the runtime validates it he
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -80,6 +80,49 @@ class TokenizerSpec(_Strict):
     eos_token: str | None = None
 
 
+class NgramDraftSpec(_Strict):
+    """Prompt-lookup drafting: no model. The longest suffix of a sequence's tokens
+    (max_n down to min_n) that occurred earlier in it proposes the tokens that followed."""
+
+    min_n: int = 1
+    max_n: int = 4
+
+
+class DraftModelSpec(_Strict):
+    """A small model compiled into the artifact beside the target, with its own KV pool.
+
+    It shares the target's block tables (same block ids and block size, its own pool
+    tensors), reads target token ids (the compiler re-indexed its embedding) and returns
+    logits over `vocab_size` rows; `token_map` maps row j to target token id (None: the
+    identity, the vocabularies are the same).
+    """
+
+    kind: Literal["model", "self", "tiny"]
+    graph: str = "draft"  # key in Manifest.graphs
+    kv_cache: KVCacheSpec
+    vocab_size: int
+    max_position: int
+    token_map: str | None = None  # .npy file of int64 [vocab_size], relative to the artifact
+
+
+class SpeculativeSpec(_Strict):
+    """How the runtime speculates: the draft(s), γ, and where it stops paying.
+
+    With both an n-gram and a model draft, a sequence uses the n-gram proposal when its
+    lookup matches and the model otherwise.
+    """
+
+    gamma: int  # draft tokens per step and sequence
+    ngram: NgramDraftSpec | None = None
+    model: DraftModelSpec | None = None
+    max_batch_size: int = 1  # speculation is switched off when more sequences decode
+    # Compile-time measurements, for people and `llmopt inspect`:
+    acceptance: list[float] = Field(default_factory=list)  # α at each draft position
+    cost_ratio: float | None = None  # draft step / target step, batch 1
+    predicted_speedup: float | None = None
+    measured: dict[str, Any] = Field(default_factory=dict)
+
+
 class Manifest(_Strict):
     format_version: int = FORMAT_VERSION
     model: ModelSpec
@@ -88,6 +131,7 @@ class Manifest(_Strict):
     runtime: RuntimeDefaults
     tokenizer: TokenizerSpec
     generation: dict[str, Any] = Field(default_factory=dict)  # default sampling params
+    speculative: SpeculativeSpec | None = None
     files: dict[str, str] = Field(default_factory=dict)  # relative path -> sha256
     # Compiler-side records: for people and `llmopt inspect`, never read by the runtime loop.
     ir: dict[str, Any] = Field(default_factory=dict)
