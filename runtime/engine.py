@@ -1,21 +1,25 @@
 """LLMEngine: the step loop tying scheduler, KV cache manager, executor and sampler together.
 
-One step: schedule -> build the StepBatch -> execute -> sample the rows that caught up
-with their known tokens (and record logprobs of scored ones) -> append tokens and stop
-requests on eos, stop tokens, max_tokens or max context -> check stop strings -> free
-what finished. Requests join and leave between steps.
+One step: schedule -> draft (when speculating) -> build the StepBatch -> execute ->
+sample the rows that caught up with their known tokens, verifying their drafts (and
+record logprobs of scored ones) -> append tokens and stop requests on eos, stop tokens,
+stop strings, max_tokens or max context -> free what finished. Requests join and leave
+between steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
+from llmopt.runtime.drafter import Drafter
 from llmopt.runtime.kv_cache_manager import KVCacheManager, cdiv
-from llmopt.runtime.output import OutputText, RequestMetrics, RequestOutput
+from llmopt.runtime.output import OutputText, RequestMetrics, RequestOutput, SpeculationMetrics
+from llmopt.runtime.rejection_sampler import verify_drafts
 from llmopt.runtime.request import Request
 from llmopt.runtime.sampler import log_softmax, sample
 from llmopt.runtime.sampling_params import SamplingParams
@@ -32,6 +36,8 @@ class EngineConfig:
     max_num_batched_tokens: int
     max_context: int
     enable_prefix_caching: bool = True
+    num_speculative_tokens: int = 0  # γ; 0 = no speculation
+    speculative_max_batch_size: int | None = None  # speculation off above; None = never
 
     def __post_init__(self) -> None:
         check_pool_size(self.num_blocks, self.block_size, self.max_context)
@@ -58,20 +64,29 @@ class LLMEngine:
         *,
         eos_token_ids: Iterable[int] = (),
         tokenizer: Tokenizer | None = None,
+        kv_cache_manager: KVCacheManager | None = None,
+        drafter: Drafter | None = None,
     ):
+        """`drafter` proposes draft tokens when `config.num_speculative_tokens` > 0; a
+        model drafter shares the engine's `kv_cache_manager` (its block tables)."""
+        if config.num_speculative_tokens and drafter is None:
+            raise ValueError("num_speculative_tokens > 0 needs a drafter")
         self.executor = executor
         self.config = config
         self.tokenizer = tokenizer
-        self.kv_cache_manager = KVCacheManager(
+        self.drafter = drafter
+        self.kv_cache_manager = kv_cache_manager or KVCacheManager(
             config.num_blocks, config.block_size, config.enable_prefix_caching
         )
         scheduler_config = SchedulerConfig(
-            config.max_num_seqs, config.max_num_batched_tokens, config.max_context
+            config.max_num_seqs, config.max_num_batched_tokens, config.max_context,
+            config.num_speculative_tokens, config.speculative_max_batch_size,
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, eos_token_ids)
         self.requests: dict[str, Request] = {}  # unfinished ones
         self.prompts: dict[str, str | None] = {}
         self.texts: dict[str, OutputText] = {}
+        self.draft_probs: dict[str, np.ndarray | None] = {}  # this step's, per request
         self._ids = itertools.count()
 
     def add_request(
@@ -107,53 +122,86 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        scheduled = self._propose_drafts(scheduled)
         logits = self.executor.execute(make_step_batch(scheduled, self.kv_cache_manager))
-        sampled = self._process_logits(scheduled, logits)
-        updated = self.scheduler.update_from_output(scheduled, sampled)
-        for request in updated:
-            self._check_stop_strings(request)
+        emitted = self._process_logits(scheduled, logits)
+        updated = self.scheduler.update_from_output(scheduled, emitted, self._hit_stop_string)
         changed = {r.request_id: r for r in updated}
         for item in scheduled:
             if item.request.is_finished:
                 changed[item.request.request_id] = item.request
+        for request in changed.values():
+            text = self.texts.get(request.request_id)
+            if text is not None and request.is_finished:
+                text.finish()
         return [self._make_output(request) for request in changed.values()]
+
+    def _propose_drafts(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """Fill the draft slots the scheduler reserved; give back the ones left unused."""
+        speculating = [i for i, item in enumerate(scheduled) if item.num_spec_tokens]
+        if not speculating:
+            return scheduled
+        requests = [scheduled[i].request for i in speculating]
+        proposals = self.drafter.propose(
+            requests, [scheduled[i].num_spec_tokens for i in speculating])
+        scheduled = list(scheduled)
+        for i, request, proposal in zip(speculating, requests, proposals, strict=True):
+            request.spec_token_ids = list(proposal.token_ids)
+            self.draft_probs[request.request_id] = proposal.probs
+            unused = scheduled[i].num_spec_tokens - len(proposal.token_ids)
+            scheduled[i] = dataclasses.replace(
+                scheduled[i], num_tokens=scheduled[i].num_tokens - unused,
+                num_spec_tokens=len(proposal.token_ids))
+        return scheduled
 
     def _process_logits(
         self, scheduled: list[ScheduledRequest], logits: np.ndarray
-    ) -> dict[str, int]:
-        """Sample the next token of requests that caught up; record logprobs of scored ones."""
+    ) -> dict[str, list[int]]:
+        """The tokens each request that caught up emits; logprobs of scored ones recorded.
+
+        Requests without drafts are sampled together, one token each; a request with
+        drafts gets its accepted drafts plus one (`verify_drafts`).
+        """
+        emitted: dict[str, list[int]] = {}
         to_sample: list[Request] = []
         sample_rows: list[int] = []
         row = 0
         for item in scheduled:
-            num_rows = len(logits_offsets(item))
-            if item.request.score_only:
+            request, num_rows = item.request, len(logits_offsets(item))
+            if request.score_only:
                 record_prompt_logprobs(item, logits[row : row + num_rows])
+            elif request.spec_token_ids:
+                emitted[request.request_id] = self._verify(request, logits[row : row + num_rows])
             elif num_rows:
-                to_sample.append(item.request)
+                to_sample.append(request)
                 sample_rows.append(row)
             row += num_rows
-        if not to_sample:
-            return {}
-        token_ids = sample(
-            logits[sample_rows],
-            [r.sampling_params for r in to_sample],
-            [r.generator for r in to_sample],
-            [r.all_token_ids for r in to_sample],
-        )
-        return {r.request_id: int(t) for r, t in zip(to_sample, token_ids, strict=True)}
+        if to_sample:
+            token_ids = sample(
+                logits[sample_rows],
+                [r.sampling_params for r in to_sample],
+                [r.generator for r in to_sample],
+                [r.all_token_ids for r in to_sample],
+            )
+            for request, token in zip(to_sample, token_ids, strict=True):
+                emitted[request.request_id] = [int(token)]
+        for request_id in emitted:
+            self.requests[request_id].num_decode_steps += 1
+        return emitted
 
-    def _check_stop_strings(self, request: Request) -> None:
+    def _verify(self, request: Request, logits: np.ndarray) -> list[int]:
+        drafts = request.spec_token_ids
+        tokens = verify_drafts(logits, drafts, self.draft_probs.pop(request.request_id, None),
+                               request.sampling_params, request.generator, request.all_token_ids)
+        request.num_spec_steps += 1
+        request.num_draft_tokens += len(drafts)
+        request.num_accepted_tokens += len(tokens) - 1
+        return tokens
+
+    def _hit_stop_string(self, request: Request) -> bool:
+        """Decode the request's newest token; True when a stop string has appeared."""
         text = self.texts.get(request.request_id)
-        if text is None:
-            return
-        if text.add_tokens(request.output_token_ids[-1:]):
-            if request.is_finished:
-                request.finish_reason = "stop"  # the stop string came before the limit
-            else:
-                self.scheduler.finish_request(request, "stop")
-        elif request.is_finished:
-            text.finish()
+        return text is not None and text.add_tokens(request.output_token_ids[-1:])
 
     def _make_output(self, request: Request) -> RequestOutput:
         text = self.texts.get(request.request_id)
@@ -170,6 +218,12 @@ class LLMEngine:
                 request.finished_time,
                 request.num_preemptions,
                 request.num_cached_tokens,
+                SpeculationMetrics(
+                    request.num_decode_steps,
+                    request.num_spec_steps,
+                    request.num_draft_tokens,
+                    request.num_accepted_tokens,
+                ),
             ),
             prompt_logprobs=request.prompt_logprobs,
         )

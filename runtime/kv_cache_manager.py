@@ -45,6 +45,13 @@ class KVCacheManager:
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
 
+    def num_draft_cached_tokens(self, computed_blocks: list[Block]) -> int:
+        """Tokens of a prefix-cache hit whose draft-model KV is cached too."""
+        num_blocks = 0
+        while num_blocks < len(computed_blocks) and computed_blocks[num_blocks].has_draft_kv:
+            num_blocks += 1
+        return num_blocks * self.block_size
+
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[Block] = ()
     ) -> bool:
@@ -71,18 +78,22 @@ class KVCacheManager:
         return True
 
     def cache_blocks(self, request: Request) -> None:
-        """Register the request's blocks that are now full of computed tokens."""
+        """Register the request's blocks that are now full of computed tokens, and mark
+        those whose draft-model KV is computed too (a later hit may skip the draft's
+        catch-up over them)."""
         if not self.enable_prefix_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
         first = self.num_cached_blocks.get(request.request_id, 0)
-        if num_full <= first:
-            return
         table = self.block_tables[request.request_id]
-        hashes = self._block_hashes(request)
-        for i in range(first, num_full):
-            self.block_pool.cache_full_block(table[i], hashes[i])
-        self.num_cached_blocks[request.request_id] = num_full
+        if num_full > first:
+            hashes = self._block_hashes(request)
+            for i in range(first, num_full):
+                self.block_pool.cache_full_block(table[i], hashes[i])
+            self.num_cached_blocks[request.request_id] = num_full
+        num_draft_full = min(num_full, request.num_draft_computed_tokens // self.block_size)
+        for block in table[:num_draft_full]:
+            block.has_draft_kv = block.block_hash is not None
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so shared prefixes are evicted last."""

@@ -34,6 +34,22 @@ def sample(
     return token_ids.astype(np.int64)
 
 
+def token_probs(
+    logits: np.ndarray, params: SamplingParams, seen_token_ids: Sequence[int]
+) -> np.ndarray:
+    """float64 [vocab]: the distribution `sample` draws a non-greedy row from.
+
+    Speculative decoding needs it whole: the acceptance ratio p(x)/q(x) and the residual
+    max(0, p - q) are exact only against the distribution actually sampled from.
+    """
+    row = np.array(logits, dtype=np.float32)[None, :]
+    apply_repetition_penalty(row, [params.repetition_penalty], [seen_token_ids])
+    candidates, probs = candidate_probs(row[0], params)
+    full = np.zeros(row.shape[1], dtype=np.float64)
+    full[candidates] = probs
+    return full
+
+
 def apply_repetition_penalty(
     logits: np.ndarray, penalties: Sequence[float], seen_token_ids: Sequence[Sequence[int]]
 ) -> None:

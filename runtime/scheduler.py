@@ -8,13 +8,21 @@ order; then waiting ones are admitted. When KV blocks run out, the most recently
 admitted running request is preempted by recompute: its blocks are freed and it goes
 back to the front of the waiting queue with its output tokens kept as known tokens,
 so recomputing them continues exactly where it stopped.
+
+Speculation: a running request that is decoding gets up to `num_speculative_tokens`
+more slots (and budget) for draft tokens, which the engine fills before the step runs;
+the target computes them with the last known token, and only the accepted ones count
+as computed afterwards (roll back by length: rejected slots are simply overwritten
+later, and never reach the prefix cache). It is off while more requests run than
+`speculative_max_batch_size`, and a request's drafts are dropped before anything is
+preempted for them.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from llmopt.runtime.kv_cache_manager import KVCacheManager
@@ -26,17 +34,23 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int  # per-step token budget
     max_context: int  # most known tokens (prompt + output) a request may reach
+    num_speculative_tokens: int = 0  # draft tokens per decoding request and step (γ)
+    speculative_max_batch_size: int | None = None  # None: speculate at any batch size
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_context"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
 
 
 @dataclass(frozen=True)
 class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens computed this step, from position request.num_computed_tokens
+    num_spec_tokens: int = 0  # of those, slots for draft tokens after the known ones
 
 
 class Scheduler:
@@ -64,12 +78,19 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         num_preemptions = self.num_preemptions
+        speculate = self.speculation_enabled()
 
         # Running requests first: they hold blocks already, and decodes keep latency low.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_spec = self._num_spec_tokens(request, budget) if speculate else 0
+            if num_spec and self.kv_cache_manager.allocate_slots(request, num_tokens + num_spec):
+                scheduled.append(ScheduledRequest(request, num_tokens + num_spec, num_spec))
+                budget -= num_tokens + num_spec
+                i += 1
+                continue
             if not self._allocate_or_preempt(request, num_tokens):
                 break  # it preempted itself: every request after it is gone too
             scheduled.append(ScheduledRequest(request, num_tokens))
@@ -80,6 +101,20 @@ class Scheduler:
         if self.num_preemptions == num_preemptions:
             scheduled += self._admit_waiting(budget)
         return scheduled
+
+    def speculation_enabled(self) -> bool:
+        limit = self.config.speculative_max_batch_size
+        return self.config.num_speculative_tokens > 0 and (
+            limit is None or len(self.running) <= limit)
+
+    def _num_spec_tokens(self, request: Request, budget: int) -> int:
+        """Draft slots for a decoding request: γ, within the budget, the context and what
+        is left of max_tokens (drafts past the last output token would be wasted)."""
+        if request.score_only or request.num_tokens - request.num_computed_tokens != 1:
+            return 0
+        left = request.sampling_params.max_tokens - len(request.output_token_ids)
+        room = self.config.max_context - request.num_tokens
+        return max(0, min(self.config.num_speculative_tokens, budget - 1, room, left - 1))
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int) -> bool:
         """Allocate slots, preempting the latest admitted requests until they fit.
@@ -104,6 +139,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = request.num_cached_tokens = num_cached_tokens
+            request.num_draft_computed_tokens = self.kv_cache_manager.num_draft_cached_tokens(
+                computed_blocks)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             admitted.append(ScheduledRequest(request, num_tokens))
@@ -111,29 +148,58 @@ class Scheduler:
         return admitted
 
     def update_from_output(
-        self, scheduled: list[ScheduledRequest], sampled_token_ids: dict[str, int]
+        self,
+        scheduled: list[ScheduledRequest],
+        sampled_token_ids: dict[str, Sequence[int]],
+        stop_check: Callable[[Request], bool] | None = None,
     ) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish requests that stop.
 
-        `sampled_token_ids` holds a token for each request that caught up this step.
-        Returns the requests that received a new token.
+        `sampled_token_ids` holds the tokens each request that caught up emits this step:
+        one, or its accepted drafts plus one. They are appended in order until one stops
+        the request; `stop_check(request)` is asked after each (stop strings). Returns
+        the requests that received new tokens.
         """
         updated = []
         for item in scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_tokens
-            self.kv_cache_manager.cache_blocks(request)
+            num_drafts, request.spec_token_ids = len(request.spec_token_ids), []
+            emitted = sampled_token_ids.get(request.request_id, ())
+            num_accepted = max(len(emitted) - 1, 0) if num_drafts else 0
+            request.num_computed_tokens += item.num_tokens - num_drafts + num_accepted
             if request.num_computed_tokens < request.num_tokens:
+                self.kv_cache_manager.cache_blocks(request)
                 continue  # a prefill chunk: more known tokens to compute
             if request.score_only:
+                self.kv_cache_manager.cache_blocks(request)
                 self.finish_request(request, "length")
                 continue
-            request.append_output_token(sampled_token_ids[request.request_id])
+            reason = self._append_tokens(request, emitted, stop_check)
+            # The draft model's KV is valid only up to the last accepted token.
+            request.num_draft_computed_tokens = min(
+                request.num_draft_computed_tokens, request.num_computed_tokens)
+            self.kv_cache_manager.cache_blocks(request)
             updated.append(request)
-            reason = self._token_stop_reason(request)
             if reason is not None:
                 self.finish_request(request, reason)
         return updated
+
+    def _append_tokens(
+        self, request: Request, token_ids: Sequence[int],
+        stop_check: Callable[[Request], bool] | None,
+    ) -> str | None:
+        """Append tokens until one stops the request; the stop reason, or None."""
+        for token in token_ids:
+            request.append_output_token(token)
+            reason = self._token_stop_reason(request)
+            if stop_check is not None and stop_check(request):
+                reason = "stop"  # a stop string ends it even on its last allowed token
+            if reason is not None:
+                # Tokens after the stop are dropped; so is their claim to be computed.
+                request.num_computed_tokens = min(request.num_computed_tokens,
+                                                  request.num_tokens - 1)
+                return reason
+        return None
 
     def finish_request(self, request: Request, reason: str) -> None:
         if request.is_finished:
@@ -149,7 +215,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_draft_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -53,7 +53,7 @@ def make_step_batch(
     row = 0
     for item in scheduled:
         request, start, n = item.request, item.request.num_computed_tokens, item.num_tokens
-        token_ids.append(request.all_token_ids[start : start + n])
+        token_ids.append((request.all_token_ids + request.spec_token_ids)[start : start + n])
         context_lens.append(start)
         block_tables.append(kv_cache_manager.block_ids(request))
         slots.append(kv_cache_manager.slot_mapping(request, start, n))
@@ -72,11 +72,14 @@ def logits_offsets(item: ScheduledRequest) -> range:
     """Query offsets of a scheduled request whose logits the step needs.
 
     Its last query row when the step catches it up with its known tokens (that row gives
-    the next token); every row that has a next token when it is scored.
+    the next token), and with draft tokens the rows of the last known token and of every
+    draft (the target's distribution after each); every row that has a next token when
+    it is scored.
     """
     request, start, n = item.request, item.request.num_computed_tokens, item.num_tokens
     if request.score_only:
         return range(min(n, request.num_tokens - 1 - start))
-    if start + n == request.num_tokens:
-        return range(n - 1, n)
+    num_drafts = len(request.spec_token_ids)
+    if start + n == request.num_tokens + num_drafts:
+        return range(n - 1 - num_drafts, n)
     return range(0)

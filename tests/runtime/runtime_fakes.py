@@ -8,7 +8,7 @@ prefix-cache hit or state lost in a preemption therefore changes the outputs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import tokenizers
@@ -48,8 +48,10 @@ def fake_logits(h: int) -> np.ndarray:
 class FakeModel:
     """An Executor over a numpy pool [num_blocks, block_size] of token ids (-1 = never written)."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int,
+                 logits_fn: Callable[[int], np.ndarray] = fake_logits):
         self.block_size = block_size
+        self.logits_fn = logits_fn  # history hash -> logits row
         self.pool = np.full((num_blocks, block_size), -1, dtype=np.int64)
         self.num_steps = 0
         self.step_sizes: list[int] = []
@@ -78,8 +80,12 @@ class FakeModel:
                 row_hashes.append(h)
         # Like a real graph, the step's entries reach the pool only after the step.
         flat[batch.slot_mapping] = np.concatenate(batch.token_ids)
-        rows = [fake_logits(row_hashes[i]) for i in batch.logits_indices]
+        rows = [self.logits_fn(row_hashes[i]) for i in batch.logits_indices]
         return np.stack(rows) if rows else np.zeros((0, VOCAB_SIZE), np.float32)
+
+    def tokens_at(self, slots: np.ndarray) -> np.ndarray:
+        """The token ids the pool holds at `slots` (-1: never written)."""
+        return self.pool.reshape(-1)[slots]
 
 
 def make_word_tokenizer(spec: TokenizerSpec | None = None) -> Tokenizer:

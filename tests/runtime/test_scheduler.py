@@ -28,7 +28,7 @@ def plan(scheduled: list[ScheduledRequest]) -> list[tuple[str, int]]:
 def finish_step(scheduler: Scheduler, scheduled: list[ScheduledRequest], token: int = 5):
     """Pretend the step ran: every request that caught up samples `token`."""
     sampled = {
-        s.request.request_id: token
+        s.request.request_id: [token]
         for s in scheduled
         if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens
     }

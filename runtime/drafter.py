@@ -1,0 +1,158 @@
+"""Drafters: what proposes the tokens a speculative step verifies.
+
+`NgramDrafter` looks the sequence's own recent tokens up earlier in it (prompt lookup);
+`ModelDrafter` runs the artifact's draft graph; `FallbackDrafter` tries the first and
+asks the second for the sequences it has nothing for. A proposal carries the
+distributions its tokens were drawn from, which exact verification needs (None: the
+tokens were chosen deterministically).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from llmopt.runtime.kv_cache_manager import KVCacheManager
+from llmopt.runtime.request import Request
+from llmopt.runtime.sampler import draw, sample, token_probs
+from llmopt.runtime.step_batch import Executor, StepBatch
+
+
+@dataclass(frozen=True)
+class Proposal:
+    token_ids: list[int]
+    probs: np.ndarray | None = None  # float64 [len(token_ids), target vocab]; None: one-hot
+
+
+class Drafter(Protocol):
+    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]) -> list[Proposal]:
+        """Up to `max_tokens[i]` draft tokens for each request, after its known tokens."""
+        ...
+
+
+class NgramDrafter:
+    """Prompt lookup: the longest suffix (max_n down to min_n tokens) of the sequence that
+    occurred earlier in it proposes the tokens that followed its latest occurrence."""
+
+    def __init__(self, min_n: int = 1, max_n: int = 4):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram drafting needs 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]) -> list[Proposal]:
+        return [
+            Proposal(ngram_lookup(r.all_token_ids, self.min_n, self.max_n, k) if k else [])
+            for r, k in zip(requests, max_tokens, strict=True)
+        ]
+
+
+def ngram_lookup(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest suffix."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(max_n, tokens.size - 1), min_n - 1, -1):
+        # Windows end before the last token, so a match is always followed by something.
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].tolist()
+    return []
+
+
+class ModelDrafter:
+    """Runs the draft graph on its own KV pool, through the target's block tables.
+
+    `request.num_draft_computed_tokens` counts the leading tokens whose draft KV is in
+    the pool. A proposal first catches the draft up with the known tokens (after a
+    prefill, or after the target accepted tokens the draft never saw), then runs one
+    token at a time; the slots it writes are those the scheduler allocated for the
+    target's verification of the same positions.
+    """
+
+    def __init__(
+        self,
+        executor: Executor,
+        kv_cache_manager: KVCacheManager,
+        target_vocab_size: int,
+        token_map: np.ndarray | None = None,
+    ):
+        self.executor = executor
+        self.kv_cache_manager = kv_cache_manager
+        self.target_vocab_size = target_vocab_size
+        self.token_map = token_map  # draft logits row -> target token id; None = identity
+
+    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]) -> list[Proposal]:
+        active = [i for i, k in enumerate(max_tokens) if k > 0]
+        drafts: dict[int, list[int]] = {i: [] for i in active}
+        probs: dict[int, list[np.ndarray]] = {i: [] for i in active}
+        step = 0
+        while active:
+            batch = self._step_batch([requests[i] for i in active], [drafts[i] for i in active])
+            logits = self.executor.execute(batch)
+            for row, i in enumerate(active):
+                request = requests[i]
+                request.num_draft_computed_tokens = request.num_tokens + step
+                token, q = self._draw(logits[row], request, drafts[i])
+                drafts[i].append(token)
+                if q is not None:
+                    probs[i].append(q)
+            step += 1
+            active = [i for i in active if len(drafts[i]) < max_tokens[i]]
+        return [
+            Proposal(drafts.get(i, []), np.stack(probs[i]) if probs.get(i) else None)
+            for i in range(len(requests))
+        ]
+
+    def _step_batch(self, requests: list[Request], drafts: list[list[int]]) -> StepBatch:
+        """Each request's tokens the draft has not computed: known ones, then its drafts
+        except the newest (whose logits are what this step asks for)."""
+        token_ids, starts, tables, slots = [], [], [], []
+        for request, draft in zip(requests, drafts, strict=True):
+            start = request.num_draft_computed_tokens
+            tokens = (request.all_token_ids + draft)[start:]
+            token_ids.append(tokens)
+            starts.append(start)
+            tables.append(self.kv_cache_manager.block_ids(request))
+            slots.append(self.kv_cache_manager.slot_mapping(request, start, len(tokens)))
+        last_rows = np.cumsum([len(t) for t in token_ids]) - 1
+        return StepBatch(token_ids, starts, tables, np.concatenate(slots).astype(np.int64),
+                         last_rows.astype(np.int64))
+
+    def _draw(
+        self, logits: np.ndarray, request: Request, draft: list[int]
+    ) -> tuple[int, np.ndarray | None]:
+        """The next draft token, and the distribution it came from (None for greedy)."""
+        logits = self._in_target_ids(logits)
+        params, seen = request.sampling_params, request.all_token_ids + draft
+        if params.greedy:
+            return int(sample(logits[None, :], [params], [request.generator], [seen])[0]), None
+        q = token_probs(logits, params, seen)
+        return draw(q, request.generator), q
+
+    def _in_target_ids(self, logits: np.ndarray) -> np.ndarray:
+        """Draft logits over the target's vocabulary: tokens the draft lacks get -inf."""
+        if self.token_map is None:
+            return logits
+        full = np.full(self.target_vocab_size, -np.inf, dtype=np.float32)
+        full[self.token_map] = logits
+        return full
+
+
+class FallbackDrafter:
+    """Ask `first` (cheap, e.g. n-gram lookup); ask `second` for what it left empty."""
+
+    def __init__(self, first: Drafter, second: Drafter):
+        self.first, self.second = first, second
+
+    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]) -> list[Proposal]:
+        proposals = self.first.propose(requests, max_tokens)
+        missing = [i for i, p in enumerate(proposals) if not p.token_ids and max_tokens[i]]
+        if missing:
+            extra = self.second.propose([requests[i] for i in missing],
+                                        [max_tokens[i] for i in missing])
+            for i, proposal in zip(missing, extra, strict=True):
+                proposals[i] = proposal
+        return proposals
