@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from llmopt.runtime.llm import LLM
+from llmopt.runtime.output import RequestOutput, SpeculationMetrics
 from llmopt.runtime.sampling_params import SamplingParams
 
 
@@ -23,8 +24,13 @@ class BenchResult:
     decode_aggregate_tok_s: float  # batch * per-stream decode speed
     wall_s: float
     peak_rss_mib: float  # of this process so far
+    # Speculation, over all requests (None without it): accepted / verified drafts,
+    # accepted drafts per speculative step, output tokens per target step.
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None
+    tokens_per_step: float | None = None
 
-    def to_dict(self) -> dict[str, float | int]:
+    def to_dict(self) -> dict[str, float | int | None]:
         return asdict(self)
 
 
@@ -48,6 +54,7 @@ def run_bench(llm: LLM, batch: int, prompt_len: int, gen_len: int, seed: int = 0
         decode_time = m.finished_time - m.first_token_time
         per_stream.append((len(out.token_ids) - 1) / decode_time if decode_time > 0 else 0.0)
     generated = sum(len(o.token_ids) for o in outputs)
+    speculation = total_speculation(outputs)
     return BenchResult(
         batch=batch, prompt_len=prompt_len, gen_len=gen_len,
         ttft_ms=1000 * float(np.mean(ttft)),
@@ -55,7 +62,20 @@ def run_bench(llm: LLM, batch: int, prompt_len: int, gen_len: int, seed: int = 0
         aggregate_tok_s=generated / wall,
         decode_aggregate_tok_s=batch * float(np.mean(per_stream)),
         wall_s=wall, peak_rss_mib=peak_rss_mib(),
+        acceptance_rate=speculation.acceptance_rate if speculation else None,
+        mean_accepted_length=speculation.mean_accepted_length if speculation else None,
+        tokens_per_step=speculation.tokens_per_step(generated) if speculation else None,
     )
+
+
+def total_speculation(outputs: list[RequestOutput]) -> SpeculationMetrics | None:
+    """The requests' speculation counters summed; None when nothing speculated."""
+    metrics = [o.metrics.speculation for o in outputs if o.metrics.speculation]
+    if not metrics or not any(m.num_spec_steps for m in metrics):
+        return None
+    return SpeculationMetrics(*(sum(values) for values in zip(
+        *((m.num_decode_steps, m.num_spec_steps, m.num_draft_tokens, m.num_accepted_tokens)
+          for m in metrics), strict=True)))
 
 
 def peak_rss_mib() -> float:

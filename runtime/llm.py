@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from llmopt.runtime.artifact import load_manifest
+from llmopt.runtime.drafter import Drafter, FallbackDrafter, ModelDrafter, NgramDrafter
 from llmopt.runtime.engine import EngineConfig, LLMEngine
 from llmopt.runtime.executor import OrtExecutor
-from llmopt.runtime.kv_cache_manager import cdiv
+from llmopt.runtime.kv_cache_manager import KVCacheManager, cdiv
+from llmopt.runtime.manifest import KVCacheSpec, Manifest, SpeculativeSpec
 from llmopt.runtime.output import RequestOutput
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.scheduler import check_prompt_length
@@ -22,7 +24,9 @@ Prompt = str | list[int]
 class LLM:
     """Generate, stream and score with an artifact: `LLM("out/smollm2").generate("Hi")`.
 
-    Arguments left as None take the manifest's runtime defaults.
+    Arguments left as None take the manifest's runtime defaults. An artifact compiled
+    with a draft speculates unless `speculative=False`; `num_speculative_tokens` and
+    `speculative_max_batch_size` override the γ and batch-size limit the compiler chose.
     """
 
     def __init__(
@@ -37,6 +41,9 @@ class LLM:
         max_context: int | None = None,
         enable_prefix_caching: bool = True,
         optimization_level: str = "all",
+        speculative: bool = True,
+        num_speculative_tokens: int | None = None,
+        speculative_max_batch_size: int | None = None,
     ):
         self.path = Path(path)
         self.manifest = manifest = load_manifest(self.path)
@@ -51,6 +58,12 @@ class LLM:
             )
         if num_blocks is None:
             num_blocks = defaults.num_blocks or max_num_seqs * cdiv(max_context, block_size) + 1
+        spec = manifest.speculative if speculative else None
+        gamma = num_speculative_tokens if num_speculative_tokens is not None else (
+            spec.gamma if spec else 0)
+        if gamma and spec is None:
+            raise ValueError("num_speculative_tokens > 0 needs an artifact compiled with a draft "
+                             "(a `draft` pass) and speculative=True")
         config = EngineConfig(  # checks the pool size before the pool is allocated
             block_size=block_size,
             num_blocks=num_blocks,
@@ -58,22 +71,37 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens or defaults.max_num_batched_tokens,
             max_context=max_context,
             enable_prefix_caching=enable_prefix_caching,
+            num_speculative_tokens=gamma,
+            speculative_max_batch_size=(speculative_max_batch_size
+                                        if speculative_max_batch_size is not None
+                                        else spec.max_batch_size if spec else None),
         )
         self.tokenizer = Tokenizer.from_file(
             self.path / manifest.tokenizer.file, manifest.tokenizer
         )
-        executor = OrtExecutor(
-            self.path / manifest.graphs["target"].file,
-            manifest.kv_cache,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            max_position=manifest.model.max_position,
-            num_threads=num_threads,
-            optimization_level=optimization_level,
-            nbits_accuracy_level=manifest.graphs["target"].nbits_accuracy_level,
-        )
+        def executor_for(graph: str, kv_cache: KVCacheSpec, max_position: int) -> OrtExecutor:
+            return OrtExecutor(
+                self.path / manifest.graphs[graph].file,
+                kv_cache,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                max_position=max_position,
+                num_threads=num_threads,
+                optimization_level=optimization_level,
+                nbits_accuracy_level=manifest.graphs[graph].nbits_accuracy_level,
+            )
+
+        kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        drafter = None
+        if gamma:
+            drafter = make_drafter(self.path, manifest, spec, kv_cache_manager, executor_for)
         self.engine = LLMEngine(
-            executor, config, eos_token_ids=manifest.model.eos_token_ids, tokenizer=self.tokenizer
+            executor_for("target", manifest.kv_cache, manifest.model.max_position),
+            config,
+            eos_token_ids=manifest.model.eos_token_ids,
+            tokenizer=self.tokenizer,
+            kv_cache_manager=kv_cache_manager,
+            drafter=drafter,
         )
         self.default_params = SamplingParams.from_generation_config(manifest.generation)
 
@@ -172,6 +200,34 @@ class LLM:
         if len(params) != num_prompts:
             raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts")
         return list(params)
+
+
+def make_drafter(
+    path: Path,
+    manifest: Manifest,
+    spec: SpeculativeSpec,
+    kv_cache_manager: KVCacheManager,
+    executor_for: Callable[[str, KVCacheSpec, int], OrtExecutor],
+) -> Drafter:
+    """The artifact's drafter: n-gram lookup, its draft model, or n-gram falling back to it."""
+    model = None
+    if spec.model is not None:
+        draft = spec.model
+        token_map = None
+        if draft.token_map is not None:
+            token_map = np.load(path / draft.token_map).astype(np.int64)
+            if token_map.shape != (draft.vocab_size,):
+                raise ValueError(f"the draft's token map {draft.token_map} has shape "
+                                 f"{token_map.shape}, expected ({draft.vocab_size},)")
+        executor = executor_for(draft.graph, draft.kv_cache, draft.max_position)
+        model = ModelDrafter(executor, kv_cache_manager, manifest.model.vocab_size, token_map)
+    ngram = spec.ngram and NgramDrafter(spec.ngram.min_n, spec.ngram.max_n)
+    if ngram and model:
+        return FallbackDrafter(ngram, model)
+    if ngram or model:
+        return ngram or model
+    raise ValueError("the manifest's speculative section names neither an n-gram nor a "
+                     "model draft")
 
 
 def _is_single_prompt(prompts: Prompt | Sequence[Prompt]) -> bool:

@@ -175,3 +175,23 @@ def build_artifact(directory: Path, runtime: dict | None = None) -> Path:
     }
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return directory
+
+
+def add_draft(directory: Path, gamma: int, *, model: bool = True, ngram: bool = False,
+              max_batch_size: int = 16) -> Path:
+    """Give the toy artifact a speculative section: its own graph again as a (perfect)
+    draft model with its own KV pool, and/or n-gram lookup."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    speculative: dict = {"gamma": gamma, "max_batch_size": max_batch_size}
+    if model:
+        (directory / "draft.onnx").write_bytes((directory / "model.onnx").read_bytes())
+        manifest["graphs"]["draft"] = {**manifest["graphs"]["target"], "file": "draft.onnx"}
+        manifest["files"]["draft.onnx"] = manifest["files"]["model.onnx"]
+        speculative["model"] = {"kind": "model", "kv_cache": manifest["kv_cache"],
+                                "vocab_size": VOCAB,
+                                "max_position": manifest["model"]["max_position"]}
+    if ngram:
+        speculative["ngram"] = {"min_n": 1, "max_n": 3}
+    manifest["speculative"] = speculative
+    (directory / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return directory
