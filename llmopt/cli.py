@@ -77,6 +77,28 @@ def inspect_command(artifact: Path, pool_mib: float, as_json: bool) -> None:
     click.echo(json.dumps(info, indent=2) if as_json else format_description(info))
 
 
+def _speculation_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """--speculative/--no-speculative, --gamma and --spec-max-batch, for generate and bench."""
+    options = [
+        click.option("--speculative/--no-speculative", default=True, show_default=True,
+                     help="Use the artifact's draft (when it has one)."),
+        click.option("--gamma", type=int, default=None,
+                     help="Draft tokens per step (default: the compiler's choice)."),
+        click.option("--spec-max-batch", type=int, default=None,
+                     help="Speculate only while at most this many sequences run "
+                          "(default: the compiler's measured limit)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _speculation_kwargs(speculative: bool, gamma: int | None,
+                        spec_max_batch: int | None) -> dict[str, Any]:
+    return {"speculative": speculative, "num_speculative_tokens": gamma,
+            "speculative_max_batch_size": spec_max_batch}
+
+
 @main.command("generate")
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.argument("prompts", nargs=-1, required=True)
@@ -93,16 +115,19 @@ def inspect_command(artifact: Path, pool_mib: float, as_json: bool) -> None:
 @click.option("--num-blocks", type=int, default=None, help="KV pool size in blocks.")
 @click.option("--max-context", type=int, default=None, help="Longest sequence, in tokens.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt and line.")
+@_speculation_options
 @_one_line_errors
 def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_tokens: int,
                      temperature: float | None, top_p: float | None, top_k: int | None,
                      min_p: float | None, repetition_penalty: float | None, seed: int | None,
                      stop: tuple[str, ...], threads: int | None, num_blocks: int | None,
-                     max_context: int | None, as_json: bool) -> None:
+                     max_context: int | None, as_json: bool, speculative: bool,
+                     gamma: int | None, spec_max_batch: int | None) -> None:
     """Generate a continuation of each PROMPT, batched together."""
     from llmopt.runtime import LLM, SamplingParams
 
-    llm = LLM(artifact, num_threads=threads, num_blocks=num_blocks, max_context=max_context)
+    llm = LLM(artifact, num_threads=threads, num_blocks=num_blocks, max_context=max_context,
+              **_speculation_kwargs(speculative, gamma, spec_max_batch))
     chosen = {"temperature": temperature if temperature is not None else 0.0, "top_p": top_p,
               "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty,
               "seed": seed}
@@ -114,6 +139,9 @@ def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_t
                       "token_ids": output.token_ids, "finish_reason": output.finish_reason,
                       "prompt_tokens": len(output.prompt_token_ids),
                       "ttft_ms": round(1000 * (output.metrics.ttft or 0.0), 3)}
+            speculation = output.metrics.speculation
+            if speculation is not None and speculation.num_spec_steps:
+                record["speculation"] = speculation.to_dict(len(output.token_ids))
             click.echo(json.dumps(record))
         else:
             click.echo(output.text)
@@ -149,16 +177,20 @@ def eval_command(artifact: Path, text_file: Path, windows: int, seq_len: int,
 @click.option("--gen-len", type=int, default=128, show_default=True)
 @click.option("--threads", type=int, default=None)
 @click.option("--json", "as_json", is_flag=True)
+@_speculation_options
 @_one_line_errors
 def bench_command(artifact: Path, batch: str, prompt_len: int, gen_len: int,
-                  threads: int | None, as_json: bool) -> None:
-    """TTFT, decode tok/s per stream, aggregate tok/s and peak RSS."""
+                  threads: int | None, as_json: bool, speculative: bool, gamma: int | None,
+                  spec_max_batch: int | None) -> None:
+    """TTFT, decode tok/s per stream, aggregate tok/s, peak RSS (random-token prompts;
+    with a draft, also acceptance rate and tokens per target step)."""
     from llmopt.runtime import LLM
     from llmopt.runtime.bench import run_bench
 
     batches = [int(b) for b in batch.split(",") if b.strip()]
     llm = LLM(artifact, num_threads=threads, max_num_seqs=max(batches),
-              max_context=prompt_len + gen_len + 1)
+              max_context=prompt_len + gen_len + 1,
+              **_speculation_kwargs(speculative, gamma, spec_max_batch))
     run_bench(llm, 1, min(prompt_len, 16), 4)  # warm-up: session init, first-run allocations
     for size in batches:
         result = run_bench(llm, size, prompt_len, gen_len)
@@ -168,4 +200,11 @@ def bench_command(artifact: Path, batch: str, prompt_len: int, gen_len: int,
             click.echo(f"batch {size:3d}: TTFT {result.ttft_ms:8.1f} ms, decode "
                        f"{result.decode_tok_s_per_stream:6.1f} tok/s/stream, aggregate "
                        f"{result.aggregate_tok_s:7.1f} tok/s, peak RSS "
-                       f"{result.peak_rss_mib:.0f} MiB")
+                       f"{result.peak_rss_mib:.0f} MiB" + _speculation_line(result))
+
+
+def _speculation_line(result: Any) -> str:
+    if result.acceptance_rate is None:
+        return ""
+    return (f", acceptance {result.acceptance_rate:.2f}, {result.tokens_per_step:.2f} "
+            "tokens/step")
