@@ -22,6 +22,8 @@ from llmopt.compiler.architectures import (
     family_for,
 )
 from llmopt.compiler.ir import ArchSpec, LayerSpec, ModelIR, RopeSpec
+from llmopt.compiler.quant_format import QuantizedLinear
+from llmopt.compiler.quantized_checkpoints import read_quantized_checkpoint
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -88,21 +90,46 @@ def load_checkpoint(model: str) -> ModelIR:
             family_for(model_type)
         raise CheckpointNotFoundError(f"cannot read model config from {model}: {exc}") from exc
     arch = arch_from_config(config)
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        ref.location, dtype=torch.float32, **ref.kwargs()
-    )
-    weights = map_weights(hf_model.state_dict(), family_for(config.model_type), arch)
-    _check_eos(arch, hf_model.generation_config)
+    family = family_for(config.model_type)
+    quantized: dict[str, QuantizedLinear] = {}
+    if quantization := getattr(config, "quantization_config", None):
+        # AutoModel would need each format's own kernels package: read the tensors ourselves.
+        state_dict, quantized = read_quantized_checkpoint(ref.location, dict(quantization))
+        generation_config = _generation_config(ref.location, config)
+    else:
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            ref.location, dtype=torch.float32, **ref.kwargs()
+        )
+        state_dict, generation_config = hf_model.state_dict(), hf_model.generation_config
+    weights = map_weights(state_dict, family, arch)
+    _check_eos(arch, generation_config)
     tokenizer = AutoTokenizer.from_pretrained(ref.location, **ref.kwargs())
-    return ModelIR(
-        arch=_with_generation_eos(arch, hf_model.generation_config),
+    ir = ModelIR(
+        arch=_with_generation_eos(arch, generation_config),
         weights=weights,
         source=model,
         tokenizer_files={"tokenizer.json": tokenizer.backend_tokenizer.to_str().encode()},
         chat_template=getattr(tokenizer, "chat_template", None),
-        generation_defaults=generation_defaults(hf_model.generation_config),
-        annotations={"tokens": _special_tokens(tokenizer)},
+        generation_defaults=generation_defaults(generation_config),
+        annotations={"tokens": _special_tokens(tokenizer), "hf_config": config.to_dict()},
     )
+    for module, q in quantized.items():
+        linear = _ir_name(f"{module}.weight", family).removesuffix(".weight")
+        if linear == "lm_head" and arch.tie_word_embeddings:
+            raise UnsupportedModelError("unsupported checkpoint: a quantized lm_head with "
+                                        "tie_word_embeddings true")
+        ir.set_quantized(linear, q)  # its float weight becomes the dequantized codes
+    return ir
+
+
+def _generation_config(location: str, config: Any) -> Any:
+    """What AutoModel would attach: generation_config.json, else derived from the config."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(location)
+    except OSError:
+        return GenerationConfig.from_model_config(config)
 
 
 def _local_model_type(ref: CheckpointRef) -> str | None:

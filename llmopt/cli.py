@@ -63,6 +63,23 @@ def compile_command(recipe: Path, out: Path, overrides: tuple[str, ...]) -> None
     compile_recipe(resolved, out, log=click.echo)
 
 
+@main.command("export-hf")
+@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path),
+              help="Hugging Face checkpoint directory to write (must not exist).")
+@click.option("--format", "fmt", default="compressed-tensors", show_default=True,
+              help="compressed-tensors (pack-quantized), gptq (v1), gptq_v2 or awq (GEMM).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
+              help="Override a recipe value, e.g. --set passes.0.rtn.bits=8.")
+@_one_line_errors
+def export_hf_command(recipe: Path, out: Path, fmt: str, overrides: tuple[str, ...]) -> None:
+    """Run RECIPE's passes and write the model as a quantized Hugging Face checkpoint."""
+    from llmopt.compiler.hf_export import export_recipe
+    from llmopt.compiler.recipe import load_recipe
+
+    export_recipe(load_recipe(recipe, list(overrides)), out, fmt, log=click.echo)
+
+
 @main.command("inspect")
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--pool-mib", type=float, default=1024.0, show_default=True,

@@ -1,0 +1,200 @@
+"""Write a ModelIR as a Hugging Face checkpoint directory, its quantized linears packed in
+a format transformers, vLLM and our own loader read: compressed-tensors `pack-quantized`
+(the default; transformers needs the `compressed-tensors` package), GPTQ v1 or v2, or
+AutoAWQ GEMM. Float tensors are written as float32, as the IR holds them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmopt.compiler.architectures import GLOBAL_NAMES, NORM_NAMES, ArchFamily, family_for
+from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.quant_format import QuantizedLinear
+from llmopt.compiler.quantized_checkpoints import to_awq, to_compressed, to_gptq
+from llmopt.compiler.recipe import Recipe
+
+Packer = Callable[[QuantizedLinear, str], dict[str, torch.Tensor]]
+PACKERS: dict[str, Packer] = {
+    "compressed-tensors": to_compressed,
+    "gptq": lambda q, name: to_gptq(q, name, version=1),
+    "gptq_v2": lambda q, name: to_gptq(q, name, version=2),
+    "awq": to_awq,
+}
+EXPORT_FORMATS = tuple(PACKERS)
+
+
+def export_hf(ir: ModelIR, out: Path, fmt: str = "compressed-tensors") -> None:
+    """Write `ir` to the (new) directory `out`: config, safetensors, tokenizer."""
+    from safetensors.torch import save_file
+
+    from llmopt.compiler.artifact import staging_directory
+
+    check_format(fmt)
+    if "hf_config" not in ir.annotations:
+        raise ValueError("export needs an IR loaded from a Hugging Face config")
+    tensors, modules = hf_tensors(ir, fmt)
+    config = {**ir.annotations["hf_config"], "dtype": "float32"}
+    config.pop("torch_dtype", None)
+    config.pop("quantization_config", None)
+    if "lm_head" in ir.quantized and ir.arch.tie_word_embeddings:
+        config["tie_word_embeddings"] = False  # embed_tokens holds the dequantized head
+    if modules:
+        config["quantization_config"] = quantization_config(fmt, modules, _float_linears(ir))
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; not replacing it")
+    with staging_directory(out) as staging:
+        save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+        _write_json(staging / "config.json", config)
+        _write_json(staging / "generation_config.json", _generation_config(ir))
+        _write_tokenizer(ir, staging)
+
+
+def export_recipe(recipe: Recipe, out: Path, fmt: str,
+                  log: Callable[[str], None] = print) -> None:
+    """Load the recipe's model, run its passes, write `out` as a HF checkpoint in `fmt`."""
+    from llmopt.compiler.loader import load_checkpoint
+    from llmopt.compiler.pipeline import check_pass_order, run_passes
+
+    check_pass_order(recipe)
+    check_format(fmt)
+    log(f"[1/3] loading {recipe.model}")
+    ir = load_checkpoint(recipe.model)
+    check_groups_fit(ir, recipe)
+    ir, _ = run_passes(ir, recipe, log)
+    log(f"[3/3] writing a {fmt} Hugging Face checkpoint to {out}")
+    export_hf(ir, out, fmt)
+
+
+def check_format(fmt: str) -> None:
+    if fmt not in PACKERS:
+        raise ValueError(f"unknown export format {fmt!r} (known: {', '.join(EXPORT_FORMATS)})")
+
+
+def check_groups_fit(ir: ModelIR, recipe: Recipe) -> None:
+    """Every format stores whole groups only: refuse before a pass spends minutes."""
+    widths = {ir.arch.hidden_size, ir.arch.intermediate_size}
+    widths |= {layer.num_heads * layer.head_dim for layer in ir.arch.layers}
+    for name, config in recipe.pass_configs():
+        group_size = getattr(config, "group_size", None)
+        if group_size and any(w % group_size for w in widths):
+            raise ValueError(
+                f"pass {name!r}: group_size {group_size} does not divide the linear input "
+                f"widths {sorted(widths)}; Hugging Face formats store whole groups only")
+
+
+def hf_tensors(ir: ModelIR, fmt: str) -> tuple[dict[str, torch.Tensor],
+                                               dict[str, QuantizedLinear]]:
+    """HF-named tensors to save, and the quantized linears by HF module name."""
+    family = family_for(ir.arch.family)
+    tensors, modules = {}, {}
+    for linear, q in ir.quantized.items():
+        module = _hf_name(f"{linear}.weight", family).removesuffix(".weight")
+        modules[module] = q
+        try:
+            packed = PACKERS[fmt](q, module)
+        except ValueError as exc:
+            raise ValueError(f"cannot export as {fmt}: {exc}") from None
+        tensors.update({f"{module}.{suffix}": t for suffix, t in packed.items()})
+    for name, tensor in ir.weights.items():
+        if name.removesuffix(".weight") in ir.quantized:
+            continue  # `embed_tokens` stays float even when the (tied) head is quantized
+        if family.norm_offset and _is_norm(name):
+            tensor = tensor - family.norm_offset  # Gemma stores w, multiplies by 1 + w
+        tensors[_hf_name(name, family)] = tensor.float().contiguous()
+    return tensors, modules
+
+
+def quantization_config(fmt: str, modules: dict[str, QuantizedLinear],
+                        float_linears: list[str]) -> dict[str, Any]:
+    """config.json's `quantization_config` for `fmt`; GPTQ and AWQ take one scheme."""
+    if fmt == "compressed-tensors":
+        return _compressed_config(modules, float_linears)
+    schemes = {(q.bits, q.group_size, q.symmetric) for q in modules.values()}
+    if len(schemes) != 1:
+        raise ValueError(f"{fmt} needs one bits/group size/symmetry for every linear, got "
+                         f"{sorted(schemes)}; export compressed-tensors")
+    ((bits, group_size, symmetric),) = schemes
+    if fmt == "awq":
+        return {"quant_method": "awq", "version": "gemm", "bits": bits, "group_size": group_size,
+                "zero_point": True, "modules_to_not_convert": float_linears}
+    return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": symmetric,
+            "desc_act": False, "static_groups": False, "true_sequential": True,
+            "lm_head": any(m == "lm_head" for m in modules), "format": fmt,
+            "checkpoint_format": fmt}
+
+
+def _compressed_config(modules: dict[str, QuantizedLinear],
+                       float_linears: list[str]) -> dict[str, Any]:
+    """One config group per scheme, targeting its modules by exact name."""
+    schemes: dict[tuple[int, int, bool], list[str]] = {}
+    for module, q in modules.items():
+        schemes.setdefault((q.bits, q.group_size, q.symmetric), []).append(module)
+    groups = {
+        f"group_{i}": {
+            "targets": targets, "input_activations": None, "output_activations": None,
+            "weights": {"num_bits": bits, "type": "int", "symmetric": symmetric,
+                        "strategy": "group", "group_size": group_size, "dynamic": False,
+                        "actorder": None, "observer": "minmax"},
+        }
+        for i, ((bits, group_size, symmetric), targets) in enumerate(schemes.items())
+    }
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "quantization_status": "compressed", "config_groups": groups,
+            "ignore": float_linears, "kv_cache_scheme": None, "sparsity_config": {}}
+
+
+def _hf_name(name: str, family: ArchFamily) -> str:
+    """IR weight name -> HF parameter name: the loader's tables, inverted."""
+    for hf, ir in GLOBAL_NAMES.items():
+        if ir == name:
+            return hf
+    _, index, rest = name.split(".", 2)
+    for hf, ir in family.layer_names.items():
+        if ir == rest:
+            return f"model.layers.{index}.{hf}"
+    raise ValueError(f"IR weight {name!r} has no Hugging Face name")
+
+
+def _is_norm(name: str) -> bool:
+    return name == "final_norm" or name.rsplit(".", 1)[-1] in NORM_NAMES
+
+
+def _float_linears(ir: ModelIR) -> list[str]:
+    """HF names of the linears left float (for `ignore` / `modules_to_not_convert`)."""
+    family = family_for(ir.arch.family)
+    linears = [n.removesuffix(".weight") for n in ir.weights
+               if n.endswith("_proj.weight") and n.removesuffix(".weight") not in ir.quantized]
+    names = [_hf_name(f"{n}.weight", family).removesuffix(".weight") for n in linears]
+    return names + ([] if "lm_head" in ir.quantized else ["lm_head"])
+
+
+def _generation_config(ir: ModelIR) -> dict[str, Any]:
+    arch = ir.arch
+    config = {"bos_token_id": arch.bos_token_id, "eos_token_id": list(arch.eos_token_ids),
+              "pad_token_id": arch.pad_token_id}
+    if ir.generation_defaults.get("temperature", 0.0) > 0:
+        config |= {"do_sample": True, **ir.generation_defaults}
+    return config
+
+
+def _write_tokenizer(ir: ModelIR, directory: Path) -> None:
+    if "tokenizer.json" not in ir.tokenizer_files:
+        return
+    for name, content in ir.tokenizer_files.items():
+        (directory / name).write_bytes(content)
+    tokens = {k: v for k, v in ir.annotations.get("tokens", {}).items() if v is not None}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **tokens}
+    if ir.chat_template:
+        config["chat_template"] = ir.chat_template
+    _write_json(directory / "tokenizer_config.json", config)
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
