@@ -1,0 +1,276 @@
+"""Speculative decoding on SmolLM2: speed with and without each draft, and why.
+
+    python benchmarks/bench_speculative.py --artifacts ngram=out/spec-ngram,tiny=out/spec-tiny
+
+Each artifact runs in its own worker process (ONNX Runtime pinned to --threads), which
+loads it twice, speculation on (the manifest's γ and batch-size limit) and off, and
+interleaves the two on the same prompts:
+
+- batch 1, greedy, `--gen` new tokens (EOS ignored) for chat, code and repetition-heavy
+  prompts: decode tok/s (after the first token), speedup, acceptance rate α, accepted
+  drafts per speculative step, output tokens per target step, and the speedup the
+  formula predicts from α, γ and the costs measured below;
+- batches 1..16 of the whole mix: aggregate tok/s on vs off (the target is >= 0.95x);
+- step costs, timed directly on the executors at batch 1 and a 128-token context: the
+  target's verification step of q = 1..γ+1 tokens against q single-token steps, and the
+  draft's single-token step against the target's.
+
+Prints a table and writes JSON to benchmarks/results/bench_speculative.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS_DIR, machine_info, run_json_worker, thread_env, write_json  # noqa: E402
+
+PASSAGE = (
+    "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with "
+    "a single step. All that glitters is not gold. Actions speak louder than words. The early "
+    "bird catches the worm. Where there is a will, there is a way."
+)
+CODE = '''def average(values):
+    total = 0
+    for value in values:
+        total = total + value
+    return total / len(values)
+
+
+def largest(values):
+    best = values[0]
+    for value in values:
+        if value > best:
+            best = value
+    return best
+'''
+PROMPTS: dict[str, list[str]] = {
+    "chat": [
+        "What are three tips for staying healthy?",
+        "Explain what a black hole is in simple terms.",
+        "Write a short story about a robot who learns to paint.",
+    ],
+    "code": [
+        "Write a Python function that checks whether a number is prime.",
+        "Write a Python class for a bank account with deposit and withdraw methods.",
+        f"Add type hints and docstrings to this Python code:\n\n{CODE}",
+    ],
+    "repetition": [
+        f"Repeat the following text exactly, twice:\n\n{PASSAGE}",
+        f"Rename the function `average` to `mean` in this code and print the whole file:\n\n"
+        f"{CODE}",
+        "Copy this list, one item per line, keeping the numbers:\n1. apples\n2. bananas\n"
+        "3. cherries\n4. dates\n5. elderberries\n6. figs\n7. grapes\n8. honeydew",
+    ],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--artifacts", required=True,
+                        help="Comma-separated NAME=PATH of artifacts compiled with a draft.")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--gen", type=int, default=128)
+    parser.add_argument("--batches", default="1,2,4,8,16")
+    parser.add_argument("--max-context", type=int, default=1024)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_speculative.json")
+    parser.add_argument("--worker", nargs=2, metavar=("NAME", "PATH"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(run_worker(Path(args.worker[1]), args)))
+        return
+    results = {"machine": machine_info(), "threads": args.threads, "gen": args.gen,
+               "artifacts": {}}
+    for item in args.artifacts.split(","):
+        name, path = item.split("=", 1)
+        print(f"[{name}] {path} ...", flush=True)
+        worker_args = [__file__, "--artifacts", args.artifacts, "--threads", str(args.threads),
+                       "--gen", str(args.gen), "--batches", args.batches,
+                       "--max-context", str(args.max_context),
+                       "--worker", name, path]
+        results["artifacts"][name] = run_json_worker(worker_args, thread_env(args.threads))
+    results["loadavg_at_end"] = list(__import__("os").getloadavg())
+    print_tables(results)
+    write_json(args.out, results)
+    print(f"wrote {args.out}")
+
+
+# ------------------------------------------------------------------------- the worker
+def run_worker(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from llmopt.runtime import LLM, SamplingParams
+
+    batches = [int(b) for b in args.batches.split(",")]
+    # No prefix caching: the same prompts run in several phases, and step_costs writes
+    # garbage into pool blocks; decode speed is what is measured.
+    common = {"num_threads": args.threads, "max_num_seqs": max(batches),
+              "max_context": args.max_context, "enable_prefix_caching": False}
+    spec_llm = LLM(path, **common)
+    plain_llm = LLM(path, speculative=False, **common)
+    spec = spec_llm.manifest.speculative
+    params = SamplingParams(temperature=0.0, max_tokens=args.gen, ignore_eos=True)
+    encoded = {cat: [spec_llm.tokenizer.encode_chat([{"role": "user", "content": p}])
+                     for p in prompts] for cat, prompts in PROMPTS.items()}
+    for llm in (spec_llm, plain_llm):  # warm-up: session start, first-run allocations
+        llm.generate([encoded["chat"][0]], SamplingParams(temperature=0.0, max_tokens=8))
+
+    per_category = {}
+    for category, prompts in encoded.items():
+        on, off = [], []
+        for prompt in prompts:  # interleaved, so load changes hit both alike
+            off.append(timed_generate(plain_llm, [prompt], params))
+            on.append(timed_generate(spec_llm, [prompt], params))
+            if on[-1]["token_ids"] != off[-1]["token_ids"]:
+                raise RuntimeError(f"greedy outputs differ with speculation on ({category})")
+        per_category[category] = summarize(on, off)
+
+    costs = step_costs(spec_llm, spec.gamma)
+    for summary in per_category.values():
+        summary["predicted_speedup"] = predicted_speedup(
+            summary["acceptance_rate"], spec.gamma, costs)
+
+    mix = [p for prompts in encoded.values() for p in prompts]
+    by_batch = {}
+    for batch in batches:
+        prompts = (mix * (batch // len(mix) + 1))[:batch]
+        off = timed_generate(plain_llm, prompts, params)
+        on = timed_generate(spec_llm, prompts, params)
+        by_batch[batch] = {"plain_tok_s": off["tok_s"], "spec_tok_s": on["tok_s"],
+                           "speedup": on["tok_s"] / off["tok_s"],
+                           "speculated": on["spec_steps"] > 0}
+    all_on = [r for s in per_category.values() for r in s.pop("runs_on")]
+    all_off = [r for s in per_category.values() for r in s.pop("runs_off")]
+    overall = summarize(all_on, all_off)
+    overall.pop("runs_on"), overall.pop("runs_off")
+    overall["predicted_speedup"] = predicted_speedup(overall["acceptance_rate"], spec.gamma,
+                                                     costs)
+    return {"path": str(path), "gamma": spec.gamma, "max_batch_size": spec.max_batch_size,
+            "kinds": [k for k in ("ngram", "model") if getattr(spec, k) is not None],
+            "draft_kind": spec.model.kind if spec.model else None,
+            "compile_time_acceptance": spec.acceptance, "compile_time_cost_ratio":
+            spec.cost_ratio, "per_category": per_category, "overall": overall,
+            "step_costs": costs, "by_batch": by_batch}
+
+
+def timed_generate(llm, prompts: list[list[int]], params) -> dict[str, Any]:
+    """Aggregate decode tok/s of one batch (tokens after each first token / decode time)."""
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    wall = time.perf_counter() - started
+    decode_tokens = sum(len(o.token_ids) - 1 for o in outputs)
+    decode_time = max(o.metrics.finished_time for o in outputs) - min(
+        o.metrics.first_token_time for o in outputs)
+    spec = [o.metrics.speculation for o in outputs]
+    return {
+        "tok_s": decode_tokens / decode_time, "wall_s": wall,
+        "token_ids": [o.token_ids for o in outputs],
+        "decode_steps": sum(s.num_decode_steps for s in spec),
+        "spec_steps": sum(s.num_spec_steps for s in spec),
+        "draft_tokens": sum(s.num_draft_tokens for s in spec),
+        "accepted_tokens": sum(s.num_accepted_tokens for s in spec),
+        "output_tokens": sum(len(o.token_ids) for o in outputs),
+    }
+
+
+def summarize(on: list[dict], off: list[dict]) -> dict[str, Any]:
+    def total(runs: list[dict], key: str) -> float:
+        return sum(r[key] for r in runs)
+
+    # Speed over a category: total decode tokens / total decode time, for each mode.
+    def speed(runs: list[dict]) -> float:
+        return total(runs, "output_tokens") / sum(r["output_tokens"] / r["tok_s"] for r in runs)
+
+    drafts = total(on, "draft_tokens")
+    return {
+        "plain_tok_s": speed(off), "spec_tok_s": speed(on), "speedup": speed(on) / speed(off),
+        "acceptance_rate": total(on, "accepted_tokens") / drafts if drafts else 0.0,
+        "mean_accepted_length": (total(on, "accepted_tokens") / total(on, "spec_steps")
+                                 if total(on, "spec_steps") else 0.0),
+        "tokens_per_step": total(on, "output_tokens") / total(on, "decode_steps"),
+        "runs_on": on, "runs_off": off,
+    }
+
+
+def step_costs(llm, gamma: int, context: int = 128, repeats: int = 15) -> dict[str, Any]:
+    """Median ms of the target's step with q = 1..γ+1 query tokens and of the draft's
+    one-token step, batch 1, on a `context`-token sequence; and the ratios that decide
+    whether speculation can pay."""
+    from llmopt.runtime.step_batch import StepBatch
+
+    engine = llm.engine
+    block_size = engine.config.block_size
+    blocks = list(range(1, (context + gamma + 1) // block_size + 2))
+
+    def batch(q: int) -> StepBatch:
+        positions = np.arange(context, context + q)
+        slots = np.asarray(blocks)[positions // block_size] * block_size + positions % block_size
+        return StepBatch([[100 + i for i in range(q)]], [context], [blocks],
+                         slots.astype(np.int64), np.arange(q, dtype=np.int64))
+
+    def median_ms(executor, q: int) -> float:
+        executor.execute(batch(q))
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            executor.execute(batch(q))
+            times.append(1000 * (time.perf_counter() - started))
+        return statistics.median(times)
+
+    target = {q: median_ms(engine.executor, q) for q in range(1, gamma + 2)}
+    drafter = engine.drafter
+    model = getattr(drafter, "second", drafter)
+    draft_ms = median_ms(model.executor, 1) if hasattr(model, "executor") else 0.0
+    return {
+        "target_ms": target, "draft_ms": draft_ms,
+        "draft_cost_ratio": draft_ms / target[1],
+        "verify_ratio": {q: target[q] / target[1] for q in target},  # vs one 1-token step
+        "verify_vs_sequential": {q: target[q] / (q * target[1]) for q in target},
+    }
+
+
+def predicted_speedup(alpha: float, gamma: int, costs: dict[str, Any]) -> float:
+    """Leviathan et al.'s expected speedup with i.i.d. acceptance α: tokens per step
+    (1 - α^(γ+1)) / (1 - α) over the step's cost γ·c + verify(γ+1), in target steps."""
+    tokens = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    cost = gamma * costs["draft_cost_ratio"] + costs["verify_ratio"][gamma + 1]
+    return tokens / cost
+
+
+# ------------------------------------------------------------------------- the table
+def print_tables(results: dict[str, Any]) -> None:
+    print(f"\nbatch 1, greedy, {results['gen']} new tokens, {results['threads']} thread(s)")
+    print("| draft | γ | prompts | plain tok/s | spec tok/s | speedup | predicted | α | "
+          "accepted/step | tokens/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, r in results["artifacts"].items():
+        rows = {**r["per_category"], "all": r["overall"]}
+        for category, s in rows.items():
+            print(f"| {name} | {r['gamma']} | {category} | {s['plain_tok_s']:.1f} | "
+                  f"{s['spec_tok_s']:.1f} | **{s['speedup']:.2f}x** | "
+                  f"{s['predicted_speedup']:.2f}x | {s['acceptance_rate']:.2f} | "
+                  f"{s['mean_accepted_length']:.2f} | {s['tokens_per_step']:.2f} |")
+    print("\nbatch sweep (the mix, aggregate decode tok/s; speculation off above the "
+          "manifest's max_batch_size)")
+    print("| draft | max_batch_size | batch | plain tok/s | spec tok/s | speedup | speculated |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in results["artifacts"].items():
+        for batch, b in r["by_batch"].items():
+            print(f"| {name} | {r['max_batch_size']} | {batch} | {b['plain_tok_s']:.1f} | "
+                  f"{b['spec_tok_s']:.1f} | {b['speedup']:.2f}x | {b['speculated']} |")
+    print("\nstep costs (batch 1, context 128): verification of q tokens / q single steps")
+    for name, r in results["artifacts"].items():
+        c = r["step_costs"]
+        ratios = ", ".join(f"q={q}: {v:.2f}" for q, v in c["verify_vs_sequential"].items())
+        print(f"- {name}: target 1-token step {c['target_ms']['1']:.1f} ms, draft step "
+              f"{c['draft_ms']:.2f} ms (ratio {c['draft_cost_ratio']:.3f}); {ratios}")
+
+
+if __name__ == "__main__":
+    main()
