@@ -24,6 +24,7 @@ from llmopt.runtime.request import Request
 from llmopt.runtime.sampler import log_softmax, sample
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from llmopt.runtime.speculation_policy import SpeculationPolicy
 from llmopt.runtime.step_batch import Executor, logits_offsets, make_step_batch
 from llmopt.runtime.tokenizer import Tokenizer
 
@@ -66,9 +67,12 @@ class LLMEngine:
         tokenizer: Tokenizer | None = None,
         kv_cache_manager: KVCacheManager | None = None,
         drafter: Drafter | None = None,
+        speculation_policy: SpeculationPolicy | None = None,
     ):
         """`drafter` proposes draft tokens when `config.num_speculative_tokens` > 0; a
-        model drafter shares the engine's `kv_cache_manager` (its block tables)."""
+        model drafter shares the engine's `kv_cache_manager` (its block tables).
+        `speculation_policy` sizes each sequence's drafts from its acceptance (None:
+        always γ)."""
         if config.num_speculative_tokens and drafter is None:
             raise ValueError("num_speculative_tokens > 0 needs a drafter")
         self.executor = executor
@@ -82,7 +86,9 @@ class LLMEngine:
             config.max_num_seqs, config.max_num_batched_tokens, config.max_context,
             config.num_speculative_tokens, config.speculative_max_batch_size,
         )
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, eos_token_ids)
+        self.speculation_policy = speculation_policy
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, eos_token_ids,
+                                   speculation_policy)
         self.requests: dict[str, Request] = {}  # unfinished ones
         self.prompts: dict[str, str | None] = {}
         self.texts: dict[str, OutputText] = {}
@@ -185,8 +191,13 @@ class LLMEngine:
             )
             for request, token in zip(to_sample, token_ids, strict=True):
                 emitted[request.request_id] = [int(token)]
-        for request_id in emitted:
-            self.requests[request_id].num_decode_steps += 1
+        for request_id, tokens in emitted.items():
+            request = self.requests[request_id]
+            request.num_decode_steps += 1
+            if self.speculation_policy is not None:
+                num_drafts = len(request.spec_token_ids)
+                self.speculation_policy.observe(request, num_drafts,
+                                                min(len(tokens) - 1, num_drafts))
         return emitted
 
     def _verify(self, request: Request, logits: np.ndarray) -> list[int]:

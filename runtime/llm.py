@@ -16,6 +16,7 @@ from llmopt.runtime.manifest import KVCacheSpec, Manifest, SpeculativeSpec
 from llmopt.runtime.output import RequestOutput
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.scheduler import check_prompt_length
+from llmopt.runtime.speculation_policy import SpeculationPolicy
 from llmopt.runtime.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -27,6 +28,8 @@ class LLM:
     Arguments left as None take the manifest's runtime defaults. An artifact compiled
     with a draft speculates unless `speculative=False`; `num_speculative_tokens` and
     `speculative_max_batch_size` override the γ and batch-size limit the compiler chose.
+    With the compiler's step costs in the manifest, each sequence drafts only as many
+    tokens as its recent acceptance makes pay (`adaptive_speculation=False`: always γ).
     """
 
     def __init__(
@@ -44,6 +47,7 @@ class LLM:
         speculative: bool = True,
         num_speculative_tokens: int | None = None,
         speculative_max_batch_size: int | None = None,
+        adaptive_speculation: bool = True,
     ):
         self.path = Path(path)
         self.manifest = manifest = load_manifest(self.path)
@@ -102,6 +106,7 @@ class LLM:
             tokenizer=self.tokenizer,
             kv_cache_manager=kv_cache_manager,
             drafter=drafter,
+            speculation_policy=make_policy(spec, gamma) if adaptive_speculation else None,
         )
         self.default_params = SamplingParams.from_generation_config(manifest.generation)
 
@@ -200,6 +205,14 @@ class LLM:
         if len(params) != num_prompts:
             raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts")
         return list(params)
+
+
+def make_policy(spec: SpeculativeSpec | None, gamma: int) -> SpeculationPolicy | None:
+    """A per-sequence draft-length policy from the compiler's costs, if it measured them."""
+    if spec is None or not gamma or len(spec.verify_cost) < gamma + 1:
+        return None
+    prior = float(np.mean(spec.acceptance)) if spec.acceptance else 0.5
+    return SpeculationPolicy(gamma, spec.verify_cost, spec.cost_ratio or 0.0, prior)
 
 
 def make_drafter(

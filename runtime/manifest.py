@@ -119,6 +119,9 @@ class SpeculativeSpec(_Strict):
     # Compile-time measurements, for people and `llmopt inspect`:
     acceptance: list[float] = Field(default_factory=list)  # α at each draft position
     cost_ratio: float | None = None  # draft step / target step, batch 1
+    # verify_cost[k]: the target's (k+1)-token step over its 1-token step, batch 1,
+    # k = 0..γ at least; with it the runtime sizes each sequence's drafts to what pays.
+    verify_cost: list[float] = Field(default_factory=list)
     predicted_speedup: float | None = None
     measured: dict[str, Any] = Field(default_factory=dict)
 

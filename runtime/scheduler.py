@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from llmopt.runtime.kv_cache_manager import KVCacheManager
 from llmopt.runtime.request import Request, RequestStatus
+from llmopt.runtime.speculation_policy import SpeculationPolicy
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,11 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         eos_token_ids: Iterable[int] = (),
+        speculation_policy: SpeculationPolicy | None = None,
     ):
+        """`speculation_policy` sizes each request's drafts (up to γ); None: always γ."""
         self.config = config
+        self.speculation_policy = speculation_policy
         self.kv_cache_manager = kv_cache_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
@@ -114,7 +118,10 @@ class Scheduler:
             return 0
         left = request.sampling_params.max_tokens - len(request.output_token_ids)
         room = self.config.max_context - request.num_tokens
-        return max(0, min(self.config.num_speculative_tokens, budget - 1, room, left - 1))
+        gamma = self.config.num_speculative_tokens
+        if self.speculation_policy is not None:
+            gamma = min(gamma, self.speculation_policy.num_drafts(request))
+        return max(0, min(gamma, budget - 1, room, left - 1))
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int) -> bool:
         """Allocate slots, preempting the latest admitted requests until they fit.

@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from runtime_fakes import fake_logits, reference_greedy
+from test_speculative_engine import GREEDY, make_spec_engine, prompts, run_checked
+
+from llmopt.runtime.request import Request
+from llmopt.runtime.sampling_params import SamplingParams
+from llmopt.runtime.speculation_policy import SpeculationPolicy, expected_tokens
+
+
+def request() -> Request:
+    return Request("r", [1, 2, 3], SamplingParams())
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_cheap_verification_and_good_drafts_use_all_of_gamma():
+    policy = SpeculationPolicy(4, [1.0, 1.05, 1.1, 1.15, 1.2], 0.05, prior_alpha=0.8)
+    assert policy.num_drafts(request()) == 4
+
+
+def test_drafts_that_do_not_pay_are_not_proposed():
+    policy = SpeculationPolicy(4, [1.0, 1.5, 2.0, 2.5, 3.0], 0.2, prior_alpha=0.2)
+    assert policy.num_drafts(request()) == 0
+
+
+def test_rejections_shrink_the_drafts_and_plain_steps_let_them_come_back():
+    policy = SpeculationPolicy(4, [1.0, 1.15, 1.3, 1.45, 1.6], 0.05, prior_alpha=0.7)
+    r = request()
+    assert policy.num_drafts(r) > 0
+    for _ in range(6):
+        policy.observe(r, policy.num_drafts(r) or 1, 0)  # every draft rejected
+    assert policy.num_drafts(r) == 0
+    steps = 0
+    while policy.num_drafts(r) == 0:
+        policy.observe(r, 0, 0)  # plain steps: the evidence fades towards the prior
+        steps += 1
+    assert 1 <= steps <= 20
+
+
+def always_wrong(h: int) -> np.ndarray:
+    return -fake_logits(h)  # the target's least likely token, every time
+
+
+def test_the_engine_backs_off_a_useless_draft_and_keeps_the_output():
+    batch = prompts(2, seed=21)
+    engine = make_spec_engine(always_wrong, gamma=3)
+    engine.speculation_policy = policy = SpeculationPolicy(3, [1.0, 1.2, 1.4, 1.6], 0.1, 0.6)
+    engine.scheduler.speculation_policy = policy
+    outputs = run_checked(engine, batch, GREEDY)
+    for prompt, out in zip(batch, outputs, strict=True):
+        assert out.token_ids == reference_greedy(prompt, GREEDY.max_tokens)
+        spec = out.metrics.speculation
+        assert spec.num_accepted_tokens == 0
+        assert spec.num_spec_steps < spec.num_decode_steps / 2
