@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 
 from llmopt.compiler.ir import ModelIR
@@ -24,7 +25,9 @@ from llmopt.compiler.onnx_graph import save_with_external_data
 from llmopt.compiler.recipe import Recipe, resolved_dict
 from llmopt.runtime.artifact import sha256_file
 from llmopt.runtime.contract import FORMAT_VERSION
-from llmopt.runtime.manifest import MANIFEST_FILE, Manifest
+from llmopt.runtime.manifest import MANIFEST_FILE, Manifest, SpeculativeSpec
+
+TOKEN_MAP_FILE = "draft_token_map.npy"
 
 _TOOLS = ("llmopt", "torch", "transformers", "onnx", "onnxruntime", "tokenizers")
 
@@ -76,6 +79,7 @@ def write_artifact(
                                                                    0))}
     for file, content in ir.tokenizer_files.items():
         (directory / file).write_bytes(content)
+    speculative = _speculative_spec(directory, ir, recipe)
     for file in directory.iterdir():
         file.chmod(0o644)
     manifest = Manifest(
@@ -86,6 +90,7 @@ def write_artifact(
         runtime=recipe.runtime.model_dump(),
         tokenizer=_tokenizer_spec(ir),
         generation=ir.generation_defaults,
+        speculative=speculative,
         files={p.name: sha256_file(p) for p in sorted(directory.iterdir()) if p.is_file()},
         ir=_ir_record(ir),
         recipe=resolved_dict(recipe),
@@ -94,6 +99,29 @@ def write_artifact(
     )
     (directory / MANIFEST_FILE).write_text(json.dumps(manifest.model_dump(), indent=2))
     return manifest
+
+
+def _speculative_spec(directory: Path, ir: ModelIR, recipe: Recipe) -> SpeculativeSpec | None:
+    """The manifest's `speculative` section; writes the draft's token map beside it."""
+    bundle = ir.draft
+    if bundle is None:
+        return None
+    spec = dict(bundle.speculative)
+    if bundle.ir is not None:
+        token_map = None
+        if bundle.token_map is not None:
+            token_map = TOKEN_MAP_FILE
+            np.save(directory / token_map, bundle.token_map.numpy().astype(np.int64))
+        arch = bundle.ir.arch
+        spec["model"] = {
+            "kind": bundle.kind,
+            "graph": "draft",
+            "kv_cache": {"layers": [{"tensors": cache_tensors(s)} for s in arch.layers]},
+            "vocab_size": arch.vocab_size,
+            "max_position": min(arch.max_position, recipe.runtime.max_context),
+            "token_map": token_map,
+        }
+    return SpeculativeSpec.model_validate(spec)
 
 
 def _opset(model: onnx.ModelProto) -> int:
@@ -128,7 +156,10 @@ def _ir_record(ir: ModelIR) -> dict[str, Any]:
     arch = ir.arch.to_dict()
     for rope in arch["ropes"].values():
         rope["inv_freq"] = len(rope["inv_freq"])  # the table is in the graph; keep its size
-    return {"arch": arch, "source": ir.source, "parameters": ir.num_parameters()}
+    record = {"arch": arch, "source": ir.source, "parameters": ir.num_parameters()}
+    if ir.draft is not None and ir.draft.ir is not None:
+        record["draft"] = _ir_record(ir.draft.ir)
+    return record
 
 
 def tool_versions() -> dict[str, str]:

@@ -17,6 +17,10 @@ Weight names (all float tensors, torch layout [out, in] for linears):
   final_norm                           [hidden]
   lm_head.weight                       [vocab, hidden]  absent when tied to embed_tokens
 Norm weights are stored as the effective multiplier (Gemma's `1 + w` is folded at load).
+
+A draft model's `vocab_size` is its logits width: its embedding has one row per TARGET
+token id (re-indexed at compile time) and its LM head one row per `DraftBundle.token_map`
+entry, so the two may differ.
 """
 
 from __future__ import annotations
@@ -110,6 +114,7 @@ class ModelIR:
     # in `weights` is kept equal to their dequantization, so the reference model computes
     # exactly what the quantized graph computes (fake quantization).
     quantized: dict[str, QuantizedLinear] = field(default_factory=dict)
+    draft: DraftBundle | None = None  # set by the `draft` pass; lowered as graph "draft"
 
     def copy(self) -> ModelIR:
         """A new IR sharing tensors: passes rewrite the copy and leave their input intact."""
@@ -130,3 +135,19 @@ class ModelIR:
 
     def num_parameters(self) -> int:
         return sum(t.numel() for t in self.weights.values())
+
+
+@dataclass
+class DraftBundle:
+    """A speculative-decoding draft paired with the target: what the artifact records.
+
+    `ir` is None for an n-gram-only draft. `token_map[j]` is the target token id of the
+    draft's logits row j (None: the identity). `speculative` holds the manifest's
+    SpeculativeSpec fields other than `model` (gamma, ngram, max_batch_size, acceptance,
+    cost_ratio, predicted_speedup, measured).
+    """
+
+    kind: Literal["model", "self", "tiny", "ngram"]
+    ir: ModelIR | None
+    token_map: torch.Tensor | None  # int64 [draft vocab_size]
+    speculative: dict[str, Any] = field(default_factory=dict)

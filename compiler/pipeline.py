@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.compiler.artifact import staging_directory, write_artifact
-from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.ir import ArchSpec, ModelIR
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.lower import LoweringOptions, lower_to_onnx
 from llmopt.compiler.recipe import Recipe
@@ -55,37 +55,50 @@ def compile_recipe(recipe: Recipe, out: Path, log: Callable[[str], None] = print
     # Phase 3: lower to ONNX and write the artifact atomically.
     log(f"[3/3] lowering to ONNX ({recipe.target.operator_set} operators, "
         f"{recipe.target.weight_dtype} weights) and writing {out}")
-    options = LoweringOptions(
-        operator_set=recipe.target.operator_set,
-        weight_dtype=recipe.target.weight_dtype,
-        max_position=min(ir.arch.max_position, recipe.runtime.max_context),
-        nbits_accuracy_level=recipe.target.nbits_accuracy_level,
-    )
-    graph = lower_to_onnx(ir, options)
+    graphs = {"target": (lower_to_onnx(ir, lowering_options(recipe, ir.arch)),
+                         recipe.target.operator_set)}
+    if ir.draft is not None and ir.draft.ir is not None:  # the draft: same operators, own IR
+        draft = ir.draft.ir
+        graphs["draft"] = (lower_to_onnx(draft, lowering_options(recipe, draft.arch)),
+                           recipe.target.operator_set)
     with staging_directory(out) as staging:
-        manifest = write_artifact(
-            staging, ir, {"target": (graph, options.operator_set)}, recipe, reports
-        )
+        manifest = write_artifact(staging, ir, graphs, recipe, reports)
     log(f"      done in {time.perf_counter() - started:.1f} s")
     return manifest
+
+
+def lowering_options(recipe: Recipe, arch: ArchSpec) -> LoweringOptions:
+    """How the recipe's target lowers a model (the target, or its draft)."""
+    return LoweringOptions(
+        operator_set=recipe.target.operator_set,
+        weight_dtype=recipe.target.weight_dtype,
+        max_position=min(arch.max_position, recipe.runtime.max_context),
+        nbits_accuracy_level=recipe.target.nbits_accuracy_level,
+    )
 
 
 def run_passes(
     ir: ModelIR, recipe: Recipe, log: Callable[[str], None]
 ) -> tuple[ModelIR, list[dict[str, Any]]]:
-    context = PassContext(recipe=recipe, log=log)
-    reports = []
     configs = recipe.pass_configs()
     log(f"[2/3] running {len(configs)} pass(es)")
+    return apply_passes(ir, configs, PassContext(recipe=recipe, log=log))
+
+
+def apply_passes(
+    ir: ModelIR, configs: list[tuple[str, Any]], context: PassContext
+) -> tuple[ModelIR, list[dict[str, Any]]]:
+    """Run (name, validated config) passes in order; the draft pass runs its own with this."""
+    reports = []
     for name, config in configs:
         started = time.perf_counter()
-        log(f"      {name}: {config.model_dump()}")
+        context.log(f"      {name}: {config.model_dump()}")
         result = load_pass(name).run(ir, config, context)
         ir = result.ir
         report = {"name": name, "config": config.model_dump(mode="json"),
                   "seconds": round(time.perf_counter() - started, 3), **result.report}
         reports.append(report)
-        check_budget(name, report, recipe.quality.max_ppl_increase_pct, log)
+        check_budget(name, report, context.recipe.quality.max_ppl_increase_pct, context.log)
     return ir, reports
 
 
@@ -108,6 +121,8 @@ def check_pass_order(recipe: Recipe) -> None:
     provided: set[str] = set()
     for entry in recipe.passes:
         (name,) = entry
+        if "draft" in provided:  # it measured acceptance and costs against the final target
+            raise ValueError(f"pass {name!r} comes after 'draft', which must be the last pass")
         missing = set(PASSES[name].requires) - provided
         if missing:
             raise ValueError(f"pass {name!r} needs {sorted(missing)} from an earlier pass")

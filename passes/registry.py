@@ -27,6 +27,8 @@ PASSES: dict[str, PassEntry] = {
     "gguf_weights": PassEntry("llmopt.passes.gguf_weights", provides=("quantized_weights",)),
     "awq": PassEntry("llmopt.passes.awq", provides=("quantized_weights",)),
     "gptq": PassEntry("llmopt.passes.gptq", provides=("quantized_weights",)),
+    # Speculative decoding: pair a draft with the (final) target; must come last.
+    "draft": PassEntry("llmopt.passes.draft", provides=("draft",)),
 }
 
 

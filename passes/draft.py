@@ -1,0 +1,333 @@
+"""Draft pairing for speculative decoding: build (or load) a draft, compile it with its own
+passes, measure it against the final target, and choose γ.
+
+Recipe: `- draft: {kind: model|self|tiny|ngram, gamma: auto|N, passes: [...], ...}`
+  model: `model: PATH` another checkpoint; identical vocabularies pass, a subset is mapped
+         onto target ids, anything else is refused naming the first mismatch.
+  self:  `layers: k` the target's first k layers + final norm + LM head.
+  tiny:  `hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size` a narrow,
+         shallow model of the target's family, sliced from it and distilled.
+  ngram: prompt lookup (`ngram: {min_n, max_n}`), no model.
+Model drafts also take `head_vocab: N` (keep the LM head's N most frequent calibration
+tokens, FR-Spec), `distill_steps` (KL to the target on `calibration.text`) and
+`ngram: true|{...}` (n-gram lookup first, the model when it finds nothing).
+It must be the last pass: it measures against the target as the artifact will run it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from llmopt.compiler import draft_model as dm
+from llmopt.compiler.ir import DraftBundle, ModelIR
+from llmopt.compiler.reference import ReferenceModel
+from llmopt.passes.draft_distill import DistillSettings, distill, text_windows
+from llmopt.passes.registry import PASSES, PassResult, load_pass
+from llmopt.runtime.kv_cache_manager import cdiv
+
+MAX_GAMMA = 8
+# Keys that belong to one kind only; MODEL_DRAFT_KEYS apply to every kind with a model.
+KIND_KEYS = {
+    "model": {"model"},
+    "self": {"layers"},
+    "tiny": {"hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"},
+    "ngram": set(),
+}
+MODEL_DRAFT_KEYS = {"head_vocab", "distill_steps", "distill_lr", "distill_batch_size",
+                    "distill_seq_len", "passes"}
+TRAINABLE = {"model": ("layers.*", "final_norm"), "self": ("layers.*", "final_norm"),
+             "tiny": ("*",)}
+
+
+class NgramOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_n: int = Field(1, ge=1)
+    max_n: int = Field(4, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> NgramOptions:
+        if self.min_n > self.max_n:
+            raise ValueError("ngram needs min_n <= max_n")
+        return self
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["model", "self", "tiny", "ngram"]
+    gamma: Literal["auto"] | int = "auto"  # draft tokens per step; auto: best measured
+    ngram: NgramOptions | bool = False  # model drafts: prompt lookup first when it matches
+    passes: list[dict[str, Any]] = Field(default_factory=list)  # the draft's own passes
+    model: str | None = None
+    layers: int | None = Field(None, gt=0)  # self; None: a quarter of the target's
+    hidden_size: int | None = Field(None, gt=0)  # tiny; None: derived from the target's
+    num_layers: int = Field(2, gt=0)
+    num_heads: int | None = Field(None, gt=0)
+    num_kv_heads: int | None = Field(None, gt=0)
+    intermediate_size: int | None = Field(None, gt=0)
+    head_vocab: int | None = Field(None, gt=0)
+    distill_steps: int | None = Field(None, ge=0)  # None: 200 for tiny, else 0
+    distill_lr: float | None = Field(None, gt=0)  # None: 1e-3 for tiny, else 1e-4
+    distill_batch_size: int = Field(4, gt=0)
+    distill_seq_len: int = Field(128, gt=1)
+    # Measurement: greedy continuations of `prompts` prompts (chat-style and, with
+    # calibration text, text), step costs at `batch_sizes` with `context_len` cached tokens.
+    prompts: int = Field(8, gt=0)
+    new_tokens: int = Field(128, gt=0)
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16])
+    context_len: int = Field(128, gt=0)
+    cost_repeats: int = Field(3, gt=0)
+    min_speedup: float = Field(1.05, gt=0)  # below this predicted speedup: speculation off
+
+    @field_validator("gamma")
+    @classmethod
+    def _gamma_range(cls, gamma: str | int) -> str | int:
+        if isinstance(gamma, int) and not 1 <= gamma <= MAX_GAMMA:
+            raise ValueError(f"gamma is auto or 1..{MAX_GAMMA}")
+        return gamma
+
+    @field_validator("passes")
+    @classmethod
+    def _known_passes(cls, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for entry in entries:
+            if len(entry) != 1:
+                raise ValueError("each draft pass is a one-key mapping: `- name: {options}`")
+            ((name, options),) = entry.items()
+            if name not in PASSES or name == "draft":
+                raise ValueError(f"unknown draft pass {name!r}")
+            load_pass(name).Config.model_validate(options or {})
+        return entries
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _batches(cls, sizes: list[int]) -> list[int]:
+        if not sizes or sorted(set(sizes)) != sizes or sizes[0] < 1:
+            raise ValueError("batch_sizes is a non-empty increasing list of positive sizes")
+        return sizes
+
+    @model_validator(mode="after")
+    def _keys_fit_kind(self) -> Config:
+        foreign = {k for kind, keys in KIND_KEYS.items() if kind != self.kind for k in keys}
+        if self.kind == "ngram":
+            foreign |= MODEL_DRAFT_KEYS
+        wrong = sorted(self.model_fields_set & foreign)
+        if wrong:
+            raise ValueError(f"{', '.join(wrong)} does not apply to kind {self.kind!r}")
+        if self.kind == "model" and not self.model:
+            raise ValueError("kind 'model' needs `model: PATH`")
+        if self.kind == "ngram" and self.ngram is False and "ngram" in self.model_fields_set:
+            raise ValueError("kind 'ngram' cannot switch n-gram lookup off")
+        return self
+
+    def ngram_options(self) -> NgramOptions | None:
+        if isinstance(self.ngram, NgramOptions):
+            return self.ngram
+        return NgramOptions() if self.ngram or self.kind == "ngram" else None
+
+
+def run(ir: ModelIR, config: Config, context: Any) -> PassResult:
+    started = time.perf_counter()
+    report: dict[str, Any] = {"kind": config.kind}
+    draft, token_map = None, None
+    if config.kind != "ngram":
+        draft, token_map = build_draft(ir, config, context, report)
+        if config.passes:
+            from llmopt.compiler.pipeline import apply_passes
+
+            configs = [(name, load_pass(name).Config.model_validate(options or {}))
+                       for entry in config.passes for name, options in entry.items()]
+            draft, report["passes"] = apply_passes(draft, configs, context)
+        report["draft"] = _draft_summary(draft, token_map)
+    speculative = measure_pairing(ir, draft, token_map, config, context)
+    ngram = config.ngram_options()
+    speculative["ngram"] = ngram.model_dump() if ngram else None
+    report["speculative"] = speculative
+    report["total_seconds"] = round(time.perf_counter() - started, 1)
+    _log_summary(speculative, context.log)
+    out = ir.copy()
+    out.draft = DraftBundle(config.kind, draft, token_map, speculative)
+    return PassResult(out, report)
+
+
+# --- building the draft --------------------------------------------------------------------
+def build_draft(ir: ModelIR, config: Config, context: Any,
+                report: dict[str, Any]) -> tuple[ModelIR, torch.Tensor | None]:
+    """The draft IR for `config.kind`, head-trimmed and distilled as asked."""
+    steps = config.distill_steps if config.distill_steps is not None else (
+        200 if config.kind == "tiny" else 0)
+    windows = None
+    if steps or config.head_vocab or config.kind == "tiny":
+        windows = _calibration_windows(ir, config, context)
+    token_map = None
+    if config.kind == "model":
+        draft, token_map = dm.map_to_target(_load(config.model), ir)
+        report["vocabulary"] = "identical" if token_map is None else "mapped subset"
+    elif config.kind == "self":
+        draft = dm.truncated(ir, config.layers or max(1, ir.arch.num_layers // 4))
+    else:
+        draft = _tiny(ir, config, windows)
+    if config.head_vocab:
+        keep = dm.frequent_tokens(windows, config.head_vocab, _special_ids(ir),
+                                  ir.arch.vocab_size)
+        draft, token_map = dm.trim_head(draft, token_map, keep)
+    if steps:
+        lr = config.distill_lr or (1e-3 if config.kind == "tiny" else 1e-4)
+        settings = DistillSettings(steps, lr, config.distill_batch_size, TRAINABLE[config.kind])
+        context.log(f"      distilling the {config.kind} draft: {steps} steps of "
+                    f"{config.distill_batch_size} x {config.distill_seq_len} tokens")
+        draft, report["distillation"] = distill(draft, ir, windows, token_map, settings,
+                                                context.log)
+    return draft, token_map
+
+
+def _load(model: str | None) -> ModelIR:
+    from llmopt.compiler.loader import load_checkpoint
+
+    return load_checkpoint(str(model))
+
+
+def _calibration_windows(ir: ModelIR, config: Config, context: Any) -> torch.Tensor:
+    text = context.recipe.calibration.text
+    if text is None:
+        raise ValueError(f"the {config.kind} draft needs calibration text (distillation or "
+                         "head_vocab): set calibration.text in the recipe")
+    return text_windows(ir, text, config.distill_seq_len)
+
+
+def _special_ids(ir: ModelIR) -> tuple[int, ...]:
+    ids = [*ir.arch.eos_token_ids, ir.arch.bos_token_id]
+    return tuple(i for i in ids if i is not None and i < ir.arch.vocab_size)
+
+
+def _tiny(ir: ModelIR, config: Config, windows: torch.Tensor) -> ModelIR:
+    arch, spec = ir.arch, ir.arch.layers[0]
+    kv_heads = config.num_kv_heads or max(1, spec.num_kv_heads // 2)
+    shape = dm.TinyShape(
+        hidden_size=config.hidden_size or arch.hidden_size // 2,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads or kv_heads * (spec.num_heads // spec.num_kv_heads),
+        num_kv_heads=kv_heads,
+        intermediate_size=config.intermediate_size or arch.intermediate_size // 3,
+    )
+    basis = dm.residual_basis(ir, _residual_states(ir, windows[-2:]), shape.hidden_size)
+    return dm.sliced_tiny(ir, shape, basis, dm.evenly_spaced(shape.num_layers, arch.num_layers))
+
+
+@torch.no_grad()
+def _residual_states(ir: ModelIR, windows: torch.Tensor) -> torch.Tensor:
+    """[tokens * (layers + 1), hidden]: the target's residual stream at every layer input
+    and at the final norm, over `windows`."""
+    model = ReferenceModel(ir, windows.shape[1])
+    positions = torch.arange(windows.shape[1])
+    hidden = model.embed(windows)
+    states = [hidden]
+    for index in range(ir.arch.num_layers):
+        hidden = model.layer_forward(index, hidden, positions, None)
+        states.append(hidden)
+    return torch.cat(states).reshape(-1, ir.arch.hidden_size)
+
+
+def _draft_summary(draft: ModelIR, token_map: torch.Tensor | None) -> dict[str, Any]:
+    return {"source": draft.source, "layers": draft.arch.num_layers,
+            "hidden_size": draft.arch.hidden_size, "vocab_size": draft.arch.vocab_size,
+            "token_map": token_map is not None, "parameters": draft.num_parameters()}
+
+
+# --- measuring the pairing -------------------------------------------------------------
+def measure_pairing(ir: ModelIR, draft: ModelIR | None, token_map: torch.Tensor | None,
+                    config: Config, context: Any) -> dict[str, Any]:
+    """Lower target (and draft) into a temporary directory and measure them there."""
+    from llmopt.passes import draft_measure as m
+
+    recipe = context.recipe
+    block_size = recipe.runtime.block_size
+    prompts = calibration_prompts(ir, config.prompts, recipe.calibration.text)
+    max_position = min(ir.arch.max_position, recipe.runtime.max_context)
+    new_tokens = min(config.new_tokens, max_position - max(len(p) for p in prompts))
+    context_len = min(config.context_len, max_position - MAX_GAMMA - 1)
+    ngram = config.ngram_options()
+    settings = m.MeasureSettings(
+        prompts=prompts, new_tokens=new_tokens, batch_sizes=config.batch_sizes,
+        context_len=context_len, repeats=config.cost_repeats, max_gamma=MAX_GAMMA,
+        gamma=None if config.gamma == "auto" else config.gamma,
+        ngram=(ngram.min_n, ngram.max_n) if ngram else None, min_speedup=config.min_speedup,
+        block_size=block_size, eos_ids=ir.arch.eos_token_ids)
+    longest = max(len(p) for p in prompts) + new_tokens
+    num_blocks = 1 + max(len(prompts) * cdiv(longest, block_size),
+                         config.batch_sizes[-1] * cdiv(context_len + MAX_GAMMA + 1, block_size))
+    context.log(f"      measuring: {len(prompts)} prompts x {new_tokens} greedy tokens, step "
+                f"costs at batch {config.batch_sizes}")
+    with tempfile.TemporaryDirectory(prefix="llmopt-draft-") as tmp:
+        target = _executor(ir, recipe, Path(tmp) / "target.onnx", num_blocks)
+        draft_exec = None if draft is None else _executor(draft, recipe, Path(tmp) / "draft.onnx",
+                                                          num_blocks)
+        mapping = None if token_map is None else token_map.numpy()
+        return m.measure(target, draft_exec, mapping, settings)
+
+
+def _executor(ir: ModelIR, recipe: Any, path: Path, num_blocks: int) -> Any:
+    from llmopt.compiler.lower import cache_tensors, lower_to_onnx
+    from llmopt.compiler.onnx_graph import save_with_external_data
+    from llmopt.compiler.pipeline import lowering_options
+    from llmopt.runtime.executor import OrtExecutor
+    from llmopt.runtime.manifest import KVCacheSpec
+
+    options = lowering_options(recipe, ir.arch)
+    save_with_external_data(lower_to_onnx(ir, options), path)
+    kv_cache = KVCacheSpec.model_validate(
+        {"layers": [{"tensors": cache_tensors(s)} for s in ir.arch.layers]})
+    return OrtExecutor(path, kv_cache, num_blocks=num_blocks,
+                       block_size=recipe.runtime.block_size, max_position=options.max_position,
+                       nbits_accuracy_level=options.nbits_accuracy_level)
+
+
+CHAT_PROMPTS = (
+    "Why is the sky blue?",
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "Repeat this list back to me in alphabetical order: pear, apple, fig, banana, cherry.",
+    "Give me three tips for staying focused while studying.",
+    "Explain what a hash table is in two sentences.",
+    "Fix the grammar: 'me and him goes to the store yesterday and buyed apples.'",
+)
+
+
+def calibration_prompts(ir: ModelIR, count: int, text_file: str | None,
+                        text_tokens: int = 64) -> list[list[int]]:
+    """`count` prompts in target ids, alternating chat-style requests (through the chat
+    template when there is one) and openings of the calibration text's LAST windows
+    (distillation trains on the first ones)."""
+    import tokenizers
+
+    from llmopt.runtime.manifest import TokenizerSpec
+    from llmopt.runtime.tokenizer import Tokenizer
+
+    tokens = ir.annotations.get("tokens", {})
+    tokenizer = Tokenizer(
+        tokenizers.Tokenizer.from_str(ir.tokenizer_files["tokenizer.json"].decode()),
+        TokenizerSpec(file="tokenizer.json", chat_template=ir.chat_template,
+                      add_bos_token=ir.add_bos_token, bos_token=tokens.get("bos_token"),
+                      eos_token=tokens.get("eos_token")))
+    chat = [tokenizer.encode_chat([{"role": "user", "content": p}]) if ir.chat_template
+            else tokenizer.encode(p) for p in CHAT_PROMPTS]
+    text: list[list[int]] = []
+    if text_file is not None:
+        windows = text_windows(ir, text_file, text_tokens)
+        text = [w.tolist() for w in windows[-count:]]
+    mixed = [p for pair in itertools.zip_longest(chat, text) for p in pair if p is not None]
+    return (mixed * count)[:count]
+
+
+def _log_summary(spec: dict[str, Any], log: Any) -> None:
+    alphas = ", ".join(f"{a:.2f}" for a in spec["acceptance"][:4])
+    log(f"      draft: α {alphas} ...; cost ratio {spec['cost_ratio']}; γ {spec['gamma']}; "
+        f"predicted speedup {spec['predicted_speedup']}x at batch 1; speculation up to batch "
+        f"{spec['max_batch_size']}")
+
