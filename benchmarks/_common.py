@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "am
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
-def machine_info() -> dict[str, Any]:
+def machine_info(extra_packages: tuple[str, ...] = ()) -> dict[str, Any]:
     """CPU model and flags, core counts, package versions and the git commit."""
     return {
         "cpu_model": _cpuinfo_field("model name"),
@@ -27,7 +28,7 @@ def machine_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "versions": {name: _version(name) for name in PACKAGES},
+        "versions": {name: _version(name) for name in (*PACKAGES, *extra_packages)},
         "git_commit": _git("rev-parse", "HEAD"),
         "git_modified_files": _git("status", "--porcelain", "--untracked-files=no").splitlines(),
         "loadavg_at_start": list(os.getloadavg()),
@@ -49,6 +50,22 @@ def run_json_worker(args: list[str], env: dict[str, str]) -> dict[str, Any]:
         sys.stderr.write(proc.stderr[-4000:])
         raise RuntimeError(f"worker {args} failed with exit code {proc.returncode}")
     return json.loads(lines[-1])
+
+
+def compile_artifact(path: Path, recipe: Path, overrides: list[str]) -> Path:
+    """`path`, compiled from `recipe` with `--set` overrides through the llmopt CLI unless it
+    already holds an artifact."""
+    if (path / "manifest.json").is_file():
+        return path
+    cmd = [sys.executable, "-c", "from llmopt.cli import main; main()", "compile", str(recipe),
+           "-o", str(path), *[a for o in overrides for a in ("--set", o)]]
+    print(f"compiling {path} ...", flush=True)
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"compiling {path} failed:\n{proc.stderr[-4000:]}")
+    print(f"compiled {path} in {time.perf_counter() - started:.0f} s", flush=True)
+    return path
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
