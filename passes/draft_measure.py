@@ -9,10 +9,9 @@ agrees with the trajectory from t on (an accepted draft token IS the target's to
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -198,8 +197,9 @@ def draft_agreement(runner: PagedRunner, traj: Trajectory,
 # --- step costs -------------------------------------------------------------------------
 def step_seconds(executor: OrtExecutor, batch_size: int, query_len: int, context: int,
                  block_size: int, repeats: int) -> float:
-    """Median wall time of one step: batch_size sequences of `context` cached tokens each
-    taking `query_len` new ones, logits for every query row (as verification needs)."""
+    """Fastest wall time (contention only ever adds) of one step: batch_size sequences of
+    `context` cached tokens each taking `query_len` new ones, logits for every query row
+    (as verification needs)."""
     runner = PagedRunner(executor, block_size, cdiv(context + query_len, block_size))
     queries = [[3 + (b + i) % 50 for i in range(query_len)] for b in range(batch_size)]
     starts = [context] * batch_size
@@ -209,7 +209,7 @@ def step_seconds(executor: OrtExecutor, batch_size: int, query_len: int, context
         started = time.perf_counter()
         runner.step(queries, starts, all_logits=True)
         times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return min(times)
 
 
 @dataclass
@@ -220,18 +220,23 @@ class StepCosts:
     draft: dict[int, float] | None
 
     def verify(self, batch_size: int, query_len: int) -> float:
-        """Target step of `query_len` tokens, interpolated between measured lengths."""
+        """Target step of `query_len` tokens, interpolated between measured lengths; a
+        longer step never counts as cheaper than a shorter one (timing noise)."""
         measured = self.target[batch_size]
         lens = sorted(measured)
-        return float(np.interp(query_len, lens, [measured[n] for n in lens]))
+        seconds = np.maximum.accumulate([measured[n] for n in lens])
+        return float(np.interp(query_len, lens, seconds))
 
 
 def measure_costs(target: OrtExecutor, draft: OrtExecutor | None, batch_sizes: list[int],
-                  query_lens: list[int], context: int, block_size: int,
-                  repeats: int) -> StepCosts:
-    """Target steps of every query length and draft 1-token steps, at every batch size."""
+                  max_gamma: int, context: int, block_size: int, repeats: int) -> StepCosts:
+    """Target steps of 1..max_gamma+1 tokens at the first batch size (the runtime sizes
+    drafts from them), of a few lengths at the others (interpolated between), and draft
+    1-token steps, at every batch size."""
+    every, few = range(1, max_gamma + 2), sorted({1, 2, 3, 5, max_gamma + 1})
     target_costs = {b: {n: step_seconds(target, b, n, context, block_size, repeats)
-                        for n in query_lens} for b in batch_sizes}
+                        for n in (every if b == batch_sizes[0] else few)}
+                    for b in batch_sizes}
     draft_costs = None if draft is None else {
         b: step_seconds(draft, b, 1, context, block_size, repeats) for b in batch_sizes}
     return StepCosts(target_costs, draft_costs)
@@ -268,27 +273,59 @@ def measure(target: OrtExecutor, draft: OrtExecutor | None, token_map: np.ndarra
                                    draft_agreement(draft_runner, t, token_map))
                         for t in trajectories]
     trajectory_seconds = time.perf_counter() - started
-    query_lens = sorted({1, 2, 3, 5, settings.max_gamma + 1})
-    costs = measure_costs(target, draft, settings.batch_sizes, query_lens, settings.context_len,
-                          settings.block_size, settings.repeats)
+    costs = measure_costs(target, draft, settings.batch_sizes, settings.max_gamma,
+                          settings.context_len, settings.block_size, settings.repeats)
+    choice = _choose(trajectories, costs, settings)
+    first = settings.batch_sizes[0]
+    measured = _measured_record(costs, choice, settings, trajectories, trajectory_seconds,
+                                started)
+    if draft is not None and settings.ngram is not None:  # each half alone, for comparison
+        measured["model_only"] = _summary(_choose(trajectories, costs, replace(settings,
+                                                                                ngram=None)))
+        no_model = [Trajectory(t.tokens, t.prompt_len) for t in trajectories]
+        measured["ngram_only"] = _summary(_choose(no_model, costs, settings))
+    return {
+        "gamma": choice.gamma,
+        "max_batch_size": choice.max_batch_size,
+        "acceptance": [round(a, 4) for a in choice.acceptance],
+        "cost_ratio": round(costs.draft[first] / costs.target[first][1], 4)
+        if costs.draft else 0.0,
+        "predicted_speedup": round(choice.speedups[0], 3),
+        # verify_cost[k]: a (k+1)-token target step over a 1-token one, at the first batch size
+        "verify_cost": [round(costs.verify(first, k + 1) / costs.target[first][1], 4)
+                        for k in range(settings.max_gamma + 1)],
+        "measured": measured,
+    }
+
+
+@dataclass(frozen=True)
+class Choice:
+    acceptance: list[float]  # α per draft position
+    tokens: list[float]  # tokens per step, γ = 1..max
+    step_costs: dict[int, list[float]]  # batch size -> step cost in target steps, per γ
+    gamma: int
+    speedups: list[float]  # per batch size, at γ
+    max_batch_size: int
+    extra: dict
+
+
+def _choose(trajectories: list[Trajectory], costs: StepCosts,
+            settings: MeasureSettings) -> Choice:
+    """γ maximising the expected speedup at the first batch size (or the recipe's γ)."""
     sims = None if settings.ngram is None else [
         simulate(trajectories, g, settings.ngram) for g in range(1, settings.max_gamma + 1)]
     acceptance, tokens, extra = _acceptance(trajectories, sims, settings)
     per_batch = {b: _step_costs(sims, costs, b, settings) for b in settings.batch_sizes}
-    first = settings.batch_sizes[0]
-    gamma, _ = best_gamma(tokens, per_batch[first])
-    gamma = settings.gamma or gamma
+    gamma = settings.gamma or best_gamma(tokens, per_batch[settings.batch_sizes[0]])[0]
     speedups = [tokens[gamma - 1] / per_batch[b][gamma - 1] for b in settings.batch_sizes]
-    return {
-        "gamma": gamma,
-        "max_batch_size": _max_batch_size(settings.batch_sizes, speedups, settings.min_speedup),
-        "acceptance": [round(a, 4) for a in acceptance],
-        "cost_ratio": round(costs.draft[first] / costs.target[first][1], 4)
-        if costs.draft else 0.0,
-        "predicted_speedup": round(speedups[0], 3),
-        "measured": _measured_record(costs, tokens, per_batch, speedups, gamma, settings,
-                                     trajectories, extra, trajectory_seconds, started),
-    }
+    return Choice(acceptance, tokens, per_batch, gamma, speedups,
+                  _max_batch_size(settings.batch_sizes, speedups, settings.min_speedup), extra)
+
+
+def _summary(choice: Choice) -> dict:
+    return {"gamma": choice.gamma, "acceptance": [round(a, 4) for a in choice.acceptance],
+            "predicted_speedup": [round(s, 3) for s in choice.speedups],
+            "max_batch_size": choice.max_batch_size, **choice.extra}
 
 
 def _acceptance(trajectories: list[Trajectory], sims: list[SimulatedSteps] | None,
@@ -339,30 +376,30 @@ def _max_batch_size(batch_sizes: list[int], speedups: list[float], threshold: fl
     return best
 
 
-def _measured_record(costs: StepCosts, tokens: list[float], per_batch: dict[int, list[float]],
-                     speedups: list[float], gamma: int, settings: MeasureSettings,
-                     trajectories: list[Trajectory], extra: dict, trajectory_seconds: float,
+def _measured_record(costs: StepCosts, choice: Choice, settings: MeasureSettings,
+                     trajectories: list[Trajectory], trajectory_seconds: float,
                      started: float) -> dict:
-    sizes = settings.batch_sizes
+    sizes, gamma = settings.batch_sizes, choice.gamma
     ms = {b: {n: 1000 * s for n, s in costs.target[b].items()} for b in sizes}
+    common = sorted(set.intersection(*(set(ms[b]) for b in sizes)))
     return {
         "batch_sizes": sizes,
         "context_len": settings.context_len,
         "target_step_ms": [round(ms[b][1], 3) for b in sizes],
-        "verify_step_ms": {str(n): [round(ms[b][n], 3) for b in sizes] for n in ms[sizes[0]]},
+        "verify_step_ms": {str(n): [round(ms[b][n], 3) for b in sizes] for n in common},
         "draft_step_ms": [round(1000 * costs.draft[b], 3) for b in sizes] if costs.draft else None,
         # a (γ+1)-token verification against γ+1 single-token steps: < 1 is what pays
         "verify_cost_ratio": [round(costs.verify(b, gamma + 1) / ((gamma + 1) * ms[b][1] / 1000),
                                     4) for b in sizes],
         "draft_cost_ratio": [round(costs.draft[b] / costs.target[b][1], 4) for b in sizes]
         if costs.draft else None,
-        "predicted_speedup": [round(s, 3) for s in speedups],
-        "tokens_per_step": [round(t, 4) for t in tokens],
-        "speedup_by_gamma": [round(t / c, 3) for t, c in zip(tokens, per_batch[sizes[0]],
-                                                            strict=True)],
+        "predicted_speedup": [round(s, 3) for s in choice.speedups],
+        "tokens_per_step": [round(t, 4) for t in choice.tokens],
+        "speedup_by_gamma": [round(t / c, 3) for t, c in zip(
+            choice.tokens, choice.step_costs[sizes[0]], strict=True)],
         "prompts": len(trajectories),
         "continuation_tokens": sum(len(t.tokens) - t.prompt_len for t in trajectories),
         "trajectory_seconds": round(trajectory_seconds, 1),
         "seconds": round(time.perf_counter() - started, 1),
-        **extra,
+        **choice.extra,
     }

@@ -262,6 +262,7 @@ def test_self_draft_artifact(target_dir, target, text_file, tmp_path):
     assert spec.model.kind == "self" and spec.model.token_map is None and spec.ngram is None
     assert len(spec.model.kv_cache.layers) == 2 and spec.model.vocab_size == 256
     assert len(spec.acceptance) == 8 and spec.cost_ratio > 0
+    assert len(spec.verify_cost) == 9 and spec.verify_cost[0] == 1.0
     assert len(spec.measured["predicted_speedup"]) == 2
     report = manifest.passes[0]
     assert report["name"] == "draft" and report["passes"][0]["name"] == "rtn"
@@ -287,6 +288,7 @@ def test_subset_model_draft_artifact_with_ngram(target_dir, subset_dir, text_fil
     assert token_map.tolist() == [TARGET_TOKENS.index(t) for t in SUBSET_TOKENS]
     logits = draft_logits(out, list(range(3, 20)))
     assert logits.shape == (17, len(SUBSET_TOKENS))
+    assert spec.measured["model_only"]["gamma"] >= 1 and "ngram_only" in spec.measured
     assert "ngram_match_rate" in spec.measured and manifest.passes[0]["vocabulary"] == (
         "mapped subset")
 
@@ -297,3 +299,12 @@ def test_ngram_only_artifact(target_dir, text_file, tmp_path):
     spec = manifest.speculative
     assert set(manifest.graphs) == {"target"} and spec.model is None
     assert spec.ngram.min_n == 1 and 1 <= spec.gamma <= 8 and spec.cost_ratio == 0.0
+
+
+def test_teacher_logits_on_a_trimmed_head(target):
+    from llmopt.passes.draft_distill import teacher_logits
+
+    ids, rows = torch.tensor([list(range(3, 30))]), torch.tensor([2, 9, 40, 200])
+    teacher = ReferenceModel(target)
+    torch.testing.assert_close(teacher_logits(teacher, ids, rows),
+                               teacher.forward(ids)[..., rows])
