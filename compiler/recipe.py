@@ -169,6 +169,13 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
     for section, key in (("calibration", "text"), ("quality", "eval_text")):
         if isinstance(raw.get(section), dict) and key in raw[section]:
             raw[section] = {**raw[section], key: resolve(raw[section][key])}
+    if isinstance(raw.get("passes"), list):  # a draft pass's `model: PATH` too
+        raw["passes"] = [
+            {"draft": {**entry["draft"], "model": resolve(entry["draft"]["model"])}}
+            if isinstance(entry, dict) and isinstance(entry.get("draft"), dict)
+            and "model" in entry["draft"] else entry
+            for entry in raw["passes"]
+        ]
     return raw
 
 

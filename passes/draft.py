@@ -16,7 +16,6 @@ It must be the last pass: it measures against the target as the artifact will ru
 
 from __future__ import annotations
 
-import itertools
 import tempfile
 import time
 from pathlib import Path
@@ -84,7 +83,7 @@ class Config(BaseModel):
     new_tokens: int = Field(128, gt=0)
     batch_sizes: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16])
     context_len: int = Field(128, gt=0)
-    cost_repeats: int = Field(3, gt=0)
+    cost_repeats: int = Field(5, gt=0)  # interleaved rounds; each step keeps its fastest
     min_speedup: float = Field(1.05, gt=0)  # below this predicted speedup: speculation off
 
     @field_validator("gamma")
@@ -245,11 +244,11 @@ def _draft_summary(draft: ModelIR, token_map: torch.Tensor | None) -> dict[str, 
 def measure_pairing(ir: ModelIR, draft: ModelIR | None, token_map: torch.Tensor | None,
                     config: Config, context: Any) -> dict[str, Any]:
     """Lower target (and draft) into a temporary directory and measure them there."""
-    from llmopt.passes import draft_measure as m
+    from llmopt.passes import draft_choice as m
 
     recipe = context.recipe
     block_size = recipe.runtime.block_size
-    prompts = calibration_prompts(ir, config.prompts, recipe.calibration.text)
+    prompts = m.calibration_prompts(ir, config.prompts, recipe.calibration.text)
     max_position = min(ir.arch.max_position, recipe.runtime.max_context)
     new_tokens = min(config.new_tokens, max_position - max(len(p) for p in prompts))
     context_len = min(config.context_len, max_position - MAX_GAMMA - 1)
@@ -287,42 +286,6 @@ def _executor(ir: ModelIR, recipe: Any, path: Path, num_blocks: int) -> Any:
     return OrtExecutor(path, kv_cache, num_blocks=num_blocks,
                        block_size=recipe.runtime.block_size, max_position=options.max_position,
                        nbits_accuracy_level=options.nbits_accuracy_level)
-
-
-CHAT_PROMPTS = (
-    "Why is the sky blue?",
-    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
-    "Repeat this list back to me in alphabetical order: pear, apple, fig, banana, cherry.",
-    "Give me three tips for staying focused while studying.",
-    "Explain what a hash table is in two sentences.",
-    "Fix the grammar: 'me and him goes to the store yesterday and buyed apples.'",
-)
-
-
-def calibration_prompts(ir: ModelIR, count: int, text_file: str | None,
-                        text_tokens: int = 64) -> list[list[int]]:
-    """`count` prompts in target ids, alternating chat-style requests (through the chat
-    template when there is one) and openings of the calibration text's LAST windows
-    (distillation trains on the first ones)."""
-    import tokenizers
-
-    from llmopt.runtime.manifest import TokenizerSpec
-    from llmopt.runtime.tokenizer import Tokenizer
-
-    tokens = ir.annotations.get("tokens", {})
-    tokenizer = Tokenizer(
-        tokenizers.Tokenizer.from_str(ir.tokenizer_files["tokenizer.json"].decode()),
-        TokenizerSpec(file="tokenizer.json", chat_template=ir.chat_template,
-                      add_bos_token=ir.add_bos_token, bos_token=tokens.get("bos_token"),
-                      eos_token=tokens.get("eos_token")))
-    chat = [tokenizer.encode_chat([{"role": "user", "content": p}]) if ir.chat_template
-            else tokenizer.encode(p) for p in CHAT_PROMPTS]
-    text: list[list[int]] = []
-    if text_file is not None:
-        windows = text_windows(ir, text_file, text_tokens)
-        text = [w.tolist() for w in windows[-count:]]
-    mixed = [p for pair in itertools.zip_longest(chat, text) for p in pair if p is not None]
-    return (mixed * count)[:count]
 
 
 def _log_summary(spec: dict[str, Any], log: Any) -> None:

@@ -1,6 +1,6 @@
-"""Measure a draft and choose γ: greedy acceptance on the target's own greedy
-continuations, step costs of the lowered graphs under ONNX Runtime, and the expected
-speedup per γ and batch size.
+"""Measuring a draft: the speedup formula, greedy acceptance on the target's own greedy
+continuations (and a simulation of n-gram lookup along them), and step costs of the
+lowered graphs under ONNX Runtime.
 
 Greedy acceptance needs no draft loop: with teacher forcing along the target's greedy
 trajectory, the draft's proposal at t is accepted for exactly as long as its argmax
@@ -10,8 +10,8 @@ agrees with the trajectory from t on (an accepted draft token IS the target's to
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -195,21 +195,21 @@ def draft_agreement(runner: PagedRunner, traj: Trajectory,
 
 
 # --- step costs -------------------------------------------------------------------------
-def step_seconds(executor: OrtExecutor, batch_size: int, query_len: int, context: int,
-                 block_size: int, repeats: int) -> float:
-    """Fastest wall time (contention only ever adds) of one step: batch_size sequences of
+def timed_step(executor: OrtExecutor, batch_size: int, query_len: int, context: int,
+               block_size: int) -> Callable[[], float]:
+    """A function running one step and returning its wall time: batch_size sequences of
     `context` cached tokens each taking `query_len` new ones, logits for every query row
     (as verification needs)."""
     runner = PagedRunner(executor, block_size, cdiv(context + query_len, block_size))
     queries = [[3 + (b + i) % 50 for i in range(query_len)] for b in range(batch_size)]
     starts = [context] * batch_size
-    runner.step(queries, starts, all_logits=True)  # warm-up
-    times = []
-    for _ in range(repeats):
+
+    def run() -> float:
         started = time.perf_counter()
         runner.step(queries, starts, all_logits=True)
-        times.append(time.perf_counter() - started)
-    return min(times)
+        return time.perf_counter() - started
+
+    return run
 
 
 @dataclass
@@ -229,177 +229,27 @@ class StepCosts:
 
 
 def measure_costs(target: OrtExecutor, draft: OrtExecutor | None, batch_sizes: list[int],
-                  max_gamma: int, context: int, block_size: int, repeats: int) -> StepCosts:
+                  max_gamma: int, context: int, block_size: int, rounds: int) -> StepCosts:
     """Target steps of 1..max_gamma+1 tokens at the first batch size (the runtime sizes
     drafts from them), of a few lengths at the others (interpolated between), and draft
-    1-token steps, at every batch size."""
-    every, few = range(1, max_gamma + 2), sorted({1, 2, 3, 5, max_gamma + 1})
-    target_costs = {b: {n: step_seconds(target, b, n, context, block_size, repeats)
-                        for n in (every if b == batch_sizes[0] else few)}
-                    for b in batch_sizes}
-    draft_costs = None if draft is None else {
-        b: step_seconds(draft, b, 1, context, block_size, repeats) for b in batch_sizes}
-    return StepCosts(target_costs, draft_costs)
+    1-token steps, at every batch size.
 
-
-# --- putting it together ----------------------------------------------------------------
-@dataclass(frozen=True)
-class MeasureSettings:
-    prompts: list[list[int]]
-    new_tokens: int
-    batch_sizes: list[int]
-    context_len: int
-    repeats: int
-    max_gamma: int
-    gamma: int | None  # fixed by the recipe; None: choose
-    ngram: tuple[int, int] | None  # (min_n, max_n) when n-gram lookup drafts first
-    min_speedup: float
-    block_size: int
-    eos_ids: tuple[int, ...]
-
-
-def measure(target: OrtExecutor, draft: OrtExecutor | None, token_map: np.ndarray | None,
-            settings: MeasureSettings) -> dict:
-    """SpeculativeSpec fields (gamma, max_batch_size, acceptance, cost_ratio,
-    predicted_speedup, measured) from acceptance on greedy trajectories and step costs."""
-    started = time.perf_counter()
-    longest = max(len(p) for p in settings.prompts) + settings.new_tokens
-    runner = PagedRunner(target, settings.block_size, cdiv(longest, settings.block_size))
-    trajectories = greedy_trajectories(runner, settings.prompts, settings.new_tokens,
-                                       settings.eos_ids)
-    if draft is not None:
-        draft_runner = PagedRunner(draft, settings.block_size, runner.blocks_per_seq)
-        trajectories = [Trajectory(t.tokens, t.prompt_len,
-                                   draft_agreement(draft_runner, t, token_map))
-                        for t in trajectories]
-    trajectory_seconds = time.perf_counter() - started
-    costs = measure_costs(target, draft, settings.batch_sizes, settings.max_gamma,
-                          settings.context_len, settings.block_size, settings.repeats)
-    choice = _choose(trajectories, costs, settings)
-    first = settings.batch_sizes[0]
-    measured = _measured_record(costs, choice, settings, trajectories, trajectory_seconds,
-                                started)
-    if draft is not None and settings.ngram is not None:  # each half alone, for comparison
-        measured["model_only"] = _summary(_choose(trajectories, costs, replace(settings,
-                                                                                ngram=None)))
-        no_model = [Trajectory(t.tokens, t.prompt_len) for t in trajectories]
-        measured["ngram_only"] = _summary(_choose(no_model, costs, settings))
-    return {
-        "gamma": choice.gamma,
-        "max_batch_size": choice.max_batch_size,
-        "acceptance": [round(a, 4) for a in choice.acceptance],
-        "cost_ratio": round(costs.draft[first] / costs.target[first][1], 4)
-        if costs.draft else 0.0,
-        "predicted_speedup": round(choice.speedups[0], 3),
-        # verify_cost[k]: a (k+1)-token target step over a 1-token one, at the first batch size
-        "verify_cost": [round(costs.verify(first, k + 1) / costs.target[first][1], 4)
-                        for k in range(settings.max_gamma + 1)],
-        "measured": measured,
-    }
-
-
-@dataclass(frozen=True)
-class Choice:
-    acceptance: list[float]  # α per draft position
-    tokens: list[float]  # tokens per step, γ = 1..max
-    step_costs: dict[int, list[float]]  # batch size -> step cost in target steps, per γ
-    gamma: int
-    speedups: list[float]  # per batch size, at γ
-    max_batch_size: int
-    extra: dict
-
-
-def _choose(trajectories: list[Trajectory], costs: StepCosts,
-            settings: MeasureSettings) -> Choice:
-    """γ maximising the expected speedup at the first batch size (or the recipe's γ)."""
-    sims = None if settings.ngram is None else [
-        simulate(trajectories, g, settings.ngram) for g in range(1, settings.max_gamma + 1)]
-    acceptance, tokens, extra = _acceptance(trajectories, sims, settings)
-    per_batch = {b: _step_costs(sims, costs, b, settings) for b in settings.batch_sizes}
-    gamma = settings.gamma or best_gamma(tokens, per_batch[settings.batch_sizes[0]])[0]
-    speedups = [tokens[gamma - 1] / per_batch[b][gamma - 1] for b in settings.batch_sizes]
-    return Choice(acceptance, tokens, per_batch, gamma, speedups,
-                  _max_batch_size(settings.batch_sizes, speedups, settings.min_speedup), extra)
-
-
-def _summary(choice: Choice) -> dict:
-    return {"gamma": choice.gamma, "acceptance": [round(a, 4) for a in choice.acceptance],
-            "predicted_speedup": [round(s, 3) for s in choice.speedups],
-            "max_batch_size": choice.max_batch_size, **choice.extra}
-
-
-def _acceptance(trajectories: list[Trajectory], sims: list[SimulatedSteps] | None,
-                settings: MeasureSettings) -> tuple[list[float], list[float], dict]:
-    """α per position, tokens per step for γ = 1..max, and extra records.
-
-    A model-only draft uses the formula over α measured at every start position; with
-    n-gram lookup the proposals vary in length and source, so the steps are simulated.
+    Each configuration runs once per round and keeps its fastest time: contention only
+    ever adds, and interleaving spreads a burst of load over all configurations.
     """
-    if sims is None:
-        runs = np.concatenate([run_lengths(t.agree[t.prompt_len:], settings.max_gamma)
-                               for t in trajectories])
-        alphas = position_acceptance(runs, settings.max_gamma)
-        gammas = range(1, settings.max_gamma + 1)
-        return alphas, [expected_tokens(alphas, g) for g in gammas], {}
-    widest = sims[-1]
-    extra = {"ngram_match_rate": round(widest.sources.count("ngram") / len(widest.sources), 4),
-             "simulated_tokens_per_step": [round(s.tokens_per_step(), 4) for s in sims]}
-    return widest.acceptance(settings.max_gamma), [s.tokens_per_step() for s in sims], extra
-
-
-def _step_costs(sims: list[SimulatedSteps] | None, costs: StepCosts, batch: int,
-                settings: MeasureSettings) -> list[float]:
-    """Mean cost of a speculative step, in target 1-token steps, for γ = 1..max."""
-    plain = costs.target[batch][1]
-    draft = costs.draft[batch] / plain if costs.draft else 0.0
-    out = []
-    for gamma in range(1, settings.max_gamma + 1):
-        if sims is None:
-            out.append(model_step_cost(gamma, draft, costs.verify(batch, gamma + 1) / plain))
-            continue
-        sim = sims[gamma - 1]
-        step = {"ngram": lambda n: costs.verify(batch, n + 1) / plain,
-                "model": lambda n: model_step_cost(n, draft, costs.verify(batch, n + 1) / plain),
-                "none": lambda n: 1.0}
-        out.append(float(np.mean([step[s](n) for s, n in zip(sim.sources, sim.proposed,
-                                                             strict=True)])))
-    return out
-
-
-def _max_batch_size(batch_sizes: list[int], speedups: list[float], threshold: float) -> int:
-    """The largest batch size up to which every measured one is predicted to pay."""
-    best = 0
-    for batch, speedup in zip(batch_sizes, speedups, strict=True):
-        if speedup < threshold:
-            break
-        best = batch
-    return best
-
-
-def _measured_record(costs: StepCosts, choice: Choice, settings: MeasureSettings,
-                     trajectories: list[Trajectory], trajectory_seconds: float,
-                     started: float) -> dict:
-    sizes, gamma = settings.batch_sizes, choice.gamma
-    ms = {b: {n: 1000 * s for n, s in costs.target[b].items()} for b in sizes}
-    common = sorted(set.intersection(*(set(ms[b]) for b in sizes)))
-    return {
-        "batch_sizes": sizes,
-        "context_len": settings.context_len,
-        "target_step_ms": [round(ms[b][1], 3) for b in sizes],
-        "verify_step_ms": {str(n): [round(ms[b][n], 3) for b in sizes] for n in common},
-        "draft_step_ms": [round(1000 * costs.draft[b], 3) for b in sizes] if costs.draft else None,
-        # a (γ+1)-token verification against γ+1 single-token steps: < 1 is what pays
-        "verify_cost_ratio": [round(costs.verify(b, gamma + 1) / ((gamma + 1) * ms[b][1] / 1000),
-                                    4) for b in sizes],
-        "draft_cost_ratio": [round(costs.draft[b] / costs.target[b][1], 4) for b in sizes]
-        if costs.draft else None,
-        "predicted_speedup": [round(s, 3) for s in choice.speedups],
-        "tokens_per_step": [round(t, 4) for t in choice.tokens],
-        "speedup_by_gamma": [round(t / c, 3) for t, c in zip(
-            choice.tokens, choice.step_costs[sizes[0]], strict=True)],
-        "prompts": len(trajectories),
-        "continuation_tokens": sum(len(t.tokens) - t.prompt_len for t in trajectories),
-        "trajectory_seconds": round(trajectory_seconds, 1),
-        "seconds": round(time.perf_counter() - started, 1),
-        **choice.extra,
-    }
+    every, few = range(1, max_gamma + 2), sorted({1, 2, 3, 5, max_gamma + 1})
+    steps = {("target", b, n): timed_step(target, b, n, context, block_size)
+             for b in batch_sizes for n in (every if b == batch_sizes[0] else few)}
+    if draft is not None:
+        steps |= {("draft", b, 1): timed_step(draft, b, 1, context, block_size)
+                  for b in batch_sizes}
+    for run in steps.values():
+        run()  # warm-up
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(rounds):
+        for key, run in steps.items():
+            best[key] = min(best[key], run())
+    target_costs = {b: {n: t for (kind, bb, n), t in best.items() if kind == "target" and bb == b}
+                    for b in batch_sizes}
+    draft_costs = None if draft is None else {b: best[("draft", b, 1)] for b in batch_sizes}
+    return StepCosts(target_costs, draft_costs)

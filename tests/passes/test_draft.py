@@ -308,3 +308,13 @@ def test_teacher_logits_on_a_trimmed_head(target):
     teacher = ReferenceModel(target)
     torch.testing.assert_close(teacher_logits(teacher, ids, rows),
                                teacher.forward(ids)[..., rows])
+
+
+def test_recipe_resolves_the_draft_model_path(target_dir, tmp_path):
+    from llmopt.compiler.recipe import load_recipe
+
+    (tmp_path / "drafts" / "small").mkdir(parents=True)
+    (tmp_path / "r.yaml").write_text(
+        f"model: {target_dir}\npasses:\n  - draft: {{kind: model, model: drafts/small}}\n")
+    (entry,) = load_recipe(tmp_path / "r.yaml").passes
+    assert entry["draft"]["model"] == str(tmp_path / "drafts" / "small")
