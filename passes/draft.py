@@ -74,7 +74,7 @@ class Config(BaseModel):
     intermediate_size: int | None = Field(None, gt=0)
     head_vocab: int | None = Field(None, gt=0)
     distill_steps: int | None = Field(None, ge=0)  # None: 200 for tiny, else 0
-    distill_lr: float | None = Field(None, gt=0)  # None: 1e-3 for tiny, else 1e-4
+    distill_lr: float | None = Field(None, gt=0)  # None: 1e-3 for tiny, else 5e-4
     distill_batch_size: int = Field(4, gt=0)
     distill_seq_len: int = Field(128, gt=1)
     # Measurement: greedy continuations of `prompts` prompts (chat-style and, with
@@ -178,7 +178,7 @@ def build_draft(ir: ModelIR, config: Config, context: Any,
                                   ir.arch.vocab_size)
         draft, token_map = dm.trim_head(draft, token_map, keep)
     if steps:
-        lr = config.distill_lr or (1e-3 if config.kind == "tiny" else 1e-4)
+        lr = config.distill_lr or (1e-3 if config.kind == "tiny" else 5e-4)
         settings = DistillSettings(steps, lr, config.distill_batch_size, TRAINABLE[config.kind])
         context.log(f"      distilling the {config.kind} draft: {steps} steps of "
                     f"{config.distill_batch_size} x {config.distill_seq_len} tokens")

@@ -318,3 +318,15 @@ def test_recipe_resolves_the_draft_model_path(target_dir, tmp_path):
         f"model: {target_dir}\npasses:\n  - draft: {{kind: model, model: drafts/small}}\n")
     (entry,) = load_recipe(tmp_path / "r.yaml").passes
     assert entry["draft"]["model"] == str(tmp_path / "drafts" / "small")
+
+
+def test_the_target_as_its_own_draft_is_always_accepted(target, tmp_path):
+    """Teacher-forced agreement along the target's own greedy trajectory is exact."""
+    from llmopt.passes import draft_measure as m
+
+    recipe = Recipe(model="unused", runtime={"block_size": 4, "max_context": 128})
+    runner = m.PagedRunner(draft._executor(target, recipe, tmp_path / "t.onnx", 64), 4, 16)
+    (traj,) = m.greedy_trajectories(runner, [[5, 9, 13, 40, 41]], 24, eos_ids=())
+    assert len(traj.tokens) == 5 + 24
+    agree = m.draft_agreement(runner, traj, None)
+    assert agree[5:].all() and not agree[:5].any()
