@@ -54,9 +54,17 @@ class OrtExecutor:
                 self.pools[contract.past_name(i, t.name)] = np.zeros(shape, dtype=t.dtype)
                 self.new_to_past[contract.new_name(i, t.name)] = contract.past_name(i, t.name)
         check_graph_io(self.session, list(self.pools), list(self.new_to_past))
-        # OrtValues over the pool arrays' own memory: binding them copies nothing.
-        self.pool_values = {
-            name: ort.OrtValue.ortvalue_from_numpy(pool) for name, pool in self.pools.items()
+        # One binding for the executor's life: the pools are bound once, as OrtValues over
+        # the arrays' own memory (binding copies nothing); a step rebinds the contract's
+        # small inputs and its outputs (whose shapes change from step to step).
+        self.output_names = [contract.LOGITS, *self.new_to_past]
+        self.binding = self.session.io_binding()
+        for name, pool in self.pools.items():
+            self.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(pool))
+        # Flat [slots, *slot_shape] views of the pools and the shapes of new entries.
+        self.flat_pools = {
+            new: self.pools[past].reshape(-1, *self.pools[past].shape[2:])
+            for new, past in self.new_to_past.items()
         }
 
     def execute(self, batch: StepBatch) -> np.ndarray:
@@ -77,24 +85,20 @@ class OrtExecutor:
 
     def _run(self, batch: StepBatch) -> np.ndarray:
         inputs, slots = contract_inputs(batch, self.block_size, self.max_position)
-        binding = self.session.io_binding()
         for name, array in inputs.items():
-            binding.bind_cpu_input(name, array)
-        for name, value in self.pool_values.items():
-            binding.bind_ortvalue_input(name, value)
-        output_names = [contract.LOGITS, *self.new_to_past]
-        for name in output_names:
-            binding.bind_output(name, "cpu")
-        self.session.run_with_iobinding(binding)
-        outputs = dict(zip(output_names, binding.get_outputs(), strict=True))
+            self.binding.bind_cpu_input(name, array)
+        self.binding.clear_binding_outputs()
+        for name in self.output_names:
+            self.binding.bind_output(name, "cpu")
+        self.session.run_with_iobinding(self.binding)
+        outputs = dict(zip(self.output_names, self.binding.copy_outputs_to_cpu(), strict=True))
 
         keep = slots >= 0  # padded query rows are garbage and never written
-        for name, past in self.new_to_past.items():
-            pool = self.pools[past]
-            new = outputs[name].numpy()
-            slot_shape = pool.shape[2:]
-            pool.reshape(-1, *slot_shape)[slots[keep]] = new.reshape(-1, *slot_shape)[keep]
-        logits = outputs[contract.LOGITS].numpy()
+        kept_slots = slots[keep]
+        for name, flat_pool in self.flat_pools.items():
+            new = outputs[name]
+            flat_pool[kept_slots] = new.reshape(-1, *flat_pool.shape[1:])[keep]
+        logits = outputs[contract.LOGITS]
         return logits[: batch.logits_indices.size].astype(np.float32, copy=False)
 
 
