@@ -104,16 +104,18 @@ def _speculation_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--spec-max-batch", type=int, default=None,
                      help="Speculate only while at most this many sequences run "
                           "(default: the compiler's measured limit)."),
+        click.option("--drafts", type=click.Choice(["all", "ngram", "model"]), default="all",
+                     show_default=True, help="Which of the artifact's drafts to run."),
     ]
     for option in reversed(options):
         command = option(command)
     return command
 
 
-def _speculation_kwargs(speculative: bool, gamma: int | None,
-                        spec_max_batch: int | None) -> dict[str, Any]:
+def _speculation_kwargs(speculative: bool, gamma: int | None, spec_max_batch: int | None,
+                        drafts: str) -> dict[str, Any]:
     return {"speculative": speculative, "num_speculative_tokens": gamma,
-            "speculative_max_batch_size": spec_max_batch}
+            "speculative_max_batch_size": spec_max_batch, "drafts": drafts}
 
 
 @main.command("generate")
@@ -139,12 +141,12 @@ def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_t
                      min_p: float | None, repetition_penalty: float | None, seed: int | None,
                      stop: tuple[str, ...], threads: int | None, num_blocks: int | None,
                      max_context: int | None, as_json: bool, speculative: bool,
-                     gamma: int | None, spec_max_batch: int | None) -> None:
+                     gamma: int | None, spec_max_batch: int | None, drafts: str) -> None:
     """Generate a continuation of each PROMPT, batched together."""
     from llmopt.runtime import LLM, SamplingParams
 
     llm = LLM(artifact, num_threads=threads, num_blocks=num_blocks, max_context=max_context,
-              **_speculation_kwargs(speculative, gamma, spec_max_batch))
+              **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))
     chosen = {"temperature": temperature if temperature is not None else 0.0, "top_p": top_p,
               "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty,
               "seed": seed}
@@ -198,7 +200,7 @@ def eval_command(artifact: Path, text_file: Path, windows: int, seq_len: int,
 @_one_line_errors
 def bench_command(artifact: Path, batch: str, prompt_len: int, gen_len: int,
                   threads: int | None, as_json: bool, speculative: bool, gamma: int | None,
-                  spec_max_batch: int | None) -> None:
+                  spec_max_batch: int | None, drafts: str) -> None:
     """TTFT, decode tok/s per stream, aggregate tok/s, peak RSS (random-token prompts;
     with a draft, also acceptance rate and tokens per target step)."""
     from llmopt.runtime import LLM
@@ -207,7 +209,7 @@ def bench_command(artifact: Path, batch: str, prompt_len: int, gen_len: int,
     batches = [int(b) for b in batch.split(",") if b.strip()]
     llm = LLM(artifact, num_threads=threads, max_num_seqs=max(batches),
               max_context=prompt_len + gen_len + 1,
-              **_speculation_kwargs(speculative, gamma, spec_max_batch))
+              **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))
     run_bench(llm, 1, min(prompt_len, 16), 4)  # warm-up: session init, first-run allocations
     for size in batches:
         result = run_bench(llm, size, prompt_len, gen_len)

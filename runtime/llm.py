@@ -30,6 +30,7 @@ class LLM:
     `speculative_max_batch_size` override the γ and batch-size limit the compiler chose.
     With the compiler's step costs in the manifest, each sequence drafts only as many
     tokens as its recent acceptance makes pay (`adaptive_speculation=False`: always γ).
+    `drafts` picks which of the artifact's drafts run: "all", "ngram" or "model".
     """
 
     def __init__(
@@ -48,6 +49,7 @@ class LLM:
         num_speculative_tokens: int | None = None,
         speculative_max_batch_size: int | None = None,
         adaptive_speculation: bool = True,
+        drafts: str = "all",
     ):
         self.path = Path(path)
         self.manifest = manifest = load_manifest(self.path)
@@ -98,7 +100,8 @@ class LLM:
         kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         drafter = None
         if gamma:
-            drafter = make_drafter(self.path, manifest, spec, kv_cache_manager, executor_for)
+            drafter = make_drafter(self.path, manifest, spec, kv_cache_manager, executor_for,
+                                   drafts)
         self.engine = LLMEngine(
             executor_for("target", manifest.kv_cache, manifest.model.max_position),
             config,
@@ -221,10 +224,16 @@ def make_drafter(
     spec: SpeculativeSpec,
     kv_cache_manager: KVCacheManager,
     executor_for: Callable[[str, KVCacheSpec, int], OrtExecutor],
+    drafts: str = "all",
 ) -> Drafter:
-    """The artifact's drafter: n-gram lookup, its draft model, or n-gram falling back to it."""
+    """The artifact's drafter: n-gram lookup, its draft model, or n-gram falling back to it
+    (`drafts`: "all" of those it has, only "ngram" or only "model")."""
+    if drafts not in ("all", "ngram", "model"):
+        raise ValueError(f"drafts must be 'all', 'ngram' or 'model', got {drafts!r}")
+    if drafts != "all" and getattr(spec, drafts) is None:
+        raise ValueError(f"drafts={drafts!r}, but the artifact has no {drafts} draft")
     model = None
-    if spec.model is not None:
+    if spec.model is not None and drafts != "ngram":
         draft = spec.model
         token_map = None
         if draft.token_map is not None:
@@ -234,7 +243,8 @@ def make_drafter(
                                  f"{token_map.shape}, expected ({draft.vocab_size},)")
         executor = executor_for(draft.graph, draft.kv_cache, draft.max_position)
         model = ModelDrafter(executor, kv_cache_manager, manifest.model.vocab_size, token_map)
-    ngram = spec.ngram and NgramDrafter(spec.ngram.min_n, spec.ngram.max_n)
+    ngram = spec.ngram and drafts != "model" and NgramDrafter(spec.ngram.min_n,
+                                                              spec.ngram.max_n)
     if ngram and model:
         return FallbackDrafter(ngram, model)
     if ngram or model:

@@ -39,3 +39,18 @@ def test_speculation_without_a_draft_is_a_clear_error(tmp_path):
     plain = build_artifact(tmp_path / "plain")
     with pytest.raises(ValueError, match="compiled with a draft"):
         LLM(plain, num_speculative_tokens=2)
+
+
+def test_drafts_picks_the_ngram_or_the_model_draft(artifact):
+    for drafts in ("ngram", "model"):
+        outputs = LLM(artifact, num_threads=1, drafts=drafts).generate(PROMPTS, GREEDY)
+        for prompt, out in zip(PROMPTS, outputs, strict=True):
+            assert out.token_ids == reference_greedy(prompt, 12, eos=None)
+    with pytest.raises(ValueError, match="drafts must be"):
+        LLM(artifact, drafts="both")
+
+
+def test_asking_for_a_draft_the_artifact_lacks_is_a_clear_error(tmp_path):
+    ngram_only = add_draft(build_artifact(tmp_path), gamma=2, model=False, ngram=True)
+    with pytest.raises(ValueError, match="no model draft"):
+        LLM(ngram_only, drafts="model")
