@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from llmopt.runtime.drafter import ngram_lookup  # the simulation proposes what the runtime will
 from llmopt.runtime.executor import OrtExecutor
 from llmopt.runtime.kv_cache_manager import cdiv
 from llmopt.runtime.step_batch import StepBatch
@@ -62,19 +63,6 @@ def position_acceptance(runs: np.ndarray, max_gamma: int) -> list[float]:
         tried = int((runs >= i - 1).sum())
         alphas.append(float((runs >= i).sum()) / tried if tried else 0.0)
     return alphas
-
-
-def ngram_lookup(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the longest suffix
-    (max_n down to min_n tokens): prompt lookup, as the runtime's n-gram drafter does."""
-    array = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(max_n, array.size - 1), min_n - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(array[:-1], n)
-        hits = np.flatnonzero((windows == array[-n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return array[start : start + k].tolist()
-    return []
 
 
 @dataclass(frozen=True)

@@ -153,7 +153,8 @@ class LLMEngine:
         scheduled = list(scheduled)
         for i, request, proposal in zip(speculating, requests, proposals, strict=True):
             request.spec_token_ids = list(proposal.token_ids)
-            self.draft_probs[request.request_id] = proposal.probs
+            if proposal.token_ids:  # popped when they are verified, later in this step
+                self.draft_probs[request.request_id] = proposal.probs
             unused = scheduled[i].num_spec_tokens - len(proposal.token_ids)
             scheduled[i] = dataclasses.replace(
                 scheduled[i], num_tokens=scheduled[i].num_tokens - unused,
