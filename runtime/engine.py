@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from llmopt.runtime.request import Request
 from llmopt.runtime.sampler import log_softmax, sample
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from llmopt.runtime.speculation_governor import SpeculationGovernor
 from llmopt.runtime.speculation_policy import SpeculationPolicy
 from llmopt.runtime.step_batch import Executor, logits_offsets, make_step_batch
 from llmopt.runtime.tokenizer import Tokenizer
@@ -68,11 +70,13 @@ class LLMEngine:
         kv_cache_manager: KVCacheManager | None = None,
         drafter: Drafter | None = None,
         speculation_policy: SpeculationPolicy | None = None,
+        speculation_governor: SpeculationGovernor | None = None,
     ):
         """`drafter` proposes draft tokens when `config.num_speculative_tokens` > 0; a
         model drafter shares the engine's `kv_cache_manager` (its block tables).
         `speculation_policy` sizes each sequence's drafts from its acceptance (None:
-        always γ)."""
+        always γ); `speculation_governor` pauses speculation at batch sizes where the
+        engine's own step timings show it slower than plain decoding (None: never)."""
         if config.num_speculative_tokens and drafter is None:
             raise ValueError("num_speculative_tokens > 0 needs a drafter")
         self.executor = executor
@@ -87,6 +91,7 @@ class LLMEngine:
             config.num_speculative_tokens, config.speculative_max_batch_size,
         )
         self.speculation_policy = speculation_policy
+        self.speculation_governor = speculation_governor
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, eos_token_ids,
                                    speculation_policy)
         self.requests: dict[str, Request] = {}  # unfinished ones
@@ -125,12 +130,22 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; outputs for every request that got a token or finished."""
+        governor = self.speculation_governor
+        if governor is not None:
+            self.scheduler.speculation_allowed = governor.allows(len(self.scheduler.running))
+        started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        pure_decode = all(not item.request.score_only and item.num_tokens
+                          - item.num_spec_tokens == 1 for item in scheduled)
         scheduled = self._propose_drafts(scheduled)
         logits = self.executor.execute(make_step_batch(scheduled, self.kv_cache_manager))
         emitted = self._process_logits(scheduled, logits)
+        if governor is not None and pure_decode:
+            governor.record(len(scheduled), any(item.num_spec_tokens for item in scheduled),
+                            time.perf_counter() - started,
+                            sum(len(tokens) for tokens in emitted.values()))
         updated = self.scheduler.update_from_output(scheduled, emitted, self._hit_stop_string)
         changed = {r.request_id: r for r in updated}
         for item in scheduled:

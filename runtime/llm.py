@@ -16,6 +16,7 @@ from llmopt.runtime.manifest import KVCacheSpec, Manifest, SpeculativeSpec
 from llmopt.runtime.output import RequestOutput
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.scheduler import check_prompt_length
+from llmopt.runtime.speculation_governor import SpeculationGovernor
 from llmopt.runtime.speculation_policy import SpeculationPolicy
 from llmopt.runtime.tokenizer import Tokenizer
 
@@ -29,7 +30,9 @@ class LLM:
     with a draft speculates unless `speculative=False`; `num_speculative_tokens` and
     `speculative_max_batch_size` override the γ and batch-size limit the compiler chose.
     With the compiler's step costs in the manifest, each sequence drafts only as many
-    tokens as its recent acceptance makes pay (`adaptive_speculation=False`: always γ).
+    tokens as its recent acceptance makes pay, and speculation pauses at batch sizes where
+    the engine's own step timings show it slower than plain decoding
+    (`adaptive_speculation=False`: always γ, wherever the batch-size limit allows).
     `drafts` picks which of the artifact's drafts run: "all", "ngram" or "model".
     """
 
@@ -110,6 +113,8 @@ class LLM:
             kv_cache_manager=kv_cache_manager,
             drafter=drafter,
             speculation_policy=make_policy(spec, gamma) if adaptive_speculation else None,
+            speculation_governor=SpeculationGovernor() if adaptive_speculation and gamma
+            else None,
         )
         self.default_params = SamplingParams.from_generation_config(manifest.generation)
 

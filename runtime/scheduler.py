@@ -65,6 +65,7 @@ class Scheduler:
         """`speculation_policy` sizes each request's drafts (up to γ); None: always γ."""
         self.config = config
         self.speculation_policy = speculation_policy
+        self.speculation_allowed = True  # the engine's governor may pause it per step
         self.kv_cache_manager = kv_cache_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
@@ -108,7 +109,7 @@ class Scheduler:
 
     def speculation_enabled(self) -> bool:
         limit = self.config.speculative_max_batch_size
-        return self.config.num_speculative_tokens > 0 and (
+        return self.config.num_speculative_tokens > 0 and self.speculation_allowed and (
             limit is None or len(self.running) <= limit)
 
     def _num_spec_tokens(self, request: Request, budget: int) -> int:

@@ -29,7 +29,7 @@ def test_speculation_is_on_by_default_and_changes_no_greedy_output(artifact):
 
 def test_a_perfect_draft_model_is_always_accepted(tmp_path):
     artifact = add_draft(build_artifact(tmp_path), gamma=3)
-    llm = LLM(artifact, num_threads=1, num_speculative_tokens=4)
+    llm = LLM(artifact, num_threads=1, num_speculative_tokens=4, adaptive_speculation=False)
     (out,) = llm.generate([PROMPTS[0]], GREEDY)
     spec = out.metrics.speculation
     assert spec.acceptance_rate == 1.0 and spec.tokens_per_step(12) >= 3
