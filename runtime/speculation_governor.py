@@ -20,16 +20,19 @@ class _Bucket:
     spec_seconds_per_token: float | None = None
     plain_seconds_per_token: float | None = None
     steps: int = 0
+    spec_samples: int = 0  # speculative steps timed since speculation last resumed
     paused_until: int = 0  # speculation off in this bucket until this step count
 
 
 class SpeculationGovernor:
     def __init__(self, *, decay: float = 0.8, probe_every: int = 32, pause_steps: int = 64,
-                 margin: float = 1.0):
+                 margin: float = 1.0, min_samples: int = 3):
         """Every `probe_every`-th step of a bucket runs plain (to time it); speculation is
-        paused for `pause_steps` steps of a bucket when its time per token exceeds the
-        plain one times `margin`."""
+        paused for `pause_steps` steps of a bucket when, over at least `min_samples`
+        speculative steps, its time per token exceeds the plain one times `margin` (one
+        slow step on a shared machine proves nothing)."""
         self.decay = decay
+        self.min_samples = min_samples
         self.probe_every = probe_every
         self.pause_steps = pause_steps
         self.margin = margin
@@ -52,15 +55,18 @@ class SpeculationGovernor:
         bucket.steps += 1
         per_token = seconds / tokens
         if speculated:
+            bucket.spec_samples += 1
             bucket.spec_seconds_per_token = self._average(bucket.spec_seconds_per_token,
                                                           per_token)
         else:
             bucket.plain_seconds_per_token = self._average(bucket.plain_seconds_per_token,
                                                            per_token)
         spec, plain = bucket.spec_seconds_per_token, bucket.plain_seconds_per_token
-        if speculated and plain is not None and spec > self.margin * plain:
+        if (speculated and plain is not None and bucket.spec_samples >= self.min_samples
+                and spec > self.margin * plain):
             bucket.paused_until = bucket.steps + self.pause_steps
             bucket.spec_seconds_per_token = None  # re-timed afresh when it resumes
+            bucket.spec_samples = 0
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
