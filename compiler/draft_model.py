@@ -112,10 +112,15 @@ def with_head_rows(ir: ModelIR, rows: torch.Tensor) -> ModelIR:
 
 
 def frequent_tokens(token_ids: torch.Tensor, count: int, always: tuple[int, ...],
-                    vocab_size: int) -> torch.Tensor:
+                    vocab_size: int, first: torch.Tensor | None = None) -> torch.Tensor:
     """The `count` most frequent target ids in `token_ids` (ties: lower id), plus `always`,
-    sorted; filled up with the lowest unseen ids when the text has fewer distinct tokens."""
+    sorted; filled up with the lowest unseen ids when the text has fewer distinct tokens.
+    Ids in `first` (the target's own outputs: what the draft must predict) rank above
+    every other, by their count there."""
     counts = torch.bincount(token_ids.flatten(), minlength=vocab_size).double()
+    if first is not None:
+        counts += torch.bincount(first.flatten(), minlength=vocab_size).double() * (
+            counts.sum() + 1)
     counts[list(always)] = float("inf")
     order = torch.sort(-counts, stable=True).indices
     return torch.sort(order[:count]).values

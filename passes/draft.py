@@ -10,7 +10,9 @@ Recipe: `- draft: {kind: model|self|tiny|ngram, gamma: auto|N, passes: [...], ..
   ngram: prompt lookup (`ngram: {min_n, max_n}`), no model.
 Model drafts also take `head_vocab: N` (keep the LM head's N most frequent calibration
 tokens, FR-Spec), `distill_steps` (KL to the target on `calibration.text`) and
-`ngram: true|{...}` (n-gram lookup first, the model when it finds nothing).
+`ngram: true|{...}` (n-gram lookup first, the model when it finds nothing) and
+`distill_data: text|self`: text windows, or the target's own greedy continuations of
+`distill_prompts` prompts (`distill_new_tokens` each; see passes/draft_data.py).
 It must be the last pass: it measures against the target as the artifact will run it.
 """
 
@@ -40,7 +42,8 @@ KIND_KEYS = {
     "ngram": set(),
 }
 MODEL_DRAFT_KEYS = {"head_vocab", "distill_steps", "distill_lr", "distill_batch_size",
-                    "distill_seq_len", "passes"}
+                    "distill_seq_len", "distill_data", "distill_prompts",
+                    "distill_new_tokens", "passes"}
 TRAINABLE = {"model": ("layers.*", "final_norm"), "self": ("layers.*", "final_norm"),
              "tiny": ("*",)}
 
@@ -76,7 +79,11 @@ class Config(BaseModel):
     distill_steps: int | None = Field(None, ge=0)  # None: 200 for tiny, else 0
     distill_lr: float | None = Field(None, gt=0)  # None: 1e-3 for tiny, else 5e-4
     distill_batch_size: int = Field(4, gt=0)
-    distill_seq_len: int = Field(128, gt=1)
+    distill_seq_len: int = Field(128, gt=1)  # text windows
+    # self: distil on the target's greedy continuations of prompts, loss on those only
+    distill_data: Literal["text", "self"] = "text"
+    distill_prompts: int = Field(64, gt=1)
+    distill_new_tokens: int = Field(96, gt=0)
     # Measurement: greedy continuations of `prompts` prompts (chat-style and, with
     # calibration text, text), step costs at `batch_sizes` with `context_len` cached tokens.
     prompts: int = Field(8, gt=0)
@@ -162,8 +169,12 @@ def build_draft(ir: ModelIR, config: Config, context: Any,
     """The draft IR for `config.kind`, head-trimmed and distilled as asked."""
     steps = config.distill_steps if config.distill_steps is not None else (
         200 if config.kind == "tiny" else 0)
-    windows = None
-    if steps or config.head_vocab or config.kind == "tiny":
+    windows, mask, own = None, None, None
+    if config.distill_data == "self" and (steps or config.head_vocab or config.kind == "tiny"):
+        data = _self_windows(ir, config, context)
+        windows, mask, own = data.ids, data.mask, data.ids[:, 1:][data.mask[:, :-1] > 0]
+        report["distill_data"] = data.report
+    elif steps or config.head_vocab or config.kind == "tiny":
         windows = _calibration_windows(ir, config, context)
     token_map = None
     if config.kind == "model":
@@ -174,8 +185,9 @@ def build_draft(ir: ModelIR, config: Config, context: Any,
     else:
         draft = _tiny(ir, config, windows)
     if config.head_vocab:
-        keep = dm.frequent_tokens(windows, config.head_vocab, _special_ids(ir),
-                                  ir.arch.vocab_size)
+        keep = dm.frequent_tokens(_frequency_ids(ir, config, context, windows),
+                                  config.head_vocab, _special_ids(ir), ir.arch.vocab_size,
+                                  first=own)
         draft, token_map = dm.trim_head(draft, token_map, keep)
     if steps:
         lr = config.distill_lr or (1e-3 if config.kind == "tiny" else 5e-4)
@@ -183,7 +195,7 @@ def build_draft(ir: ModelIR, config: Config, context: Any,
         context.log(f"      distilling the {config.kind} draft: {steps} steps of "
                     f"{config.distill_batch_size} x {config.distill_seq_len} tokens")
         draft, report["distillation"] = distill(draft, ir, windows, token_map, settings,
-                                                context.log)
+                                                context.log, mask)
     return draft, token_map
 
 
@@ -199,6 +211,44 @@ def _calibration_windows(ir: ModelIR, config: Config, context: Any) -> torch.Ten
         raise ValueError(f"the {config.kind} draft needs calibration text (distillation or "
                          "head_vocab): set calibration.text in the recipe")
     return text_windows(ir, text, config.distill_seq_len)
+
+
+def _self_windows(ir: ModelIR, config: Config, context: Any) -> Any:
+    """The target's greedy continuations of built prompts, generated through ONNX Runtime
+    on the lowered target (far faster than the torch reference)."""
+    from llmopt.passes import draft_data
+    from llmopt.passes.draft_choice import target_tokenizer
+    from llmopt.passes.draft_measure import PagedRunner
+
+    recipe = context.recipe
+    block_size = recipe.runtime.block_size
+    max_len = min(ir.arch.max_position, recipe.runtime.max_context)
+    new_tokens = min(config.distill_new_tokens, max_len // 2)
+    blocks = cdiv(max_len, block_size)
+    context.log(f"      generating distillation data: {config.distill_prompts} prompts x "
+                f"{new_tokens} greedy target tokens")
+    with tempfile.TemporaryDirectory(prefix="llmopt-draft-data-") as tmp:
+        batch = draft_data.GENERATION_BATCH
+        target = _executor(ir, recipe, Path(tmp) / "target.onnx", 1 + batch * blocks)
+
+        def runner_for(longest: int) -> PagedRunner:
+            return PagedRunner(target, block_size, cdiv(longest, block_size))
+
+        data = draft_data.self_windows(ir, target_tokenizer(ir), runner_for,
+                                       config.distill_prompts, new_tokens,
+                                       recipe.calibration.text, max_len)
+    context.log(f"      {data.report['continuation_tokens']} continuation tokens in "
+                f"{data.report['generation_seconds']} s")
+    return data
+
+
+def _frequency_ids(ir: ModelIR, config: Config, context: Any,
+                   windows: torch.Tensor) -> torch.Tensor:
+    """Token ids whose counts rank the LM head rows: the windows, and with self data the
+    calibration text too (the continuations alone hold too few distinct tokens)."""
+    if config.distill_data == "self" and context.recipe.calibration.text is not None:
+        return torch.cat([windows.flatten(), _calibration_windows(ir, config, context).flatten()])
+    return windows
 
 
 def _special_ids(ir: ModelIR) -> tuple[int, ...]:

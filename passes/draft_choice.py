@@ -212,12 +212,7 @@ def calibration_prompts(ir: ModelIR, count: int, text_file: str | None,
     """`count` prompts in target ids, alternating chat-style requests (through the chat
     template when there is one) and openings of the calibration text's LAST windows
     (distillation trains on the first ones)."""
-    tokens = ir.annotations.get("tokens", {})
-    tokenizer = Tokenizer(
-        tokenizers.Tokenizer.from_str(ir.tokenizer_files["tokenizer.json"].decode()),
-        TokenizerSpec(file="tokenizer.json", chat_template=ir.chat_template,
-                      add_bos_token=ir.add_bos_token, bos_token=tokens.get("bos_token"),
-                      eos_token=tokens.get("eos_token")))
+    tokenizer = target_tokenizer(ir)
     chat = [tokenizer.encode_chat([{"role": "user", "content": p}]) if ir.chat_template
             else tokenizer.encode(p) for p in CHAT_PROMPTS]
     text: list[list[int]] = []
@@ -226,3 +221,13 @@ def calibration_prompts(ir: ModelIR, count: int, text_file: str | None,
         text = [w.tolist() for w in windows[-count:]]
     mixed = [p for pair in itertools.zip_longest(chat, text) for p in pair if p is not None]
     return (mixed * count)[:count]
+
+
+def target_tokenizer(ir: ModelIR) -> Tokenizer:
+    """The runtime's tokenizer for `ir`, chat template and BOS handling included."""
+    tokens = ir.annotations.get("tokens", {})
+    return Tokenizer(
+        tokenizers.Tokenizer.from_str(ir.tokenizer_files["tokenizer.json"].decode()),
+        TokenizerSpec(file="tokenizer.json", chat_template=ir.chat_template,
+                      add_bos_token=ir.add_bos_token, bos_token=tokens.get("bos_token"),
+                      eos_token=tokens.get("eos_token")))

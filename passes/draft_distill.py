@@ -1,5 +1,6 @@
 """Distil a draft from the target: minimise KL(p_target ‖ q_draft) of the next-token
-distributions on calibration text, with AdamW on the CPU.
+distributions on calibration text (or on the target's own continuations, with a mask
+that counts only their positions), with AdamW on the CPU.
 
 The draft's logits rows cover the target ids in its token map, so the target's
 distribution is restricted to those ids and renormalised before the KL. The report
@@ -45,21 +46,26 @@ def text_windows(ir: ModelIR, text_file: str | Path, seq_len: int) -> torch.Tens
 
 def distill(draft: ModelIR, target: ModelIR, windows: torch.Tensor,
             token_map: torch.Tensor | None, settings: DistillSettings,
-            log: Callable[[str], None]) -> tuple[ModelIR, dict]:
-    """A copy of `draft` trained towards `target`, and the distillation report."""
+            log: Callable[[str], None], mask: torch.Tensor | None = None
+            ) -> tuple[ModelIR, dict]:
+    """A copy of `draft` trained towards `target`, and the distillation report. `mask`
+    [n, seq_len] weighs each position's KL (None: all count)."""
     started = time.perf_counter()
     held = min(settings.eval_windows, len(windows) // 2)
+    mask = torch.ones(windows.shape) if mask is None else mask
     train, held_out = windows[held:], windows[:held]
+    train_mask, held_mask = mask[held:], mask[:held]
     teacher = ReferenceModel(target, windows.shape[1])
     out, params = _trainable_copy(draft, settings.trainable)
     student = ReferenceModel(out, windows.shape[1])
-    kl_before = held_out_kl(teacher, student, held_out, token_map)
+    kl_before = held_out_kl(teacher, student, held_out, token_map, held_mask)
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(settings.steps))
     losses = []
     for step in range(settings.steps):
         rows = torch.arange(step * settings.batch_size, (step + 1) * settings.batch_size)
-        loss = kl_loss(teacher, student, train[rows % len(train)], token_map)
+        rows = rows % len(train)
+        loss = kl_loss(teacher, student, train[rows], token_map, train_mask[rows])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -69,7 +75,7 @@ def distill(draft: ModelIR, target: ModelIR, windows: torch.Tensor,
             log(f"      distill step {step + 1}/{settings.steps}: KL {losses[-1]:.4f} "
                 f"({time.perf_counter() - started:.0f} s)")
     out.weights = {n: t.detach() for n, t in out.weights.items()}
-    kl_after = held_out_kl(teacher, student, held_out, token_map)
+    kl_after = held_out_kl(teacher, student, held_out, token_map, held_mask)
     return out, {
         "steps": settings.steps, "lr": settings.lr, "batch_size": settings.batch_size,
         "seq_len": windows.shape[1], "trained_parameters": sum(p.numel() for p in params),
@@ -109,12 +115,16 @@ def student_logits(model: ReferenceModel, ids: torch.Tensor) -> torch.Tensor:
 
 
 def kl_loss(teacher: ReferenceModel, student: ReferenceModel, ids: torch.Tensor,
-            token_map: torch.Tensor | None) -> torch.Tensor:
-    """Mean over tokens of KL(p ‖ q), p the target's distribution over the draft's rows."""
+            token_map: torch.Tensor | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over tokens (weighted by `mask`) of KL(p ‖ q), p the target's distribution
+    over the draft's rows."""
     with torch.no_grad():
         logp = torch.log_softmax(teacher_logits(teacher, ids, token_map), dim=-1)
     logq = torch.log_softmax(student_logits(student, ids), dim=-1)
-    return (logp.exp() * (logp - logq)).sum(-1).mean()
+    per_token = (logp.exp() * (logp - logq)).sum(-1)
+    if mask is None:
+        return per_token.mean()
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def teacher_logits(teacher: ReferenceModel, ids: torch.Tensor,
@@ -136,9 +146,11 @@ def teacher_logits(teacher: ReferenceModel, ids: torch.Tensor,
 
 
 def held_out_kl(teacher: ReferenceModel, student: ReferenceModel, ids: torch.Tensor,
-                token_map: torch.Tensor | None) -> float:
+                token_map: torch.Tensor | None, mask: torch.Tensor | None = None) -> float:
+    masks = [None] * len(ids) if mask is None else [m[None] for m in mask]
     with torch.no_grad():
-        return float(sum(kl_loss(teacher, student, w[None], token_map) for w in ids) / len(ids))
+        return float(sum(kl_loss(teacher, student, w[None], token_map, m)
+                         for w, m in zip(ids, masks, strict=True)) / len(ids))
 
 
 def _warmup_cosine(steps: int) -> Callable[[int], float]:

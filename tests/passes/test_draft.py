@@ -330,3 +330,38 @@ def test_the_target_as_its_own_draft_is_always_accepted(target, tmp_path):
     assert len(traj.tokens) == 5 + 24
     agree = m.draft_agreement(runner, traj, None)
     assert agree[5:].all() and not agree[:5].any()
+
+
+def test_self_distillation_data_is_the_targets_greedy_continuation(target, text_file):
+    """`distill_data: self` windows: prompt + the target's greedy argmax chain, the mask
+    on exactly the positions that predict continuation tokens."""
+    from llmopt.passes import draft_data
+    from llmopt.passes.draft_choice import target_tokenizer
+
+    recipe = Recipe(model="unused", calibration={"text": str(text_file)},
+                    runtime={"block_size": 4, "max_context": 128})
+    context = type("Context", (), {"recipe": recipe, "log": staticmethod(lambda _: None)})()
+    data = draft._self_windows(target, draft.Config(kind="tiny", distill_data="self",
+                                                    distill_prompts=5,
+                                                    distill_new_tokens=6), context)
+    assert data.report["prompts"] == 5 and data.report["continuation_tokens"] >= 5
+    assert data.ids.shape == data.mask.shape and data.mask.sum() == (
+        data.report["continuation_tokens"])
+    prompts = draft_data.self_prompts(target, target_tokenizer(target), 5, str(text_file))
+    logits = ReferenceModel(target).forward(data.ids)
+    for row, prompt in enumerate(prompts):
+        assert data.ids[row, : len(prompt)].tolist() == prompt
+        positions = torch.nonzero(data.mask[row]).flatten()
+        assert positions[0] == len(prompt) - 1 and len(positions) <= 6
+        assert (logits[row, positions].argmax(-1) == data.ids[row, positions + 1]).all()
+
+
+def test_tiny_draft_distilled_on_its_own_continuations(target_dir, text_file, tmp_path):
+    manifest = load_manifest(compile_with_draft(
+        target_dir, text_file, tmp_path / "s", kind="tiny", num_layers=1, head_vocab=64,
+        distill_steps=3, distill_data="self", distill_prompts=4, distill_new_tokens=8))
+    report = manifest.passes[0]
+    assert report["distill_data"]["data"] == "self" and report["distill_data"]["prompts"] == 4
+    assert report["distill_data"]["generation_seconds"] >= 0
+    assert report["distillation"]["steps"] == 3 and report["distillation"]["seconds"] >= 0
+    assert manifest.speculative.model.kind == "tiny" and manifest.speculative.model.vocab_size == 64
