@@ -193,7 +193,8 @@ def build_draft(ir: ModelIR, config: Config, context: Any,
         lr = config.distill_lr or (1e-3 if config.kind == "tiny" else 5e-4)
         settings = DistillSettings(steps, lr, config.distill_batch_size, TRAINABLE[config.kind])
         context.log(f"      distilling the {config.kind} draft: {steps} steps of "
-                    f"{config.distill_batch_size} x {config.distill_seq_len} tokens")
+                    f"{config.distill_batch_size} x {windows.shape[1]} tokens "
+                    f"({config.distill_data} data)")
         draft, report["distillation"] = distill(draft, ir, windows, token_map, settings,
                                                 context.log, mask)
     return draft, token_map
