@@ -15,14 +15,21 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _common import REPO_ROOT, RESULTS_DIR, machine_info, run_json_worker, thread_env, write_json
+from _common import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    compile_artifact,
+    machine_info,
+    run_json_worker,
+    thread_env,
+    write_json,
+)
 
 DEFAULT_RECIPE = "recipes/smollm2-135m-instruct.yaml"
 HF = "transformers-fp32"
@@ -128,18 +135,7 @@ def peak_rss_mib() -> float:
 def ensure_artifact(system: str, out_dir: Path, recipe: Path) -> Path:
     """The system's artifact directory, compiled through the llmopt CLI if it is missing."""
     name, overrides = ARTIFACTS[system]
-    path = out_dir / name
-    if (path / "manifest.json").is_file():
-        return path
-    cmd = [sys.executable, "-c", "from llmopt.cli import main; main()", "compile", str(recipe),
-           "-o", str(path), *[a for o in overrides for a in ("--set", o)]]
-    print(f"compiling {path} ...", flush=True)
-    started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"compiling {path} failed:\n{proc.stderr[-4000:]}")
-    print(f"compiled {path} in {time.perf_counter() - started:.0f} s", flush=True)
-    return path
+    return compile_artifact(out_dir / name, recipe, overrides)
 
 
 def worker_args(system: str, threads: int, args: argparse.Namespace, target: str) -> list[str]:

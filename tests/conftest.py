@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -20,3 +21,13 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """arch name -> directory of a saved tiny random checkpoint (built once per session)."""
     root = tmp_path_factory.mktemp("tiny")
     return {arch: build_tiny_checkpoint(arch, root / arch) for arch in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def word_text(tmp_path_factory) -> Path:
+    """A calibration/evaluation text file of 4000 words drawn from ten (seeded)."""
+    rng = random.Random(0)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far"]
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    path.write_text(" ".join(rng.choice(words) for _ in range(4000)))
+    return path

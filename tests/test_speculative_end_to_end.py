@@ -3,7 +3,6 @@ output, alone or batched, with or without preemption, for every draft kind."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import numpy as np
@@ -26,22 +25,13 @@ DRAFTS = {
 
 
 @pytest.fixture(scope="module")
-def calibration_text(tmp_path_factory) -> Path:
-    rng = random.Random(0)
-    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far"]
-    path = tmp_path_factory.mktemp("text") / "text.txt"
-    path.write_text(" ".join(rng.choice(words) for _ in range(2000)))
-    return path
-
-
-@pytest.fixture(scope="module")
-def artifacts(tiny_checkpoints, calibration_text, tmp_path_factory) -> dict[str, Path]:
+def artifacts(tiny_checkpoints, word_text, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("spec")
     out = {}
     for name, options in DRAFTS.items():
         recipe = Recipe(model=str(tiny_checkpoints["llama"]),
                         passes=[{"draft": {**QUICK, **options}}],
-                        calibration={"text": str(calibration_text)},
+                        calibration={"text": str(word_text)},
                         runtime={"block_size": 4, "max_context": 128, "max_num_seqs": 16})
         compile_recipe(recipe, root / name, log=lambda _: None)
         out[name] = root / name

@@ -3,7 +3,6 @@ the artifact's draft graph + manifest.speculative."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import numpy as np
@@ -43,15 +42,6 @@ def single_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> Path:
-    rng = random.Random(0)
-    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far"]
-    path = tmp_path_factory.mktemp("text") / "text.txt"
-    path.write_text(" ".join(rng.choice(words) for _ in range(3000)))
-    return path
 
 
 def save_draft(directory: Path, tokens: list[str], vocab_size: int) -> Path:
@@ -157,8 +147,8 @@ def test_head_trimming_keeps_the_frequent_rows(target):
     torch.testing.assert_close(ReferenceModel(trimmed).forward(probe), full[..., keep])
 
 
-def test_tiny_draft_distillation_lowers_the_kl(target, text_file):
-    windows = draft.text_windows(target, text_file, 32)[:40]
+def test_tiny_draft_distillation_lowers_the_kl(target, word_text):
+    windows = draft.text_windows(target, word_text, 32)[:40]
     shape = dm.TinyShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                          intermediate_size=64)
     basis = dm.residual_basis(target, draft._residual_states(target, windows[-2:]), 32)
@@ -253,8 +243,8 @@ def draft_logits(artifact: Path, tokens: list[int]) -> np.ndarray:
     return executor.execute(batch)
 
 
-def test_self_draft_artifact(target_dir, target, text_file, tmp_path):
-    out = compile_with_draft(target_dir, text_file, tmp_path / "a", kind="self", layers=2,
+def test_self_draft_artifact(target_dir, target, word_text, tmp_path):
+    out = compile_with_draft(target_dir, word_text, tmp_path / "a", kind="self", layers=2,
                              gamma=3, passes=[{"rtn": {"bits": 8, "group_size": 32}}])
     manifest = load_manifest(out)
     spec = manifest.speculative
@@ -276,8 +266,8 @@ def test_self_draft_artifact(target_dir, target, text_file, tmp_path):
     np.testing.assert_allclose(draft_logits(out, tokens), expected, atol=1e-4)
 
 
-def test_subset_model_draft_artifact_with_ngram(target_dir, subset_dir, text_file, tmp_path):
-    out = compile_with_draft(target_dir, text_file, tmp_path / "b", kind="model",
+def test_subset_model_draft_artifact_with_ngram(target_dir, subset_dir, word_text, tmp_path):
+    out = compile_with_draft(target_dir, word_text, tmp_path / "b", kind="model",
                              model=str(subset_dir), ngram={"max_n": 3})
     manifest = load_manifest(out)
     spec = manifest.speculative
@@ -293,8 +283,8 @@ def test_subset_model_draft_artifact_with_ngram(target_dir, subset_dir, text_fil
         "mapped subset")
 
 
-def test_ngram_only_artifact(target_dir, text_file, tmp_path):
-    manifest = load_manifest(compile_with_draft(target_dir, text_file, tmp_path / "c",
+def test_ngram_only_artifact(target_dir, word_text, tmp_path):
+    manifest = load_manifest(compile_with_draft(target_dir, word_text, tmp_path / "c",
                                                 kind="ngram"))
     spec = manifest.speculative
     assert set(manifest.graphs) == {"target"} and spec.model is None
@@ -332,13 +322,13 @@ def test_the_target_as_its_own_draft_is_always_accepted(target, tmp_path):
     assert agree[5:].all() and not agree[:5].any()
 
 
-def test_self_distillation_data_is_the_targets_greedy_continuation(target, text_file):
+def test_self_distillation_data_is_the_targets_greedy_continuation(target, word_text):
     """`distill_data: self` windows: prompt + the target's greedy argmax chain, the mask
     on exactly the positions that predict continuation tokens."""
     from llmopt.passes import draft_data
     from llmopt.passes.draft_choice import target_tokenizer
 
-    recipe = Recipe(model="unused", calibration={"text": str(text_file)},
+    recipe = Recipe(model="unused", calibration={"text": str(word_text)},
                     runtime={"block_size": 4, "max_context": 128})
     context = type("Context", (), {"recipe": recipe, "log": staticmethod(lambda _: None)})()
     data = draft._self_windows(target, draft.Config(kind="tiny", distill_data="self",
@@ -347,7 +337,7 @@ def test_self_distillation_data_is_the_targets_greedy_continuation(target, text_
     assert data.report["prompts"] == 5 and data.report["continuation_tokens"] >= 5
     assert data.ids.shape == data.mask.shape and data.mask.sum() == (
         data.report["continuation_tokens"])
-    prompts = draft_data.self_prompts(target, target_tokenizer(target), 5, str(text_file))
+    prompts = draft_data.self_prompts(target, target_tokenizer(target), 5, str(word_text))
     logits = ReferenceModel(target).forward(data.ids)
     for row, prompt in enumerate(prompts):
         assert data.ids[row, : len(prompt)].tolist() == prompt
@@ -356,9 +346,9 @@ def test_self_distillation_data_is_the_targets_greedy_continuation(target, text_
         assert (logits[row, positions].argmax(-1) == data.ids[row, positions + 1]).all()
 
 
-def test_tiny_draft_distilled_on_its_own_continuations(target_dir, text_file, tmp_path):
+def test_tiny_draft_distilled_on_its_own_continuations(target_dir, word_text, tmp_path):
     manifest = load_manifest(compile_with_draft(
-        target_dir, text_file, tmp_path / "s", kind="tiny", num_layers=1, head_vocab=64,
+        target_dir, word_text, tmp_path / "s", kind="tiny", num_layers=1, head_vocab=64,
         distill_steps=3, distill_data="self", distill_prompts=4, distill_new_tokens=8))
     report = manifest.passes[0]
     assert report["distill_data"]["data"] == "self" and report["distill_data"]["prompts"] == 4

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import numpy as np
@@ -19,15 +18,6 @@ from llmopt.passes.weight_quant import target_linears
 from llmopt.runtime import LLM
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> Path:
-    rng = random.Random(0)
-    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far"]
-    path = tmp_path_factory.mktemp("text") / "text.txt"
-    path.write_text(" ".join(rng.choice(words) for _ in range(4000)))
-    return path
-
-
 def recipe(checkpoint: Path, text: Path, operator_set: str = "onnxruntime",
            **rtn_options) -> Recipe:
     return Recipe(
@@ -40,9 +30,9 @@ def recipe(checkpoint: Path, text: Path, operator_set: str = "onnxruntime",
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text"])
-def test_artifact_computes_the_fake_quantized_model(arch, tiny_checkpoints, text_file, tmp_path):
+def test_artifact_computes_the_fake_quantized_model(arch, tiny_checkpoints, word_text, tmp_path):
     config = {"bits": 4, "group_size": 32, "include_lm_head": arch == "llama"}
-    manifest = compile_recipe(recipe(tiny_checkpoints[arch], text_file, **config), tmp_path / "a",
+    manifest = compile_recipe(recipe(tiny_checkpoints[arch], word_text, **config), tmp_path / "a",
                               log=lambda _: None)
     report = manifest.passes[0]
     assert report["name"] == "rtn" and report["quality"]["tokens"] == 2 * 63
@@ -61,9 +51,9 @@ def test_artifact_computes_the_fake_quantized_model(arch, tiny_checkpoints, text
     assert ops.count("MatMul") == float_head  # only an untied, unquantized LM head
 
 
-def test_budget_fails_the_compile_and_writes_nothing(tiny_checkpoints, text_file, tmp_path):
+def test_budget_fails_the_compile_and_writes_nothing(tiny_checkpoints, word_text, tmp_path):
     # One group per 64-wide row: costs this tiny model about +40 % perplexity.
-    strict = recipe(tiny_checkpoints["llama"], text_file, bits=4, group_size=128)
+    strict = recipe(tiny_checkpoints["llama"], word_text, bits=4, group_size=128)
     strict = strict.model_copy(update={"quality": strict.quality.model_copy(
         update={"max_ppl_increase_pct": 1.0})})
     with pytest.raises(QualityBudgetError, match="max_ppl_increase_pct"):
@@ -83,11 +73,11 @@ def test_target_selection(tiny_checkpoints):
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_standard_onnx_form_computes_the_same(symmetric, tiny_checkpoints, text_file, tmp_path):
+def test_standard_onnx_form_computes_the_same(symmetric, tiny_checkpoints, word_text, tmp_path):
     """Blocked DequantizeLinear → MatMul (what TensorRT takes; symmetric: signed int4 with
     no zero points) gives the fake-quantized model's numbers under ONNX Runtime too."""
     config = {"bits": 4, "group_size": 32, "symmetric": symmetric}
-    compile_recipe(recipe(tiny_checkpoints["llama"], text_file, "standard", **config),
+    compile_recipe(recipe(tiny_checkpoints["llama"], word_text, "standard", **config),
                    tmp_path / "std", log=lambda _: None)
     graph = onnx.load(str(tmp_path / "std" / "target.onnx"))
     dq = [n for n in graph.graph.node if n.op_type == "DequantizeLinear"]
