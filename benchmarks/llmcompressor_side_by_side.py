@@ -110,6 +110,8 @@ def llmc_worker(args: argparse.Namespace) -> None:
     import numpy as np
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     started = time.perf_counter()
     from transformers import AutoModelForCausalLM
 
@@ -141,6 +143,11 @@ def llmc_worker(args: argparse.Namespace) -> None:
         else:
             from llmcompressor.modifiers.quantization import QuantizationModifier
             from llmcompressor.modifiers.transform.awq import AWQModifier
+            from llmcompressor.pipelines.cache import IntermediatesCache
+
+            # llmcompressor 0.14's AWQ pins cached activations for host-to-device copies,
+            # which raises without an accelerator; on CPU pinning has nothing to do.
+            IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
 
             recipe = [AWQModifier(n_grid=args.awq_grid, duo_scaling=True),
                       QuantizationModifier(config_groups=groups, ignore=["lm_head"])]
@@ -170,13 +177,14 @@ def llmc_worker(args: argparse.Namespace) -> None:
 
 
 def run_llmc(run: str, paths: dict[str, Path], venv: Path, log_dir: Path,
-             damp: float, awq_grid: int) -> dict[str, Any]:
+             damp: float, awq_grid: int, threads: int | None) -> dict[str, Any]:
     method, samples, _ = RUNS[run]
     log = log_dir / f"llmc-{run}.log"
     command = [str(venv / "bin" / "python"), str(Path(__file__).resolve()), "--worker",
                "--method", method, "--samples", str(samples), "--model-dir",
                str(paths["model"]), "--calib", str(paths["calib"]), "--eval-windows",
-               str(paths["eval"]), "--damp", str(damp), "--awq-grid", str(awq_grid)]
+               str(paths["eval"]), "--damp", str(damp), "--awq-grid", str(awq_grid),
+               *(["--threads", str(threads)] if threads else [])]
     load_before = os.getloadavg()
     started = time.perf_counter()
     with log.open("w") as err:
@@ -212,6 +220,9 @@ def main() -> None:
                         default=BENCH_DIR / "results" / "llmcompressor_side_by_side.json")
     parser.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening fraction")
     parser.add_argument("--awq-grid", type=int, default=20, help="llm-compressor AWQ n_grid")
+    parser.add_argument("--llmc-threads", type=int, default=None,
+                        help="torch intra-op threads in the llm-compressor worker (default: "
+                             "torch's own)")
     parser.add_argument("--no-fake-quant", action="store_true",
                         help="llmopt: skip the probe compile (fake-quant perplexity)")
     # worker (inside the venv)
@@ -223,6 +234,7 @@ def main() -> None:
     parser.add_argument("--calib", help=argparse.SUPPRESS)
     parser.add_argument("--eval-windows", help=argparse.SUPPRESS)
     parser.add_argument("--windows", type=int, default=EVAL_WINDOWS, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         llmc_worker(args)
@@ -239,7 +251,8 @@ def main() -> None:
             if tool == "llmopt" and RUNS[run][2] is None:
                 continue
             if tool == "llmc":
-                result = run_llmc(run, paths, args.venv, args.out_dir, args.damp, args.awq_grid)
+                result = run_llmc(run, paths, args.venv, args.out_dir, args.damp, args.awq_grid,
+                                  args.llmc_threads)
             else:
                 result = run_llmopt(run, args.out_dir / "llmopt", not args.no_fake_quant)
             rows[(tool, run)] = {"tool": tool, "run": run, "method": RUNS[run][0],
