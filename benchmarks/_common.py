@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -66,6 +67,43 @@ def compile_artifact(path: Path, recipe: Path, overrides: list[str]) -> Path:
         sys.exit(f"compiling {path} failed:\n{proc.stderr[-4000:]}")
     print(f"compiled {path} in {time.perf_counter() - started:.0f} s", flush=True)
     return path
+
+
+def save_plain_hf(loaded: Any, tokenizer: Any, directory: Path) -> None:
+    """Save a GGUF-loaded (already dequantized) transformers model as a plain fp32 HF dir.
+
+    transformers marks a GGUF-loaded model as quantized and refuses to save it: copy the
+    weights into a plain model of the same config.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def median_rows(records: list[dict[str, Any]], metrics: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Median (and min/max) of each metric over rounds, per (system, batch, threads)."""
+    samples: dict[tuple[str, int, int], list[dict[str, float]]] = {}
+    for record in records:
+        for r in record["results"]:
+            samples.setdefault((record["system"], r["batch"], record["threads"]), []).append(r)
+    rows = []
+    for (system, batch, threads), runs in samples.items():
+        row: dict[str, Any] = {"system": system, "batch": batch, "threads": threads,
+                               "rounds": len(runs)}
+        for metric in metrics:
+            values = [run[metric] for run in runs]
+            row[metric] = statistics.median(values)
+            row[metric + "_range"] = [min(values), max(values)]
+        rows.append(row)
+    return rows
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from _common import (
     RESULTS_DIR,
     compile_artifact,
     machine_info,
+    median_rows,
     run_json_worker,
     thread_env,
     write_json,
@@ -171,19 +171,7 @@ def progress_line(record: dict[str, Any]) -> str:
 
 def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Median (and min/max) of each metric over rounds, per (system, batch, threads)."""
-    samples: dict[tuple[str, int, int], list[dict[str, float]]] = {}
-    for record in records:
-        for r in record["results"]:
-            samples.setdefault((record["system"], r["batch"], record["threads"]), []).append(r)
-    rows = []
-    for (system, batch, threads), runs in samples.items():
-        row: dict[str, Any] = {"system": system, "batch": batch, "threads": threads,
-                               "rounds": len(runs)}
-        for metric in METRICS:
-            values = [run[metric] for run in runs]
-            row[metric] = statistics.median(values)
-            row[metric + "_range"] = [min(values), max(values)]
-        rows.append(row)
+    rows = median_rows(records, METRICS)
     add_ratios(rows)
     return sorted(rows, key=lambda r: (r["threads"], r["batch"], SYSTEMS.index(r["system"])))
 

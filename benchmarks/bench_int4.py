@@ -33,7 +33,9 @@ from _common import (
     RESULTS_DIR,
     compile_artifact,
     machine_info,
+    median_rows,
     run_json_worker,
+    save_plain_hf,
     thread_env,
     write_json,
 )
@@ -245,17 +247,8 @@ def ensure_hf_dir(gguf_path: Path, out: Path) -> Path:
     loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32,
                                                   **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
-    # transformers marks a GGUF-loaded model as quantized and refuses to save it: copy the
-    # (already dequantized) weights into a plain model of the same config.
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    model.generation_config = loaded.generation_config
     tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    save_plain_hf(loaded, tokenizer, tmp)
     tmp.rename(out)
     return out
 
@@ -387,19 +380,7 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Median (and min/max) of each metric over rounds per (system, batch, threads), and
     decode vs each anchor at the same batch and threads: the ratio of medians (the table)
     and the median of the per-round ratios (JSON `decode_vs_paired`)."""
-    samples: dict[tuple[str, int, int], list[dict[str, float]]] = {}
-    for record in records:
-        for r in record["results"]:
-            samples.setdefault((record["system"], r["batch"], record["threads"]), []).append(r)
-    rows = []
-    for (system, batch, threads), runs in samples.items():
-        row: dict[str, Any] = {"system": system, "batch": batch, "threads": threads,
-                               "rounds": len(runs)}
-        for metric in METRICS:
-            values = [run[metric] for run in runs]
-            row[metric] = statistics.median(values)
-            row[metric + "_range"] = [min(values), max(values)]
-        rows.append(row)
+    rows = median_rows(records, METRICS)
     by_key = {(r["system"], r["batch"], r["threads"]): r for r in rows}
     # Paired: the ratio within each round (systems run back to back), then the median.
     decode = {(rec["round"], rec["system"], r["batch"], rec["threads"]):

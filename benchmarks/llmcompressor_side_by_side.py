@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import save_plain_hf  # stdlib-only module: importable in either venv
+
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 DATA = REPO_ROOT.parent / "shared" / "data"
@@ -77,16 +79,7 @@ def prepare(out_dir: Path) -> dict[str, Path]:
     loaded = AutoModelForCausalLM.from_pretrained(ref.location, dtype=torch.float32,
                                                   **ref.kwargs())
     tokenizer = AutoTokenizer.from_pretrained(ref.location, **ref.kwargs())
-    # transformers marks a GGUF-loaded model as quantized and refuses to save it: copy the
-    # (already dequantized) weights into a plain model of the same config.
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    model.generation_config = loaded.generation_config
-    model.save_pretrained(paths["model"])
-    tokenizer.save_pretrained(paths["model"])
+    save_plain_hf(loaded, tokenizer, paths["model"])
     # Exactly what the loader stores in the IR and what the passes tokenize with.
     tokenizer_json = tokenizer.backend_tokenizer.to_str()
 

@@ -25,8 +25,10 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[Block]] = {}
-        # How many leading blocks of each request are registered in the prefix cache.
+        # How many leading blocks of each request are registered in the prefix cache, and
+        # how many of those are marked as holding the draft model's KV too.
         self.num_cached_blocks: dict[str, int] = {}
+        self.num_draft_marked_blocks: dict[str, int] = {}
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """Longest run of cached full blocks that starts the request's known tokens.
@@ -92,13 +94,16 @@ class KVCacheManager:
                 self.block_pool.cache_full_block(table[i], hashes[i])
             self.num_cached_blocks[request.request_id] = num_full
         num_draft_full = min(num_full, request.num_draft_computed_tokens // self.block_size)
-        for block in table[:num_draft_full]:
+        first_draft = self.num_draft_marked_blocks.get(request.request_id, 0)
+        for block in table[first_draft:num_draft_full]:
             block.has_draft_kv = block.block_hash is not None
+        self.num_draft_marked_blocks[request.request_id] = max(first_draft, num_draft_full)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so shared prefixes are evicted last."""
         table = self.block_tables.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        self.num_draft_marked_blocks.pop(request.request_id, None)
         self.block_pool.free(reversed(table))
 
     def block_ids(self, request: Request) -> list[int]:

@@ -15,13 +15,7 @@ from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes import awq, rtn
 from llmopt.runtime import LLM
 
-
-@pytest.fixture(scope="module", autouse=True)
-def single_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def tokens(count: int, seed: int = 0) -> torch.Tensor:

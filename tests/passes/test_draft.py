@@ -36,12 +36,7 @@ TARGET_TOKENS = SPECIALS + [chr(c) for c in range(32, 127)] + [f"w{i}" for i in 
 QUICK = {"prompts": 2, "new_tokens": 12, "batch_sizes": [1, 2], "cost_repeats": 1}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def save_draft(directory: Path, tokens: list[str], vocab_size: int) -> Path:
