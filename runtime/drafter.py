@@ -25,6 +25,11 @@ from llmopt.runtime.step_batch import Executor, StepBatch
 class Proposal:
     token_ids: list[int]
     probs: np.ndarray | None = None  # float64 [len(token_ids), target vocab]; None: one-hot
+    source: str = ""  # what drafted it ("ngram3": a 3-token match, "model"), priced apart
+
+    def truncated(self, num_tokens: int) -> Proposal:
+        probs = None if self.probs is None else self.probs[:num_tokens]
+        return Proposal(self.token_ids[:num_tokens], probs, self.source)
 
 
 class Drafter(Protocol):
@@ -43,14 +48,18 @@ class NgramDrafter:
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]) -> list[Proposal]:
-        return [
-            Proposal(ngram_lookup(r.all_token_ids, self.min_n, self.max_n, k) if k else [])
-            for r, k in zip(requests, max_tokens, strict=True)
-        ]
+        proposals = []
+        for request, k in zip(requests, max_tokens, strict=True):
+            tokens, n = ngram_match(request.all_token_ids, self.min_n, self.max_n, k) if k \
+                else ([], 0)
+            proposals.append(Proposal(tokens, source=f"ngram{n}"))
+        return proposals
 
 
-def ngram_lookup(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the longest suffix."""
+def ngram_match(token_ids: Sequence[int], min_n: int, max_n: int,
+                k: int) -> tuple[list[int], int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest suffix,
+    and that suffix's length (0: no match)."""
     tokens = np.asarray(token_ids, dtype=np.int64)
     for n in range(min(max_n, tokens.size - 1), min_n - 1, -1):
         # Windows end before the last token, so a match is always followed by something.
@@ -58,8 +67,12 @@ def ngram_lookup(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> li
         hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return tokens[start : start + k].tolist()
-    return []
+            return tokens[start : start + k].tolist(), n
+    return [], 0
+
+
+def ngram_lookup(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
+    return ngram_match(token_ids, min_n, max_n, k)[0]
 
 
 class ModelDrafter:
@@ -102,7 +115,7 @@ class ModelDrafter:
             step += 1
             active = [i for i in active if len(drafts[i]) < max_tokens[i]]
         return [
-            Proposal(drafts.get(i, []), np.stack(probs[i]) if probs.get(i) else None)
+            Proposal(drafts.get(i, []), np.stack(probs[i]) if probs.get(i) else None, "model")
             for i in range(len(requests))
         ]
 

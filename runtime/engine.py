@@ -74,9 +74,10 @@ class LLMEngine:
     ):
         """`drafter` proposes draft tokens when `config.num_speculative_tokens` > 0; a
         model drafter shares the engine's `kv_cache_manager` (its block tables).
-        `speculation_policy` sizes each sequence's drafts from its acceptance (None:
-        always γ); `speculation_governor` pauses speculation at batch sizes where the
-        engine's own step timings show it slower than plain decoding (None: never)."""
+        `speculation_policy` sizes each sequence's drafts from its acceptance and their
+        cost (None: always γ); `speculation_governor` prices drafts for it from the
+        engine's own step timings at the running batch size (None: the manifest's
+        prices)."""
         if config.num_speculative_tokens and drafter is None:
             raise ValueError("num_speculative_tokens > 0 needs a drafter")
         self.executor = executor
@@ -130,22 +131,22 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; outputs for every request that got a token or finished."""
-        governor = self.speculation_governor
-        if governor is not None:
-            self.scheduler.speculation_allowed = governor.allows(len(self.scheduler.running))
+        self._price_speculation()
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
         pure_decode = all(not item.request.score_only and item.num_tokens
                           - item.num_spec_tokens == 1 for item in scheduled)
+        drafting_started = time.perf_counter()
         scheduled = self._propose_drafts(scheduled)
+        draft_seconds = time.perf_counter() - drafting_started
         logits = self.executor.execute(make_step_batch(scheduled, self.kv_cache_manager))
         emitted = self._process_logits(scheduled, logits)
-        if governor is not None and pure_decode:
-            governor.record(len(scheduled), any(item.num_spec_tokens for item in scheduled),
-                            time.perf_counter() - started,
-                            sum(len(tokens) for tokens in emitted.values()))
+        if self.speculation_governor is not None and pure_decode:
+            self.speculation_governor.record(
+                [item.num_spec_tokens for item in scheduled],
+                time.perf_counter() - started - draft_seconds, draft_seconds)
         updated = self.scheduler.update_from_output(scheduled, emitted, self._hit_stop_string)
         changed = {r.request_id: r for r in updated}
         for item in scheduled:
@@ -157,6 +158,17 @@ class LLMEngine:
                 text.finish()
         return [self._make_output(request) for request in changed.values()]
 
+    def _price_speculation(self) -> None:
+        """Let the governor gate this step and price its drafts for the policy."""
+        governor = self.speculation_governor
+        if governor is None:
+            return
+        batch_size = len(self.scheduler.running)
+        self.scheduler.speculation_allowed = governor.allows(batch_size)
+        if self.speculation_policy is not None:
+            prices = governor.prices(batch_size)
+            self.speculation_policy.set_prices(prices.cost_scale, prices.draft_cost)
+
     def _propose_drafts(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
         """Fill the draft slots the scheduler reserved; give back the ones left unused."""
         speculating = [i for i, item in enumerate(scheduled) if item.num_spec_tokens]
@@ -166,8 +178,12 @@ class LLMEngine:
         proposals = self.drafter.propose(
             requests, [scheduled[i].num_spec_tokens for i in speculating])
         scheduled = list(scheduled)
+        policy = self.speculation_policy
         for i, request, proposal in zip(speculating, requests, proposals, strict=True):
+            if policy is not None and proposal.token_ids:  # priced by where it came from
+                proposal = proposal.truncated(policy.num_drafts(request, proposal.source))
             request.spec_token_ids = list(proposal.token_ids)
+            request.spec_source = proposal.source
             if proposal.token_ids:  # popped when they are verified, later in this step
                 self.draft_probs[request.request_id] = proposal.probs
             unused = scheduled[i].num_spec_tokens - len(proposal.token_ids)
@@ -212,7 +228,7 @@ class LLMEngine:
             request.num_decode_steps += 1
             if self.speculation_policy is not None:
                 num_drafts = len(request.spec_token_ids)
-                self.speculation_policy.observe(request, num_drafts,
+                self.speculation_policy.observe(request, request.spec_source, num_drafts,
                                                 min(len(tokens) - 1, num_drafts))
         return emitted
 

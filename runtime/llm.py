@@ -17,7 +17,7 @@ from llmopt.runtime.output import RequestOutput
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.scheduler import check_prompt_length
 from llmopt.runtime.speculation_governor import SpeculationGovernor
-from llmopt.runtime.speculation_policy import SpeculationPolicy
+from llmopt.runtime.speculation_policy import SpeculationPolicy, expected_tokens
 from llmopt.runtime.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -105,6 +105,7 @@ class LLM:
         if gamma:
             drafter = make_drafter(self.path, manifest, spec, kv_cache_manager, executor_for,
                                    drafts)
+        policy = make_policy(spec, gamma) if adaptive_speculation else None
         self.engine = LLMEngine(
             executor_for("target", manifest.kv_cache, manifest.model.max_position),
             config,
@@ -112,9 +113,8 @@ class LLM:
             tokenizer=self.tokenizer,
             kv_cache_manager=kv_cache_manager,
             drafter=drafter,
-            speculation_policy=make_policy(spec, gamma) if adaptive_speculation else None,
-            speculation_governor=SpeculationGovernor() if adaptive_speculation and gamma
-            else None,
+            speculation_policy=policy,
+            speculation_governor=make_governor(spec, gamma) if adaptive_speculation else None,
         )
         self.default_params = SamplingParams.from_generation_config(manifest.generation)
 
@@ -219,8 +219,27 @@ def make_policy(spec: SpeculativeSpec | None, gamma: int) -> SpeculationPolicy |
     """A per-sequence draft-length policy from the compiler's costs, if it measured them."""
     if spec is None or not gamma or len(spec.verify_cost) < gamma + 1:
         return None
-    prior = float(np.mean(spec.acceptance)) if spec.acceptance else 0.5
+    prior = equivalent_alpha(spec.acceptance, gamma) if spec.acceptance else 0.5
     return SpeculationPolicy(gamma, spec.verify_cost, spec.cost_ratio or 0.0, prior)
+
+
+def make_governor(spec: SpeculativeSpec | None, gamma: int) -> SpeculationGovernor | None:
+    if spec is None or not gamma or len(spec.verify_cost) < gamma + 1:
+        return None
+    return SpeculationGovernor(spec.verify_cost, spec.cost_ratio or 0.0)
+
+
+def equivalent_alpha(acceptance: Sequence[float], gamma: int) -> float:
+    """The i.i.d. acceptance rate that yields as many tokens per γ-draft step as the
+    compiler's per-position rates (position j accepted given 0..j-1 were); the policy
+    models acceptance as i.i.d."""
+    rates = (list(acceptance) + [acceptance[-1]] * gamma)[:gamma]
+    target = 1.0 + float(np.sum(np.cumprod(rates)))
+    low, high = 0.0, 1.0
+    for _ in range(40):  # expected_tokens grows with α: bisect
+        middle = (low + high) / 2
+        low, high = (middle, high) if expected_tokens(middle, gamma) < target else (low, middle)
+    return (low + high) / 2
 
 
 def make_drafter(

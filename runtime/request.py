@@ -55,8 +55,11 @@ class Request:
     num_spec_steps: int = field(init=False, default=0)  # of those, steps that verified drafts
     num_draft_tokens: int = field(init=False, default=0)  # drafts verified
     num_accepted_tokens: int = field(init=False, default=0)  # drafts accepted
-    # Decayed counts of accepted drafts and of rejections (SpeculationPolicy's evidence).
-    spec_accept_estimate: tuple[float, float] = field(init=False, default=(0.0, 0.0))
+    # Per draft source, decayed counts of accepted drafts and of rejections
+    # (SpeculationPolicy's evidence), and the source of this step's drafts.
+    spec_accept_estimate: dict[str, tuple[float, float]] = field(init=False,
+                                                                 default_factory=dict)
+    spec_source: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

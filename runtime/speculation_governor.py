@@ -1,75 +1,102 @@
-"""Speculate only where it measured faster: the engine times its own decode steps.
+"""Price draft tokens from the engine's own step timings.
 
-The compiler's batch-size limit comes from a few timings on the build machine, and the
-per-sequence policy prices drafts with batch-1 costs. Neither sees the machine the
-artifact runs on, its load, or how verification scales at the batch actually running.
-The governor does: for each batch-size bucket (1, 2-3, 4-7, 8-15, ...) it keeps a
-decayed average of seconds per emitted token over pure decode steps with speculation and
-without, and switches speculation off in a bucket while it is the slower of the two.
-Plain steps are interleaved now and then (and speculation re-tried after a pause) so
-both averages stay current.
+The per-sequence policy decides how many drafts pay for themselves from two things: how
+often that sequence's drafts are accepted, and what drafts cost. Acceptance belongs to
+the sequence; cost belongs to the machine. The compiler measured costs on its build
+machine at batch 1, but the artifact runs elsewhere, under other load, at other batch
+sizes. So the governor times the engine's pure decode steps and, for each batch-size
+bucket (1, 2-3, 4-7, 8-15, ...), keeps
+
+- the plain step's time (interleaving a plain probe step now and then keeps it current),
+- a *cost scale*: the measured extra time of speculative steps over a plain step,
+  divided by the extra the manifest's `verify_cost` predicted for them,
+- the draft's step cost, measured the same way against the plain step.
+
+The policy multiplies verification's predicted extra cost by the scale and uses the
+measured draft cost. Where verification turns out expensive (a large batch, a loaded
+machine), drafts stop paying and the policy proposes none, for every sequence at once;
+where it is cheap, good sequences speculate deeper. Acceptance never enters these
+estimates, so one request whose drafts fail does not switch speculation off for others.
+
+Every estimate is a ratio of decayed sums with a prior, so it drifts back to the
+manifest's numbers when it stops being fed (speculation off in a bucket): a bucket
+whose scale once priced drafts out is re-tried later.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
 @dataclass
 class _Bucket:
-    spec_seconds_per_token: float | None = None
-    plain_seconds_per_token: float | None = None
+    plain_step_s: float | None = None  # decayed mean time of a plain pure-decode step
+    measured_extra: float = 0.0  # decayed sum of (speculative step / plain step - 1)
+    predicted_extra: float = 0.0  # decayed sum of what verify_cost predicted for those
+    draft_time: float = 0.0  # decayed sum of drafting time / plain step time
+    draft_steps: float = 0.0  # decayed sum of sequential draft steps behind it
     steps: int = 0
-    spec_samples: int = 0  # speculative steps timed since speculation last resumed
-    paused_until: int = 0  # speculation off in this bucket until this step count
+
+
+@dataclass(frozen=True)
+class Prices:
+    cost_scale: float  # multiplies verify_cost[k] - 1
+    draft_cost: float  # one draft step, in plain target steps
 
 
 class SpeculationGovernor:
-    def __init__(self, *, decay: float = 0.8, probe_every: int = 32, pause_steps: int = 64,
-                 margin: float = 1.0, min_samples: int = 3):
-        """Every `probe_every`-th step of a bucket runs plain (to time it); speculation is
-        paused for `pause_steps` steps of a bucket when, over at least `min_samples`
-        speculative steps, its time per token exceeds the plain one times `margin` (one
-        slow step on a shared machine proves nothing)."""
+    def __init__(self, verify_cost: Sequence[float], draft_cost: float, *,
+                 decay: float = 0.98, prior_weight: float = 0.25, plain_decay: float = 0.8,
+                 probe_every: int = 32):
+        """`verify_cost[k]`: the manifest's (k+1)-token step over a 1-token step;
+        `draft_cost`: its draft step over a target step. `prior_weight` is how much
+        predicted extra cost (in plain steps) the manifest's numbers count as."""
+        self.verify_cost = list(verify_cost)
+        self.prior_draft_cost = draft_cost
         self.decay = decay
-        self.min_samples = min_samples
+        self.prior_weight = prior_weight
+        self.plain_decay = plain_decay
         self.probe_every = probe_every
-        self.pause_steps = pause_steps
-        self.margin = margin
         self.buckets: dict[int, _Bucket] = {}
 
     def allows(self, batch_size: int) -> bool:
-        """May the next step, with `batch_size` decoding sequences, speculate?"""
+        """May the next step speculate? Not before a plain step of this bucket has been
+        timed, and not on every `probe_every`-th step (a plain probe)."""
         bucket = self._bucket(batch_size)
-        if bucket.steps < bucket.paused_until:
-            return False
-        if bucket.plain_seconds_per_token is None:
-            return bucket.spec_seconds_per_token is not None  # time a plain step first
-        return bucket.steps % self.probe_every != 0
+        return bucket.plain_step_s is not None and bucket.steps % self.probe_every != 0
 
-    def record(self, batch_size: int, speculated: bool, seconds: float, tokens: int) -> None:
-        """One pure decode step: how long it took and how many tokens it emitted."""
-        if tokens <= 0:
+    def prices(self, batch_size: int) -> Prices:
+        bucket = self._bucket(batch_size)
+        prior = self.prior_weight
+        scale = (bucket.measured_extra + prior) / (bucket.predicted_extra + prior)
+        draft_cost = ((bucket.draft_time + prior * self.prior_draft_cost)
+                      / (bucket.draft_steps + prior))
+        return Prices(max(scale, 0.0), max(draft_cost, 0.0))
+
+    def record(self, num_drafts: Sequence[int], step_seconds: float,
+               draft_seconds: float = 0.0) -> None:
+        """One pure decode step of `len(num_drafts)` sequences: the drafts each verified,
+        the step's time without drafting, and the drafting time."""
+        if not num_drafts:
             return
-        bucket = self._bucket(batch_size)
+        bucket = self._bucket(len(num_drafts))
         bucket.steps += 1
-        per_token = seconds / tokens
-        if speculated:
-            bucket.spec_samples += 1
-            bucket.spec_seconds_per_token = self._average(bucket.spec_seconds_per_token,
-                                                          per_token)
-        else:
-            bucket.plain_seconds_per_token = self._average(bucket.plain_seconds_per_token,
-                                                           per_token)
-        spec, plain = bucket.spec_seconds_per_token, bucket.plain_seconds_per_token
-        if (speculated and plain is not None and bucket.spec_samples >= self.min_samples
-                and spec > self.margin * plain):
-            bucket.paused_until = bucket.steps + self.pause_steps
-            bucket.spec_seconds_per_token = None  # re-timed afresh when it resumes
-            bucket.spec_samples = 0
-
-    def _average(self, old: float | None, new: float) -> float:
-        return new if old is None else self.decay * old + (1 - self.decay) * new
+        for name in ("measured_extra", "predicted_extra", "draft_time", "draft_steps"):
+            setattr(bucket, name, self.decay * getattr(bucket, name))
+        if not any(num_drafts):
+            old = bucket.plain_step_s
+            bucket.plain_step_s = step_seconds if old is None else (
+                self.plain_decay * old + (1 - self.plain_decay) * step_seconds)
+            return
+        plain = bucket.plain_step_s
+        if plain is None:
+            return
+        predicted = sum(self.verify_cost[k] - 1 for k in num_drafts) / len(num_drafts)
+        bucket.measured_extra += max(step_seconds / plain - 1, 0.0)
+        bucket.predicted_extra += predicted
+        bucket.draft_time += draft_seconds / plain
+        bucket.draft_steps += max(num_drafts)  # drafts are proposed one position at a time
 
     def _bucket(self, batch_size: int) -> _Bucket:
         return self.buckets.setdefault(max(batch_size, 1).bit_length(), _Bucket())

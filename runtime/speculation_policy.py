@@ -5,11 +5,14 @@ A speculative step with k drafts costs `verify_cost[k] + k * draft_cost` target 
 with probability α, (1 - α^(k+1)) / (1 - α) tokens in expectation. The policy picks the
 k in 0..γ with the most tokens per unit of cost; k = 0 is a plain step (1 token, cost
 1). The costs come from the compiler's measurements (the manifest); α is estimated per
-sequence from its own recent verifications, starting from the compile-time acceptance.
+sequence and per draft source from its own recent verifications, starting from the
+compile-time acceptance. Sources differ a lot: a 4-token n-gram match is accepted far
+more often than a 1-token one (`Proposal.source`), so each is priced on its own record.
 
 The estimate forgets at rate `decay` per decode step, speculating or not, so a sequence
 whose drafts stopped paying drifts back towards the prior and is probed again later
-rather than switched off for good.
+rather than switched off for good. The costs can be re-priced per step (`set_prices`)
+from what the engine measures on the machine it runs on (`speculation_governor`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from llmopt.runtime.request import Request
+
+POOLED = "*"  # the record of every source of a sequence together
 
 
 def expected_tokens(alpha: float, num_drafts: int) -> float:
@@ -34,7 +39,7 @@ class SpeculationPolicy:
         draft_cost: float,
         prior_alpha: float,
         *,
-        decay: float = 0.9,
+        decay: float = 0.97,
         prior_weight: float = 1.0,
     ):
         """verify_cost[k]: a (k+1)-token target step over a 1-token step, k = 0..γ (so
@@ -45,25 +50,52 @@ class SpeculationPolicy:
         self.gamma = gamma
         self.verify_cost = list(verify_cost)
         self.draft_cost = draft_cost
+        self.cost_scale = 1.0  # multiplies verification's extra cost, verify_cost[k] - 1
         self.prior_alpha = prior_alpha
         self.decay = decay
         self.prior_weight = prior_weight
 
-    def alpha(self, request: Request) -> float:
-        accepted, rejected = request.spec_accept_estimate
-        prior = self.prior_weight
-        return (accepted + prior * self.prior_alpha) / (accepted + rejected + prior)
+    def alpha(self, request: Request, source: str | None = None) -> float:
+        """The acceptance estimate of `source`'s drafts for this sequence; None: the best
+        over its sources (what the scheduler reserves slots for before drafting).
 
-    def num_drafts(self, request: Request) -> int:
-        alpha = self.alpha(request)
-        gains = [expected_tokens(alpha, k) / (self.verify_cost[k] + k * self.draft_cost)
-                 for k in range(self.gamma + 1)]
+        Hierarchical: the sequence's pooled record (all sources) starts from the
+        compile-time prior, and each source's record starts from the pooled estimate, so
+        a source seen for the first time inherits what the sequence has shown so far."""
+        estimates = request.spec_accept_estimate
+        pooled = self._estimate(estimates.get(POOLED, (0.0, 0.0)), self.prior_alpha)
+        if source is None:
+            return max([pooled, *(self._estimate(estimates[s], pooled)
+                                  for s in estimates if s != POOLED)])
+        return self._estimate(estimates.get(source, (0.0, 0.0)), pooled)
+
+    def _estimate(self, record: tuple[float, float], prior: float) -> float:
+        accepted, rejected = record
+        return (accepted + self.prior_weight * prior) / (accepted + rejected + self.prior_weight)
+
+    def set_prices(self, cost_scale: float, draft_cost: float) -> None:
+        self.cost_scale, self.draft_cost = cost_scale, draft_cost
+
+    def cost(self, num_drafts: int) -> float:
+        """A step with `num_drafts` drafts, in plain target steps."""
+        extra = self.verify_cost[num_drafts] - 1.0
+        return 1.0 + self.cost_scale * extra + num_drafts * self.draft_cost
+
+    def num_drafts(self, request: Request, source: str | None = None) -> int:
+        alpha = self.alpha(request, source)
+        gains = [expected_tokens(alpha, k) / self.cost(k) for k in range(self.gamma + 1)]
         return max(range(self.gamma + 1), key=gains.__getitem__)
 
-    def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """Record one decode step: how many drafts were verified and accepted (0, 0 for a
-        plain step). A run of acceptances ended by a rejection is geometric evidence."""
-        accepted, rejected = request.spec_accept_estimate
-        rejection = 1.0 if num_accepted < num_drafts else 0.0
-        request.spec_accept_estimate = (self.decay * accepted + num_accepted,
-                                        self.decay * rejected + rejection)
+    def observe(self, request: Request, source: str, num_drafts: int,
+                num_accepted: int) -> None:
+        """Record one decode step: the drafts' source, how many were verified and how many
+        accepted (0, 0 for a plain step). A run of acceptances ended by a rejection is
+        geometric evidence. Every source's evidence fades at each step."""
+        estimates = request.spec_accept_estimate
+        for name, (accepted, rejected) in estimates.items():
+            estimates[name] = (self.decay * accepted, self.decay * rejected)
+        if num_drafts:
+            rejection = 1.0 if num_accepted < num_drafts else 0.0
+            for name in {source, POOLED}:
+                accepted, rejected = estimates.get(name, (0.0, 0.0))
+                estimates[name] = (accepted + num_accepted, rejected + rejection)

@@ -106,6 +106,9 @@ def test_padding_groups_keep_decodes_apart_from_long_prefill_chunks():
     assert padding_groups([1, 1, 1]) == [[0, 1, 2]]
     assert padding_groups([1, 512, 1, 1]) == [[1], [0, 2, 3]]
     assert padding_groups([128, 128, 100, 1]) == [[0, 1, 2], [3]]
+    # a verification beside plain decodes: a few padded rows beat a second weight read
+    assert padding_groups([1, 6, 1]) == [[1, 0, 2]]
+    assert len(padding_groups([6] + [1] * 15)) == 2  # but not 90 padded rows
     groups = padding_groups([7, 3, 9, 9, 1, 2])
     assert sorted(i for g in groups for i in g) == list(range(6))
 

@@ -1,34 +1,83 @@
 from __future__ import annotations
 
+import pytest
+
+from llmopt.runtime.request import Request
+from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.speculation_governor import SpeculationGovernor
+from llmopt.runtime.speculation_policy import SpeculationPolicy
+
+VERIFY_COST = [1.0, 1.2, 1.3, 1.4, 1.5]  # what the manifest predicts
 
 
-def run(governor: SpeculationGovernor, batch: int, steps: int, spec_s: float, plain_s: float,
-        tokens_per_spec_step: int = 2) -> int:
-    """Drive `steps` decode steps; returns how many speculated."""
-    speculated = 0
+def step_time(num_drafts: list[int], plain_s: float, dearer: float) -> float:
+    """A fake machine whose verification costs `dearer` times the manifest's extra."""
+    extra = sum(VERIFY_COST[k] - 1 for k in num_drafts) / len(num_drafts)
+    return plain_s * (1 + dearer * extra)
+
+
+def drive(governor: SpeculationGovernor, policy: SpeculationPolicy, batch: int, steps: int,
+          plain_s: float, dearer: float) -> list[int]:
+    """Run `steps` decode steps of `batch` sequences whose drafts the policy sizes (every
+    sequence at the prior α); returns the drafts per sequence of each step."""
+    request = Request("r", [1, 2, 3], SamplingParams())
+    history = []
     for _ in range(steps):
-        if governor.allows(batch):
-            speculated += 1
-            governor.record(batch, True, spec_s, tokens_per_spec_step * batch)
-        else:
-            governor.record(batch, False, plain_s, batch)
-    return speculated
+        prices = governor.prices(batch)
+        policy.set_prices(prices.cost_scale, prices.draft_cost)
+        k = policy.num_drafts(request) if governor.allows(batch) else 0
+        drafts = [k] * batch
+        governor.record(drafts, step_time(drafts, plain_s, dearer))
+        history.append(k)
+    return history
 
 
-def test_speculation_that_pays_keeps_running_with_rare_plain_probes():
-    governor = SpeculationGovernor(probe_every=16)
-    assert run(governor, 1, 160, spec_s=0.012, plain_s=0.010) >= 140  # 6 ms vs 10 ms a token
+def make(prior_alpha: float = 0.6) -> tuple[SpeculationGovernor, SpeculationPolicy]:
+    return (SpeculationGovernor(VERIFY_COST, 0.0, probe_every=16),
+            SpeculationPolicy(4, VERIFY_COST, 0.0, prior_alpha=prior_alpha))
 
 
-def test_speculation_slower_than_plain_is_paused_and_retried():
-    governor = SpeculationGovernor(probe_every=16, pause_steps=40)
-    speculated = run(governor, 8, 200, spec_s=0.030, plain_s=0.010)  # 15 ms vs 10 ms
-    assert 0 < speculated <= 16  # a few probes of 3 steps each, 40 steps apart
+def test_the_first_step_of_a_bucket_is_plain_and_plain_probes_recur():
+    governor, policy = make()
+    history = drive(governor, policy, 1, 64, plain_s=0.010, dearer=1.0)
+    assert history[0] == 0  # nothing to compare against yet
+    assert [i for i, k in enumerate(history) if k == 0] == [0, 16, 32, 48]
 
 
-def test_batch_size_buckets_decide_separately():
-    governor = SpeculationGovernor(probe_every=16, pause_steps=40)
-    run(governor, 16, 100, spec_s=0.050, plain_s=0.020)  # slower at batch 16
-    assert run(governor, 1, 50, spec_s=0.012, plain_s=0.010) >= 40  # still pays at batch 1
-    assert governor.buckets[(16).bit_length()].paused_until > 0
+def test_verification_as_cheap_as_predicted_keeps_the_manifest_prices():
+    governor, policy = make()
+    drive(governor, policy, 1, 100, plain_s=0.010, dearer=1.0)
+    assert governor.prices(1).cost_scale == pytest.approx(1.0, abs=0.15)
+
+
+def test_verification_dearer_than_predicted_prices_drafts_out():
+    governor, policy = make()
+    history = drive(governor, policy, 1, 200, plain_s=0.010, dearer=8.0)
+    assert history[1] > 0  # the manifest's prices said drafts pay
+    assert governor.prices(1).cost_scale > 3
+    assert sum(k > 0 for k in history[100:]) <= 5  # so the policy stopped drafting
+
+
+def test_a_priced_out_bucket_drifts_back_and_is_retried():
+    governor, policy = make()
+    drive(governor, policy, 1, 100, plain_s=0.010, dearer=8.0)
+    high = governor.prices(1).cost_scale
+    for _ in range(300):
+        governor.record([0], 0.010)  # plain steps feed no cost evidence: it fades
+    assert governor.prices(1).cost_scale < 1 + (high - 1) * 0.1
+
+
+def test_batch_size_buckets_are_priced_separately():
+    governor, policy = make()
+    drive(governor, policy, 16, 100, plain_s=0.020, dearer=8.0)  # dear at batch 16
+    drive(governor, policy, 1, 100, plain_s=0.010, dearer=1.0)
+    assert governor.prices(16).cost_scale > 3
+    assert governor.prices(1).cost_scale == pytest.approx(1.0, abs=0.15)
+
+
+def test_the_draft_step_cost_is_measured_against_the_plain_step():
+    governor = SpeculationGovernor(VERIFY_COST, draft_cost=0.05)
+    governor.record([0], 0.010)
+    for _ in range(200):
+        governor.record([2], 0.013, draft_seconds=0.004)  # two draft steps of 2 ms
+    assert governor.prices(1).draft_cost == pytest.approx(0.2, rel=0.05)

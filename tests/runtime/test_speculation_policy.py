@@ -33,15 +33,34 @@ def test_drafts_that_do_not_pay_are_not_proposed():
 def test_rejections_shrink_the_drafts_and_plain_steps_let_them_come_back():
     policy = SpeculationPolicy(4, [1.0, 1.15, 1.3, 1.45, 1.6], 0.05, prior_alpha=0.7)
     r = request()
-    assert policy.num_drafts(r) > 0
+    assert policy.num_drafts(r, "model") > 0
     for _ in range(6):
-        policy.observe(r, policy.num_drafts(r) or 1, 0)  # every draft rejected
-    assert policy.num_drafts(r) == 0
+        policy.observe(r, "model", policy.num_drafts(r, "model") or 1, 0)  # all rejected
+    assert policy.num_drafts(r, "model") == 0
     steps = 0
-    while policy.num_drafts(r) == 0:
-        policy.observe(r, 0, 0)  # plain steps: the evidence fades towards the prior
+    while policy.num_drafts(r, "model") == 0:
+        policy.observe(r, "", 0, 0)  # plain steps: the evidence fades towards the prior
         steps += 1
-    assert 1 <= steps <= 20
+    assert 1 <= steps <= 100
+
+
+def test_each_draft_source_is_priced_on_its_own_record():
+    policy = SpeculationPolicy(4, [1.0, 1.15, 1.3, 1.45, 1.6], 0.0, prior_alpha=0.5)
+    r = request()
+    for _ in range(5):
+        policy.observe(r, "ngram1", 4, 0)  # short matches keep failing
+        policy.observe(r, "ngram4", 4, 4)  # long ones keep being accepted
+    assert policy.num_drafts(r, "ngram1") == 0
+    assert policy.num_drafts(r, "ngram4") == 4
+    assert policy.num_drafts(r) == 4  # the scheduler reserves for the best source
+
+
+def test_a_new_source_starts_from_what_the_sequence_has_shown():
+    policy = SpeculationPolicy(4, [1.0, 1.15, 1.3, 1.45, 1.6], 0.0, prior_alpha=0.5)
+    fresh, failing = request(), request()
+    for _ in range(5):
+        policy.observe(failing, "ngram1", 4, 0)
+    assert policy.alpha(failing, "ngram3") < 0.5 * policy.alpha(fresh, "ngram3")
 
 
 def always_wrong(h: int) -> np.ndarray:
