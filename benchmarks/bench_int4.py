@@ -7,6 +7,7 @@ Systems (each worker a fresh subprocess, greedy, EOS ignored, same random prompt
   llmopt-q4_1          gguf_weights: the file's own Q4_1 blocks, float LM head, accuracy level 0
   llmopt-q4_1-a8       gguf_weights + the file's Q8_0 LM head, accuracy level 4 (int8 activations)
   llmopt-rtn4-a8       rtn int4 sym g32 decoder linears + the file's Q8_0 LM head, level 4
+  llmopt-rtn4-a8-dq    the same weights lowered as DequantizeLinear -> MatMul (ORT fuses them)
   llama.cpp-q4_1       llama-cpp-python on the package's own Q4_1 GGUF
   llama.cpp-q4_0       the same weights as an F32 GGUF, re-quantized by llama.cpp to Q4_0
   llama.cpp-q8_0       ... and to Q8_0
@@ -61,6 +62,10 @@ ARTIFACTS: dict[str, tuple[str, list[str]]] = {
     "llmopt-rtn4-a8": ("smollm2-rtn4-sym-g32-q8head-a8",
                        ["passes=[{rtn: {bits: 4, group_size: 32, symmetric: true}}, "
                         f"{Q8_HEAD}]", "target.nbits_accuracy_level=4"]),
+    "llmopt-rtn4-a8-dq": ("smollm2-rtn4-sym-g32-q8head-a8-dq",
+                          ["passes=[{rtn: {bits: 4, group_size: 32, symmetric: true}}, "
+                           f"{Q8_HEAD}]", "target.nbits_accuracy_level=4",
+                           "target.quantized_matmul=dequantize_linear"]),
 }
 # llama.cpp system -> GGUF file name under --out-dir (Q4_1: the package's own file)
 LLAMA_CPP = {"llama.cpp-q4_1": None, "llama.cpp-q4_0": "smollm2-q4_0.gguf",
@@ -69,7 +74,7 @@ LLAMA_FTYPES = {"smollm2-q4_0.gguf": "LLAMA_FTYPE_MOSTLY_Q4_0",
                 "smollm2-q8_0.gguf": "LLAMA_FTYPE_MOSTLY_Q8_0"}
 OG = "ort-genai-int4"
 SYSTEMS = (*ARTIFACTS, *LLAMA_CPP, OG)
-INT4_LLMOPT = ("llmopt-q4_1", "llmopt-q4_1-a8", "llmopt-rtn4-a8")
+INT4_LLMOPT = ("llmopt-q4_1", "llmopt-q4_1-a8", "llmopt-rtn4-a8", "llmopt-rtn4-a8-dq")
 ANCHORS = ("llama.cpp-q4_1", "llama.cpp-q4_0", "llama.cpp-q8_0", OG)
 LLAMA_4BIT = ("llama.cpp-q4_1", "llama.cpp-q4_0")
 TARGET = 1.2

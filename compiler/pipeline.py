@@ -74,6 +74,8 @@ def lowering_options(recipe: Recipe, arch: ArchSpec) -> LoweringOptions:
         weight_dtype=recipe.target.weight_dtype,
         max_position=min(arch.max_position, recipe.runtime.max_context),
         nbits_accuracy_level=recipe.target.nbits_accuracy_level,
+        quantized_matmul=None if recipe.target.quantized_matmul == "auto"
+        else recipe.target.quantized_matmul,
     )
 
 

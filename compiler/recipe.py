@@ -41,6 +41,10 @@ class TargetConfig(_Strict):
     # MatMulNBits' accuracy_level for quantized linears: 0 computes in float32 (exactly the
     # fake-quantized model); 4 quantizes activations to int8 per block (faster, not exact).
     nbits_accuracy_level: Literal[0, 4] = 0
+    # How integer weights reach ONNX Runtime: its MatMulNBits kernel directly, or standard
+    # blocked DequantizeLinear → MatMul (which ONNX Runtime fuses back into MatMulNBits);
+    # auto: the operator set's form (benchmarks/bench_int4.py measures both).
+    quantized_matmul: Literal["auto", "matmul_nbits", "dequantize_linear"] = "auto"
 
 
 class QualityConfig(_Strict):

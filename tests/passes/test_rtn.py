@@ -90,3 +90,19 @@ def test_standard_onnx_form_computes_the_same(symmetric, tiny_checkpoints, word_
         logits = ReferenceModel(quantized).forward(torch.tensor([tokens]))[0, :-1]
     expected = torch.log_softmax(logits, -1)[torch.arange(39), torch.tensor(tokens[1:])]
     np.testing.assert_allclose(LLM(tmp_path / "std").score(tokens), expected.numpy(), atol=1e-4)
+
+
+def test_the_recipe_picks_the_quantized_matmul_form(tiny_checkpoints, word_text, tmp_path):
+    """`target.quantized_matmul` chooses DequantizeLinear → MatMul beside ONNX Runtime's
+    fused operators (both forms are benchmarked); the numbers stay the same."""
+    scores = {}
+    for form in ("matmul_nbits", "dequantize_linear"):
+        base = recipe(tiny_checkpoints["llama"], word_text, bits=4, group_size=32)
+        r = base.model_copy(update={"target": base.target.model_copy(
+            update={"quantized_matmul": form})})
+        compile_recipe(r, tmp_path / form, log=lambda _: None)
+        ops = {n.op_type for n in onnx.load(str(tmp_path / form / "target.onnx")).graph.node}
+        assert ("DequantizeLinear" in ops) == (form == "dequantize_linear")
+        assert ("MatMulNBits" in ops) == (form == "matmul_nbits")
+        scores[form] = LLM(tmp_path / form).score(list(range(3, 43)))
+    np.testing.assert_allclose(scores["matmul_nbits"], scores["dequantize_linear"], atol=1e-4)
