@@ -40,7 +40,12 @@ from llmopt.compiler.reference import rms_norm
 from llmopt.passes.calibration import LayerwiseRunner, calibration_windows
 from llmopt.passes.registry import PassResult
 from llmopt.passes.rtn import relative_error
-from llmopt.passes.weight_quant import WeightQuantConfig, quantization_report, target_linears
+from llmopt.passes.weight_quant import (
+    WeightQuantConfig,
+    intra_op_threads,
+    quantization_report,
+    target_linears,
+)
 
 
 class Config(WeightQuantConfig):
@@ -156,7 +161,10 @@ def scale_layer(ir: ModelIR, runner: LayerwiseRunner, layer: int, targets: set[s
             tie = spec.num_heads // spec.num_kv_heads if group.per_kv_head else 1
             layout = (tie, spec.head_dim)
             weights = [ir.weights[f"{n}.weight"] for n in names if n in targets]
-            alpha, s, ratio = search_scale(weights, inputs.mean_abs(), gram, layout, config)
+            # ~800 small fake-quantizations: one thread (1 s a group instead of 1-5 s at two
+            # threads on shared cores, measured on SmolLM2)
+            with intra_op_threads(1):
+                alpha, s, ratio = search_scale(weights, inputs.mean_abs(), gram, layout, config)
             fold_scale(ir, prefix + group.prev, names, s, layout)
             s_in = _repeat_per_head(s, *layout)
             gram = gram / (s_in[:, None] * s_in[None, :])
@@ -219,7 +227,8 @@ def quantize_linear(ir: ModelIR, name: str, gram: torch.Tensor,
     key = "embed_tokens" if name == "lm_head" and ir.arch.tie_word_embeddings else (
         f"{name}.weight")
     w = ir.weights[key]
-    clip = search_clip(w, gram, config) if config.clip else None
+    with intra_op_threads(1):  # a grid of small fake-quantizations, as search_scale
+        clip = search_clip(w, gram, config) if config.clip else None
     q = group_quantize(w, config.bits, config.group_size, config.symmetric, clip)
     ir.set_quantized(name, q)
     return relative_error(w, q.dequantize()), 1.0 if clip is None else float(clip.mean())

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,6 +34,7 @@ from llmopt.passes.rtn import relative_error
 from llmopt.passes.weight_quant import (
     WeightQuantConfig,
     float_weight,
+    intra_op_threads,
     quantization_report,
     target_linears,
 )
@@ -163,7 +163,7 @@ def gptq_quantize(
     loss = 0.0
     # About ten small ops a column: intra-op threads cost more in fork/join than they save,
     # and collapse when the cores are shared (15 s instead of 0.6 s for three SmolLM2 linears).
-    with _intra_op_threads(1):
+    with intra_op_threads(1):
         for b1 in range(0, k, block_size):
             b2 = min(b1 + block_size, k)
             block, u_block = w[:, b1:b2].clone(), u[b1:b2, b1:b2]
@@ -186,16 +186,6 @@ def gptq_quantize(
     return QuantizedLinear(bits, group_size, codes, scales, zeros, symmetric), loss
 
 
-@contextlib.contextmanager
-def _intra_op_threads(count: int) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 def _inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
     """Upper Cholesky factor U of (H + λI)⁻¹ (UᵀU = H⁻¹), λ = damp × mean diag(H); λ grows
     tenfold while H is too ill-conditioned to factor."""
@@ -203,7 +193,7 @@ def _inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
     mean_diag = h.diagonal().mean()
     # One thread: on the shared 2-core machine torch's multi-threaded cholesky_inverse took
     # 30 s for a 1536 x 1536 float64 Hessian (down_proj) against 0.45 s on one thread.
-    with _intra_op_threads(1):
+    with intra_op_threads(1):
         for attempt in range(4):
             lower, info = torch.linalg.cholesky_ex(h + damp * 10**attempt * mean_diag * eye)
             if info == 0:

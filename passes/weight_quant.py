@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import resource
+from collections.abc import Iterator
 from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmopt.compiler.ir import ModelIR
@@ -66,3 +69,16 @@ def quantization_report(before: ModelIR, after: ModelIR, errors: dict[str, float
         "weight_bytes": {"float32": float_bytes, "quantized": packed_bytes},
         "quality": probe.compare(before, after) if probe else None,
     }
+
+
+@contextlib.contextmanager
+def intra_op_threads(count: int) -> Iterator[None]:
+    """Run torch on `count` intra-op threads inside the block. The passes' searches and
+    column loops are many small ops: on shared cores torch's thread pool costs more in
+    fork/join (and collapses under contention) than it saves."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
