@@ -9,7 +9,7 @@ tokens were chosen deterministically).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,14 +27,17 @@ class Proposal:
     probs: np.ndarray | None = None  # float64 [len(token_ids), target vocab]; None: one-hot
     source: str = ""  # what drafted it ("ngram3": a 3-token match, "model"), priced apart
 
-    def truncated(self, num_tokens: int) -> Proposal:
-        probs = None if self.probs is None else self.probs[:num_tokens]
-        return Proposal(self.token_ids[:num_tokens], probs, self.source)
+
+# How many drafts a request may take from a source (the engine's per-sequence policy);
+# asked before a model drafts, so that no draft step is spent on tokens nobody verifies.
+Budget = Callable[[Request, str], int]
 
 
 class Drafter(Protocol):
-    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]) -> list[Proposal]:
-        """Up to `max_tokens[i]` draft tokens for each request, after its known tokens."""
+    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int],
+                budget: Budget | None = None) -> list[Proposal]:
+        """Up to `max_tokens[i]` draft tokens for each request, after its known tokens,
+        and no more than `budget` allows for their source."""
         ...
 
 
@@ -47,12 +50,16 @@ class NgramDrafter:
             raise ValueError(f"n-gram drafting needs 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]) -> list[Proposal]:
+    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int],
+                budget: Budget | None = None) -> list[Proposal]:
         proposals = []
         for request, k in zip(requests, max_tokens, strict=True):
             tokens, n = ngram_match(request.all_token_ids, self.min_n, self.max_n, k) if k \
                 else ([], 0)
-            proposals.append(Proposal(tokens, source=f"ngram{n}"))
+            source = f"ngram{n}"
+            if tokens and budget is not None:
+                tokens = tokens[: budget(request, source)]
+            proposals.append(Proposal(tokens, source=source))
         return proposals
 
 
@@ -97,7 +104,11 @@ class ModelDrafter:
         self.target_vocab_size = target_vocab_size
         self.token_map = token_map  # draft logits row -> target token id; None = identity
 
-    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]) -> list[Proposal]:
+    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int],
+                budget: Budget | None = None) -> list[Proposal]:
+        if budget is not None:
+            max_tokens = [min(k, budget(r, "model")) if k else 0
+                          for r, k in zip(requests, max_tokens, strict=True)]
         active = [i for i, k in enumerate(max_tokens) if k > 0]
         drafts: dict[int, list[int]] = {i: [] for i in active}
         probs: dict[int, list[np.ndarray]] = {i: [] for i in active}
@@ -160,12 +171,13 @@ class FallbackDrafter:
     def __init__(self, first: Drafter, second: Drafter):
         self.first, self.second = first, second
 
-    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int]) -> list[Proposal]:
-        proposals = self.first.propose(requests, max_tokens)
+    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int],
+                budget: Budget | None = None) -> list[Proposal]:
+        proposals = self.first.propose(requests, max_tokens, budget)
         missing = [i for i, p in enumerate(proposals) if not p.token_ids and max_tokens[i]]
         if missing:
             extra = self.second.propose([requests[i] for i in missing],
-                                        [max_tokens[i] for i in missing])
+                                        [max_tokens[i] for i in missing], budget)
             for i, proposal in zip(missing, extra, strict=True):
                 proposals[i] = proposal
         return proposals

@@ -175,13 +175,12 @@ class LLMEngine:
         if not speculating:
             return scheduled
         requests = [scheduled[i].request for i in speculating]
+        policy = self.speculation_policy  # prices each source's drafts before they are made
         proposals = self.drafter.propose(
-            requests, [scheduled[i].num_spec_tokens for i in speculating])
+            requests, [scheduled[i].num_spec_tokens for i in speculating],
+            policy.num_drafts if policy is not None else None)
         scheduled = list(scheduled)
-        policy = self.speculation_policy
         for i, request, proposal in zip(speculating, requests, proposals, strict=True):
-            if policy is not None and proposal.token_ids:  # priced by where it came from
-                proposal = proposal.truncated(policy.num_drafts(request, proposal.source))
             request.spec_token_ids = list(proposal.token_ids)
             request.spec_source = proposal.source
             if proposal.token_ids:  # popped when they are verified, later in this step

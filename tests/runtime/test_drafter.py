@@ -24,3 +24,38 @@ def test_ngram_lookup_stops_at_the_end_and_misses_cleanly():
 def test_ngram_drafter_checks_its_bounds():
     with pytest.raises(ValueError, match="min_n"):
         NgramDrafter(3, 2)
+
+
+class NoModel:
+    """A second drafter that records what it was asked for."""
+
+    def __init__(self):
+        self.asked: list[int] = []
+
+    def propose(self, requests, max_tokens, budget=None):
+        from llmopt.runtime.drafter import Proposal
+
+        limits = [min(k, budget(r, "model")) if budget else k
+                  for r, k in zip(requests, max_tokens, strict=True)]
+        self.asked += limits
+        return [Proposal([7] * k, source="model") for k in limits]
+
+
+def test_the_budget_caps_each_source_before_it_drafts():
+    from llmopt.runtime.drafter import FallbackDrafter
+    from llmopt.runtime.request import Request
+    from llmopt.runtime.sampling_params import SamplingParams
+
+    repeating = Request("a", [1, 2, 3, 4, 9, 1, 2, 3], SamplingParams())  # "1 2 3" matches
+    limits = {"ngram3": 2, "ngram1": 0, "model": 1}
+    budget = lambda request, source: limits.get(source, 5)  # noqa: E731
+    ngram = NgramDrafter(1, 3)
+    assert ngram.propose([repeating], [4], budget)[0].token_ids == [4, 9]
+    assert ngram.propose([repeating], [4])[0].token_ids == [4, 9, 1, 2]
+
+    # A 1-token match priced out falls back to the model, which drafts only its budget.
+    single = Request("b", [5, 6, 5], SamplingParams())  # "5" matches, a 1-gram
+    model = NoModel()
+    proposals = FallbackDrafter(ngram, model).propose([repeating, single], [4, 4], budget)
+    assert [p.source for p in proposals] == ["ngram3", "model"]
+    assert proposals[1].token_ids == [7] and model.asked == [1]
