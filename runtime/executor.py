@@ -61,7 +61,7 @@ class OrtExecutor:
         self.binding = self.session.io_binding()
         for name, pool in self.pools.items():
             self.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(pool))
-        # Flat [slots, *slot_shape] views of the pools and the shapes of new entries.
+        # Flat [slots, *slot_shape] views of the pools, by the graph output written there.
         self.flat_pools = {
             new: self.pools[past].reshape(-1, *self.pools[past].shape[2:])
             for new, past in self.new_to_past.items()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeGuard
 
 import numpy as np
 
@@ -30,8 +31,8 @@ class LLM:
     with a draft speculates unless `speculative=False`; `num_speculative_tokens` and
     `speculative_max_batch_size` override the γ and batch-size limit the compiler chose.
     With the compiler's step costs in the manifest, each sequence drafts only as many
-    tokens as its recent acceptance makes pay, and speculation pauses at batch sizes where
-    the engine's own step timings show it slower than plain decoding
+    tokens as pay for themselves: its recent acceptance per draft source, against draft
+    prices the engine measures from its own step timings at the running batch size
     (`adaptive_speculation=False`: always γ, wherever the batch-size limit allows).
     `drafts` picks which of the artifact's drafts run: "all", "ngram" or "model".
     """
@@ -218,16 +219,22 @@ class LLM:
         return list(params)
 
 
+def has_step_costs(spec: SpeculativeSpec | None, gamma: int) -> TypeGuard[SpeculativeSpec]:
+    """Did the compiler measure verification costs for every draft length up to γ?"""
+    return spec is not None and gamma > 0 and len(spec.verify_cost) >= gamma + 1
+
+
 def make_policy(spec: SpeculativeSpec | None, gamma: int) -> SpeculationPolicy | None:
     """A per-sequence draft-length policy from the compiler's costs, if it measured them."""
-    if spec is None or not gamma or len(spec.verify_cost) < gamma + 1:
+    if not has_step_costs(spec, gamma):
         return None
     prior = equivalent_alpha(spec.acceptance, gamma) if spec.acceptance else 0.5
     return SpeculationPolicy(gamma, spec.verify_cost, spec.cost_ratio or 0.0, prior)
 
 
 def make_governor(spec: SpeculativeSpec | None, gamma: int) -> SpeculationGovernor | None:
-    if spec is None or not gamma or len(spec.verify_cost) < gamma + 1:
+    """Draft prices measured at run time, starting from the compiler's costs."""
+    if not has_step_costs(spec, gamma):
         return None
     return SpeculationGovernor(spec.verify_cost, spec.cost_ratio or 0.0)
 
