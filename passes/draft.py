@@ -31,7 +31,7 @@ from llmopt.compiler.ir import DraftBundle, ModelIR
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes.draft_distill import DistillSettings, distill, text_windows
 from llmopt.passes.registry import PASSES, PassResult, load_pass
-from llmopt.runtime.kv_cache_manager import cdiv
+from llmopt.runtime.paging import cdiv
 
 MAX_GAMMA = 8
 # Keys that belong to one kind only; MODEL_DRAFT_KEYS apply to every kind with a model.

@@ -30,8 +30,8 @@ from llmopt.passes.draft_measure import (
     simulate,
 )
 from llmopt.runtime.executor import OrtExecutor
-from llmopt.runtime.kv_cache_manager import cdiv
 from llmopt.runtime.manifest import TokenizerSpec
+from llmopt.runtime.paging import cdiv
 from llmopt.runtime.tokenizer import Tokenizer
 
 

@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llmopt.runtime.drafter import ngram_lookup  # the simulation proposes what the runtime will
 from llmopt.runtime.executor import OrtExecutor
-from llmopt.runtime.kv_cache_manager import cdiv
-from llmopt.runtime.step_batch import StepBatch
+from llmopt.runtime.paging import cdiv
+from llmopt.runtime.spec.drafter import (
+    ngram_lookup,  # the simulation proposes what the runtime will
+)
+from llmopt.runtime.step_batch import SequenceStep, make_step_batch
 
 
 # --- the formula ------------------------------------------------------------------------
@@ -122,7 +124,8 @@ def simulate(trajectories: list[Trajectory], gamma: int,
 
 # --- running the lowered graphs ----------------------------------------------------------
 class PagedRunner:
-    """Drives an OrtExecutor over disjoint per-sequence block ranges (no block manager)."""
+    """Drives an OrtExecutor over disjoint per-sequence block ranges (no block manager:
+    measurement sequences never share or free blocks)."""
 
     def __init__(self, executor: OrtExecutor, block_size: int, blocks_per_seq: int):
         self.executor, self.block_size, self.blocks_per_seq = executor, block_size, blocks_per_seq
@@ -132,23 +135,14 @@ class PagedRunner:
         """Feed queries[b] at positions starts[b].. of sequence seqs[b] (default b); logits
         of each query's last row, or of every row."""
         seqs = list(range(len(queries))) if seqs is None else seqs
-        tables = [self._table(s) for s in seqs]
-        slots = [self._slots(table, start, len(q))
-                 for table, start, q in zip(tables, starts, queries, strict=True)]
-        ends = np.cumsum([len(q) for q in queries])
-        rows = np.arange(ends[-1]) if all_logits else ends - 1
-        batch = StepBatch(queries, list(starts), tables, np.concatenate(slots),
-                          rows.astype(np.int64))
-        return self.executor.execute(batch)
+        sequences = [
+            SequenceStep(q, start, self._table(s), range(len(q)) if all_logits else [len(q) - 1])
+            for q, start, s in zip(queries, starts, seqs, strict=True)]
+        return self.executor.execute(make_step_batch(sequences, self.block_size))
 
     def _table(self, seq: int) -> list[int]:
         first = 1 + seq * self.blocks_per_seq  # block 0 is the null block
         return list(range(first, first + self.blocks_per_seq))
-
-    def _slots(self, table: list[int], start: int, n: int) -> np.ndarray:
-        positions = np.arange(start, start + n)
-        return np.asarray(table)[positions // self.block_size] * self.block_size + (
-            positions % self.block_size)
 
 
 def greedy_trajectories(runner: PagedRunner, prompts: list[list[int]], new_tokens: int,
