@@ -70,9 +70,9 @@ def prepare(out_dir: Path) -> dict[str, Path]:
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from llmopt.compiler.calibration import calibration_windows
     from llmopt.compiler.loader import resolve_checkpoint
     from llmopt.compiler.recipe import CalibrationConfig
-    from llmopt.passes.calibration import calibration_windows
 
     out_dir.mkdir(parents=True, exist_ok=True)
     ref = resolve_checkpoint(MODEL)

@@ -81,7 +81,7 @@ def check_groups_fit(ir: ModelIR, recipe: Recipe) -> None:
     """Every format stores whole groups only: refuse before a pass spends minutes."""
     widths = {ir.arch.hidden_size, ir.arch.intermediate_size}
     widths |= {layer.num_heads * layer.head_dim for layer in ir.arch.layers}
-    for name, config in recipe.pass_configs():
+    for name, config in recipe.passes:
         group_size = getattr(config, "group_size", None)
         if group_size and any(w % group_size for w in widths):
             raise ValueError(

@@ -23,8 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.quant_format import QuantizedLinear
-from llmopt.passes.registry import PassResult
-from llmopt.passes.weight_quant import float_weight, quantization_report, target_linears
+from llmopt.compiler.weight_quant import float_weight, quantization_report, target_linears
+from llmopt.passes.registry import PassContext, PassResult
 
 GROUP = 32  # every supported type's block length
 # GGUF linear name -> IR linear name, per layer.
@@ -49,7 +49,7 @@ class Config(BaseModel):
     skip: list[str] = Field(default_factory=list)  # glob patterns of IR linear names
 
 
-def run(ir: ModelIR, config: Config, context: Any) -> PassResult:
+def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     import gguf
 
     started = time.perf_counter()

@@ -10,14 +10,14 @@ import pytest
 import torch
 from tiny_checkpoints import build_tiny_checkpoint
 
-from llmopt.compiler import draft_model as dm
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.pipeline import check_pass_order, compile_recipe
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes import draft
-from llmopt.passes.draft_distill import DistillSettings, distill, held_out_kl
-from llmopt.passes.draft_measure import (
+from llmopt.passes.draft import model as dm
+from llmopt.passes.draft.distill import DistillSettings, distill, held_out_kl
+from llmopt.passes.draft.measure import (
     Trajectory,
     best_gamma,
     expected_tokens,
@@ -287,7 +287,7 @@ def test_ngram_only_artifact(target_dir, word_text, tmp_path):
 
 
 def test_teacher_logits_on_a_trimmed_head(target):
-    from llmopt.passes.draft_distill import teacher_logits
+    from llmopt.passes.draft.distill import teacher_logits
 
     ids, rows = torch.tensor([list(range(3, 30))]), torch.tensor([2, 9, 40, 200])
     teacher = ReferenceModel(target)
@@ -302,12 +302,12 @@ def test_recipe_resolves_the_draft_model_path(target_dir, tmp_path):
     (tmp_path / "r.yaml").write_text(
         f"model: {target_dir}\npasses:\n  - draft: {{kind: model, model: drafts/small}}\n")
     (entry,) = load_recipe(tmp_path / "r.yaml").passes
-    assert entry["draft"]["model"] == str(tmp_path / "drafts" / "small")
+    assert entry.config.model == str(tmp_path / "drafts" / "small")
 
 
 def test_the_target_as_its_own_draft_is_always_accepted(target, tmp_path):
     """Teacher-forced agreement along the target's own greedy trajectory is exact."""
-    from llmopt.passes import draft_measure as m
+    from llmopt.passes.draft import measure as m
 
     recipe = Recipe(model="unused", runtime={"block_size": 4, "max_context": 128})
     runner = m.PagedRunner(draft._executor(target, recipe, tmp_path / "t.onnx", 64), 4, 16)
@@ -320,8 +320,8 @@ def test_the_target_as_its_own_draft_is_always_accepted(target, tmp_path):
 def test_self_distillation_data_is_the_targets_greedy_continuation(target, word_text):
     """`distill_data: self` windows: prompt + the target's greedy argmax chain, the mask
     on exactly the positions that predict continuation tokens."""
-    from llmopt.passes import draft_data
-    from llmopt.passes.draft_choice import target_tokenizer
+    from llmopt.passes.draft import data as draft_data
+    from llmopt.passes.draft.choice import target_tokenizer
 
     recipe = Recipe(model="unused", calibration={"text": str(word_text)},
                     runtime={"block_size": 4, "max_context": 128})

@@ -12,7 +12,7 @@ Model drafts also take `head_vocab: N` (keep the LM head's N most frequent calib
 tokens, FR-Spec), `distill_steps` (KL to the target on `calibration.text`) and
 `ngram: true|{...}` (n-gram lookup first, the model when it finds nothing) and
 `distill_data: text|self`: text windows, or the target's own greedy continuations of
-`distill_prompts` prompts (`distill_new_tokens` each; see passes/draft_data.py).
+`distill_prompts` prompts (`distill_new_tokens` each; see passes/draft/data.py).
 It must be the last pass: it measures against the target as the artifact will run it.
 """
 
@@ -24,13 +24,28 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
-from llmopt.compiler import draft_model as dm
 from llmopt.compiler.ir import DraftBundle, ModelIR
+from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
-from llmopt.passes.draft_distill import DistillSettings, distill, text_windows
-from llmopt.passes.registry import PASSES, PassResult, load_pass
+from llmopt.passes.draft import model as dm
+from llmopt.passes.draft.distill import DistillSettings, distill, text_windows
+from llmopt.passes.registry import (
+    PASSES,
+    PassContext,
+    PassResult,
+    PassStep,
+    check_order,
+    validate_pass,
+)
 from llmopt.runtime.paging import cdiv
 
 MAX_GAMMA = 8
@@ -67,7 +82,7 @@ class Config(BaseModel):
     kind: Literal["model", "self", "tiny", "ngram"]
     gamma: Literal["auto"] | int = "auto"  # draft tokens per step; auto: best measured
     ngram: NgramOptions | bool = False  # model drafts: prompt lookup first when it matches
-    passes: list[dict[str, Any]] = Field(default_factory=list)  # the draft's own passes
+    passes: list[PassStep] = Field(default_factory=list)  # the draft's own passes
     model: str | None = None
     layers: int | None = Field(None, gt=0)  # self; None: a quarter of the target's
     hidden_size: int | None = Field(None, gt=0)  # tiny; None: derived from the target's
@@ -100,17 +115,27 @@ class Config(BaseModel):
             raise ValueError(f"gamma is auto or 1..{MAX_GAMMA}")
         return gamma
 
-    @field_validator("passes")
+    @field_validator("passes", mode="before")
     @classmethod
-    def _known_passes(cls, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _typed_passes(cls, entries: Any) -> list[PassStep]:
+        """The draft's passes, validated through the registry (no draft of a draft)."""
+        steps = []
         for entry in entries:
-            if len(entry) != 1:
+            if isinstance(entry, PassStep):
+                steps.append(entry)
+                continue
+            if not isinstance(entry, dict) or len(entry) != 1:
                 raise ValueError("each draft pass is a one-key mapping: `- name: {options}`")
             ((name, options),) = entry.items()
-            if name not in PASSES or name == "draft":
+            if name not in PASSES or PASSES[name].last:
                 raise ValueError(f"unknown draft pass {name!r}")
-            load_pass(name).Config.model_validate(options or {})
-        return entries
+            steps.append(validate_pass(name, options))
+        check_order([step.name for step in steps])
+        return steps
+
+    @field_serializer("passes")
+    def _dump_passes(self, steps: list[PassStep]) -> list[dict[str, Any]]:
+        return [{step.name: step.config.model_dump(mode="json")} for step in steps]
 
     @field_validator("batch_sizes")
     @classmethod
@@ -139,18 +164,16 @@ class Config(BaseModel):
         return NgramOptions() if self.ngram or self.kind == "ngram" else None
 
 
-def run(ir: ModelIR, config: Config, context: Any) -> PassResult:
+def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     started = time.perf_counter()
     report: dict[str, Any] = {"kind": config.kind}
     draft, token_map = None, None
     if config.kind != "ngram":
         draft, token_map = build_draft(ir, config, context, report)
-        if config.passes:
-            from llmopt.compiler.pipeline import apply_passes
-
-            configs = [(name, load_pass(name).Config.model_validate(options or {}))
-                       for entry in config.passes for name, options in entry.items()]
-            draft, report["passes"] = apply_passes(draft, configs, context)
+        if config.passes:  # the pipeline runs them, as it runs the target's
+            if context.run_passes is None:
+                raise ValueError("the draft's own passes need the pipeline's pass runner")
+            draft, report["passes"] = context.run_passes(draft, config.passes, context)
         report["draft"] = _draft_summary(draft, token_map)
     speculative = measure_pairing(ir, draft, token_map, config, context)
     ngram = config.ngram_options()
@@ -164,7 +187,7 @@ def run(ir: ModelIR, config: Config, context: Any) -> PassResult:
 
 
 # --- building the draft --------------------------------------------------------------------
-def build_draft(ir: ModelIR, config: Config, context: Any,
+def build_draft(ir: ModelIR, config: Config, context: PassContext,
                 report: dict[str, Any]) -> tuple[ModelIR, torch.Tensor | None]:
     """The draft IR for `config.kind`, head-trimmed and distilled as asked."""
     steps = config.distill_steps if config.distill_steps is not None else (
@@ -206,7 +229,7 @@ def _load(model: str | None) -> ModelIR:
     return load_checkpoint(str(model))
 
 
-def _calibration_windows(ir: ModelIR, config: Config, context: Any) -> torch.Tensor:
+def _calibration_windows(ir: ModelIR, config: Config, context: PassContext) -> torch.Tensor:
     text = context.recipe.calibration.text
     if text is None:
         raise ValueError(f"the {config.kind} draft needs calibration text (distillation or "
@@ -214,12 +237,12 @@ def _calibration_windows(ir: ModelIR, config: Config, context: Any) -> torch.Ten
     return text_windows(ir, text, config.distill_seq_len)
 
 
-def _self_windows(ir: ModelIR, config: Config, context: Any) -> Any:
+def _self_windows(ir: ModelIR, config: Config, context: PassContext) -> Any:
     """The target's greedy continuations of built prompts, generated through ONNX Runtime
     on the lowered target (far faster than the torch reference)."""
-    from llmopt.passes import draft_data
-    from llmopt.passes.draft_choice import target_tokenizer
-    from llmopt.passes.draft_measure import PagedRunner
+    from llmopt.passes.draft import data as draft_data
+    from llmopt.passes.draft.choice import target_tokenizer
+    from llmopt.passes.draft.measure import PagedRunner
 
     recipe = context.recipe
     block_size = recipe.runtime.block_size
@@ -243,7 +266,7 @@ def _self_windows(ir: ModelIR, config: Config, context: Any) -> Any:
     return data
 
 
-def _frequency_ids(ir: ModelIR, config: Config, context: Any,
+def _frequency_ids(ir: ModelIR, config: Config, context: PassContext,
                    windows: torch.Tensor) -> torch.Tensor:
     """Token ids whose counts rank the LM head rows: the windows, and with self data the
     calibration text too (the continuations alone hold too few distinct tokens)."""
@@ -293,9 +316,9 @@ def _draft_summary(draft: ModelIR, token_map: torch.Tensor | None) -> dict[str, 
 
 # --- measuring the pairing -------------------------------------------------------------
 def measure_pairing(ir: ModelIR, draft: ModelIR | None, token_map: torch.Tensor | None,
-                    config: Config, context: Any) -> dict[str, Any]:
+                    config: Config, context: PassContext) -> dict[str, Any]:
     """Lower target (and draft) into a temporary directory and measure them there."""
-    from llmopt.passes import draft_choice as m
+    from llmopt.passes.draft import choice as m
 
     recipe = context.recipe
     block_size = recipe.runtime.block_size
@@ -323,10 +346,9 @@ def measure_pairing(ir: ModelIR, draft: ModelIR | None, token_map: torch.Tensor 
         return m.measure(target, draft_exec, mapping, settings)
 
 
-def _executor(ir: ModelIR, recipe: Any, path: Path, num_blocks: int) -> Any:
-    from llmopt.compiler.lower import cache_tensors, lower_to_onnx
+def _executor(ir: ModelIR, recipe: Recipe, path: Path, num_blocks: int) -> Any:
+    from llmopt.compiler.lower import cache_tensors, lower_to_onnx, lowering_options
     from llmopt.compiler.onnx_graph import save_with_external_data
-    from llmopt.compiler.pipeline import lowering_options
     from llmopt.runtime.executor import OrtExecutor
     from llmopt.runtime.manifest import KVCacheSpec
 

@@ -1,4 +1,4 @@
-"""Choose γ for a draft pairing: run the measurements of `draft_measure` on the lowered
+"""Choose γ for a draft pairing: run the measurements of `measure` on the lowered
 graphs, then pick the γ that maximises the expected speedup at the first batch size,
 the largest batch size where speculation still pays, and the manifest's records.
 """
@@ -13,8 +13,8 @@ import numpy as np
 import tokenizers
 
 from llmopt.compiler.ir import ModelIR
-from llmopt.passes.draft_distill import text_windows
-from llmopt.passes.draft_measure import (
+from llmopt.passes.draft.distill import text_windows
+from llmopt.passes.draft.measure import (
     PagedRunner,
     SimulatedSteps,
     StepCosts,
