@@ -83,6 +83,11 @@ FAMILIES: dict[str, ArchFamily] = {
 # IR names of RMSNorm weights (per layer, and the final norm): where norm_offset applies.
 NORM_NAMES = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm", "q_norm", "k_norm")
 
+
+def is_norm(name: str) -> bool:
+    """Is this IR weight a norm's (Gemma stores those as an offset from 1)?"""
+    return name == "final_norm" or name.rsplit(".", 1)[-1] in NORM_NAMES
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 

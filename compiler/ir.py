@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -35,6 +36,9 @@ from llmopt.compiler.quant_format import QuantizedLinear
 
 Activation = Literal["silu", "gelu_tanh"]
 KV_DTYPES = ("float32", "float16")
+
+if TYPE_CHECKING:
+    import tokenizers
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,17 @@ class ModelIR:
     # exactly what the quantized graph computes (fake quantization).
     quantized: dict[str, QuantizedLinear] = field(default_factory=dict)
     draft: DraftBundle | None = None  # set by the `draft` pass; lowered as graph "draft"
+
+    def text_tokenizer(self) -> tokenizers.Tokenizer:
+        """The source's tokenizer, as the artifact ships it (`tokenizer.json`)."""
+        import tokenizers
+
+        return tokenizers.Tokenizer.from_str(self.tokenizer_files["tokenizer.json"].decode())
+
+    def text_token_ids(self, text_file: str | Path) -> list[int]:
+        """A UTF-8 text file's token ids without special tokens (the perplexity protocol)."""
+        text = Path(text_file).read_text(encoding="utf-8")
+        return self.text_tokenizer().encode(text, add_special_tokens=False).ids
 
     def copy(self) -> ModelIR:
         """A new IR sharing tensors: passes rewrite the copy and leave their input intact."""

@@ -17,6 +17,7 @@ from pydantic import (
 )
 
 from llmopt.passes.registry import PASSES, PassStep, known_passes, validate_pass
+from llmopt.runtime.manifest import RuntimeDefaults
 
 
 class RecipeError(ValueError):
@@ -61,14 +62,6 @@ class QualityConfig(_Strict):
         return self
 
 
-class RuntimeConfig(_Strict):
-    block_size: int = Field(16, gt=0)
-    max_context: int = Field(2048, gt=0)
-    max_num_seqs: int = Field(16, gt=0)
-    max_num_batched_tokens: int = Field(512, gt=0)
-    num_blocks: int | None = Field(None, gt=0)  # None: fits max_num_seqs full contexts
-
-
 class Recipe(_Strict):
     model: str
     # `- name: {options}` entries, each validated into a PassStep (name, typed Config).
@@ -76,7 +69,7 @@ class Recipe(_Strict):
     calibration: CalibrationConfig = CalibrationConfig()
     target: TargetConfig = TargetConfig()
     quality: QualityConfig = QualityConfig()
-    runtime: RuntimeConfig = RuntimeConfig()
+    runtime: RuntimeDefaults = RuntimeDefaults()  # the manifest keeps it as it is
 
     @field_validator("passes", mode="before")
     @classmethod

@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass, replace
 
 import numpy as np
-import tokenizers
 
 from llmopt.compiler.ir import ModelIR
 from llmopt.passes.draft.distill import text_windows
@@ -227,7 +226,7 @@ def target_tokenizer(ir: ModelIR) -> Tokenizer:
     """The runtime's tokenizer for `ir`, chat template and BOS handling included."""
     tokens = ir.annotations.get("tokens", {})
     return Tokenizer(
-        tokenizers.Tokenizer.from_str(ir.tokenizer_files["tokenizer.json"].decode()),
+        ir.text_tokenizer(),
         TokenizerSpec(file="tokenizer.json", chat_template=ir.chat_template,
                       add_bos_token=ir.add_bos_token, bos_token=tokens.get("bos_token"),
                       eos_token=tokens.get("eos_token")))
