@@ -18,12 +18,9 @@ from llmopt.passes.draft.measure import (
     SimulatedSteps,
     StepCosts,
     Trajectory,
-    best_gamma,
     draft_agreement,
-    expected_tokens,
     greedy_trajectories,
     measure_costs,
-    model_step_cost,
     position_acceptance,
     run_lengths,
     simulate,
@@ -31,6 +28,11 @@ from llmopt.passes.draft.measure import (
 from llmopt.runtime.executor import OrtExecutor
 from llmopt.runtime.manifest import TokenizerSpec
 from llmopt.runtime.paging import cdiv
+from llmopt.runtime.spec.cost_model import (
+    best_gamma,
+    expected_tokens_per_position,
+    model_step_cost,
+)
 from llmopt.runtime.tokenizer import Tokenizer
 
 
@@ -131,7 +133,7 @@ def _acceptance(trajectories: list[Trajectory], sims: list[SimulatedSteps] | Non
                                for t in trajectories])
         alphas = position_acceptance(runs, settings.max_gamma)
         gammas = range(1, settings.max_gamma + 1)
-        return alphas, [expected_tokens(alphas, g) for g in gammas], {}
+        return alphas, [expected_tokens_per_position(alphas, g) for g in gammas], {}
     widest = sims[-1]
     extra = {"ngram_match_rate": round(widest.sources.count("ngram") / len(widest.sources), 4),
              "simulated_tokens_per_step": [round(s.tokens_per_step(), 4) for s in sims]}

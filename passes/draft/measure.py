@@ -1,4 +1,4 @@
-"""Measuring a draft: the speedup formula, greedy acceptance on the target's own greedy
+"""Measuring a draft: greedy acceptance on the target's own greedy
 continuations (and a simulation of n-gram lookup along them), and step costs of the
 lowered graphs under ONNX Runtime.
 
@@ -21,30 +21,6 @@ from llmopt.runtime.spec.drafter import (
     ngram_lookup,  # the simulation proposes what the runtime will
 )
 from llmopt.runtime.step_batch import SequenceStep, make_step_batch
-
-
-# --- the formula ------------------------------------------------------------------------
-def expected_tokens(alphas: Sequence[float], gamma: int) -> float:
-    """Tokens per target step with γ drafts: 1 + Σ_{i≤γ} Π_{j≤i} α_j (the bonus/correction
-    token, plus each draft token accepted only if all before it were)."""
-    total, survive = 1.0, 1.0
-    for alpha in alphas[:gamma]:
-        survive *= alpha
-        total += survive
-    return total
-
-
-def best_gamma(tokens_per_step: Sequence[float], cost_per_step: Sequence[float]
-               ) -> tuple[int, float]:
-    """(γ, speedup) maximising tokens/cost; entry γ-1 is γ's (costs in target steps)."""
-    speedups = [t / c for t, c in zip(tokens_per_step, cost_per_step, strict=True)]
-    best = max(range(len(speedups)), key=lambda i: speedups[i])
-    return best + 1, speedups[best]
-
-
-def model_step_cost(gamma: int, draft: float, verify: float) -> float:
-    """One speculative step in target steps: γ draft steps plus a (γ+1)-token verify."""
-    return gamma * draft + verify
 
 
 # --- acceptance ---------------------------------------------------------------------------

@@ -43,13 +43,19 @@ def equivalent_alpha(acceptance: Sequence[float], gamma: int) -> float:
     return (low + high) / 2
 
 
+def model_step_cost(num_drafts: int, draft_cost: float, verify_cost: float) -> float:
+    """A step with `num_drafts` drafts in plain target steps: that many draft steps plus
+    a (k+1)-token verification costing `verify_cost` plain steps."""
+    return num_drafts * draft_cost + verify_cost
+
+
 def step_cost(num_drafts: int, verify_cost: Sequence[float], draft_cost: float,
               cost_scale: float = 1.0) -> float:
-    """A step with `num_drafts` drafts, in plain target steps: the (k+1)-token
-    verification (its extra over a plain step scaled by `cost_scale`, what the runtime
-    measured against what the compiler predicted) plus k draft steps."""
-    extra = verify_cost[num_drafts] - 1.0
-    return 1.0 + cost_scale * extra + num_drafts * draft_cost
+    """The same from the compiler's table `verify_cost[k]` ((k+1)-token step over a plain
+    one), its extra over a plain step scaled by `cost_scale` (what the runtime measured
+    against what the compiler predicted)."""
+    verify = 1.0 + cost_scale * (verify_cost[num_drafts] - 1.0)
+    return model_step_cost(num_drafts, draft_cost, verify)
 
 
 def best_gamma(tokens_per_step: Sequence[float], cost_per_step: Sequence[float]
