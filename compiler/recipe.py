@@ -218,7 +218,9 @@ def _describe(
         line = next((lines[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines), None)
         where = f"{path}:{line}" if line else str(path)
         key = ".".join(map(str, loc)) or "(top level)"
-        reason = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
+        reason = ("unknown key" if error["type"] == "extra_forbidden"
+                  else str(error["ctx"]["error"]) if error["type"] == "value_error"
+                  else error["msg"])
         messages.append(f"{where}: {key}: {reason}")
     return "; ".join(messages)
 

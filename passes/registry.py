@@ -1,7 +1,8 @@
 """The one registry of passes: recipe keys are exactly these names.
 
 Each entry names the module that holds the pass. A pass module defines a frozen
-pydantic `Config` and `run(ir, config, context) -> PassResult`; it is imported only
+pydantic `Config` (a model, or a tagged union of models) and
+`run(ir, config, context) -> PassResult`; it is imported only
 when a recipe uses it, so heavy dependencies load lazily. An import error is an
 error, never a silent skip.
 
@@ -13,13 +14,14 @@ last.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 
 if TYPE_CHECKING:
     from llmopt.compiler.ir import ModelIR
@@ -100,7 +102,13 @@ def validate_pass(name: str, options: Any) -> PassStep:
     """The typed step for `- name: {options}` (pydantic's ValidationError on bad options)."""
     if name not in PASSES:
         raise ValueError(f"unknown pass {name!r} (known: {known_passes()})")
-    return PassStep(name, load_pass(name).Config.model_validate(options or {}))
+    return PassStep(name, _config_adapter(name).validate_python(options or {}))
+
+
+@functools.cache
+def _config_adapter(name: str) -> TypeAdapter[Any]:
+    """A pass's `Config`: a model, or a union of models told apart by a tag (draft kinds)."""
+    return TypeAdapter(load_pass(name).Config)
 
 
 def check_order(names: Sequence[str]) -> None:

@@ -21,7 +21,7 @@ def test_self_distillation_data_is_the_targets_greedy_continuation(target, word_
     recipe = Recipe(model="unused", calibration={"text": str(word_text)},
                     runtime={"block_size": 4, "max_context": 128})
     context = type("Context", (), {"recipe": recipe, "log": staticmethod(lambda _: None)})()
-    data = draft._self_windows(target, draft.Config(kind="tiny", distill_data="self",
+    data = draft._self_windows(target, draft.make_config(kind="tiny", distill_data="self",
                                                     distill_prompts=5,
                                                     distill_new_tokens=6), context)
     assert data.report["prompts"] == 5 and data.report["continuation_tokens"] >= 5

@@ -25,17 +25,17 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 def test_config_checks_keys_against_the_kind():
     with pytest.raises(ValueError, match="layers does not apply to kind 'tiny'"):
-        draft.Config(kind="tiny", layers=2)
+        draft.make_config(kind="tiny", layers=2)
     with pytest.raises(ValueError, match="needs `model: PATH`"):
-        draft.Config(kind="model")
+        draft.make_config(kind="model")
     with pytest.raises(ValueError, match="head_vocab does not apply to kind 'ngram'"):
-        draft.Config(kind="ngram", head_vocab=10)
+        draft.make_config(kind="ngram", head_vocab=10)
     with pytest.raises(ValueError, match="gamma"):
-        draft.Config(kind="self", gamma=9)
+        draft.make_config(kind="self", gamma=9)
     with pytest.raises(ValueError, match="unknown draft pass"):
-        draft.Config(kind="self", passes=[{"draft": {}}])
-    assert draft.Config(kind="self", ngram=True).ngram_options().max_n == 4
-    assert draft.Config(kind="ngram").ngram_options().min_n == 1
+        draft.make_config(kind="self", passes=[{"draft": {}}])
+    assert draft.make_config(kind="self", ngram=True).ngram_options().max_n == 4
+    assert draft.make_config(kind="ngram").ngram_options().min_n == 1
 
 
 def test_draft_must_be_the_last_pass(target_dir):
