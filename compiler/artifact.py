@@ -46,10 +46,15 @@ def staging_directory(out: Path) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def check_output_directory(out: Path) -> None:
+    """An existing `out` must be an artifact (replaced at the end), never other files."""
+    if out.exists() and not (out / MANIFEST_FILE).is_file():
+        raise FileExistsError(f"{out} exists and is not an llmopt artifact; not replacing it")
+
+
 def _replace(staging: Path, out: Path) -> None:
+    check_output_directory(out)
     if out.exists():
-        if not (out / MANIFEST_FILE).is_file():
-            raise FileExistsError(f"{out} exists and is not an llmopt artifact; not replacing it")
         trash = out.with_name(f".{out.name}.old")
         shutil.rmtree(trash, ignore_errors=True)
         os.replace(out, trash)

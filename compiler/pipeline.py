@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from llmopt.compiler.artifact import staging_directory, write_artifact
+from llmopt.compiler.artifact import check_output_directory, staging_directory, write_artifact
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.lower import lower_to_onnx, lowering_options
@@ -22,7 +22,8 @@ class QualityBudgetError(ValueError):
 
 
 def compile_recipe(recipe: Recipe, out: Path, log: Callable[[str], None] = print) -> Manifest:
-    check_pass_order(recipe)
+    check_pass_order(recipe)  # before any work: constraints, then where it will be written
+    check_output_directory(out)
     # Phase 1: load the checkpoint into the IR.
     started = time.perf_counter()
     log(f"[1/3] loading {recipe.model}")
@@ -73,6 +74,9 @@ def apply_passes(
 def check_budget(name: str, report: dict[str, Any], budget: float | None,
                  log: Callable[[str], None]) -> None:
     quality = report.get("quality")
+    if "quality" in report and quality is None:
+        log(f"      {name}: quality not measured (no quality.eval_text or calibration.text, "
+            "or quality.measure is false)")
     if not quality:
         return
     log(f"      {name}: perplexity {quality['ppl_before']} -> {quality['ppl_after']} "

@@ -19,10 +19,12 @@ class QualityProbe:
     windows: list[list[int]]  # token windows of held-out text
 
     @classmethod
-    def from_text(cls, ir: ModelIR, text_file: str | Path, windows: int,
-                  seq_len: int) -> QualityProbe:
-        return cls(windows_of(ir.text_token_ids(text_file), seq_len, windows,
-                              source=f"quality.eval_text {text_file}"))
+    def from_text(cls, ir: ModelIR, text_file: str | Path, windows: int, seq_len: int,
+                  tail: bool = False) -> QualityProbe:
+        """The first `windows` windows of the text; its last ones with `tail` (held out
+        from calibration, which takes the first)."""
+        every = windows_of(ir.text_token_ids(text_file), seq_len, source=str(text_file))
+        return cls(every[-windows:] if tail else every[:windows])
 
     @torch.no_grad()
     def compare(self, before: ModelIR, after: ModelIR) -> dict[str, float]:

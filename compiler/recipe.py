@@ -51,15 +51,12 @@ class TargetConfig(_Strict):
 
 class QualityConfig(_Strict):
     max_ppl_increase_pct: float | None = Field(None, ge=0)  # budget for each lossy pass
-    eval_text: str | None = None  # held-out text the passes measure quality on
+    # Held-out text the passes measure their cost on; None: the last `eval_windows`
+    # windows of calibration.text (none measured without either, or with measure: false).
+    eval_text: str | None = None
     eval_windows: int = Field(8, gt=0)
     eval_seq_len: int = Field(512, gt=0)
-
-    @model_validator(mode="after")
-    def _budget_needs_text(self) -> QualityConfig:
-        if self.max_ppl_increase_pct is not None and self.eval_text is None:
-            raise ValueError("max_ppl_increase_pct needs eval_text to measure against")
-        return self
+    measure: bool = True
 
 
 class Recipe(_Strict):
@@ -85,6 +82,19 @@ class Recipe(_Strict):
     def _dump_passes(self, steps: list[PassStep]) -> list[dict[str, Any]]:
         return [{step.name: step.config.model_dump(mode="json")} for step in steps]
 
+    @model_validator(mode="after")
+    def _budget_has_text(self) -> Recipe:
+        quality = self.quality
+        if quality.max_ppl_increase_pct is not None and (
+                not quality.measure or self.quality_text() is None):
+            raise ValueError("quality.max_ppl_increase_pct needs quality.eval_text or "
+                             "calibration.text to measure on (and quality.measure on)")
+        return self
+
+    def quality_text(self) -> str | None:
+        """The text passes measure their cost on: eval_text, else calibration.text."""
+        return self.quality.eval_text or self.calibration.text
+
 
 def _pass_step(entry: Any) -> PassStep:
     if not isinstance(entry, dict) or len(entry) != 1:
@@ -104,12 +114,13 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
         raw = yaml.safe_load(text) or {}
         lines = _key_lines(yaml.compose(text))
     except yaml.YAMLError as exc:
-        raise RecipeError(f"{path}: invalid YAML: {exc}") from exc
+        raise RecipeError(_yaml_error(exc, path)) from None
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe is a mapping of keys, got {type(raw).__name__}")
     for override in overrides:
         _apply_override(raw, override)
     raw = _resolve_paths(raw, path.parent)
+    _check_files(raw, path, lines)
     raw["passes"] = _validated_passes(raw.get("passes", []), path, lines)
     try:
         return Recipe.model_validate(raw)
@@ -132,6 +143,16 @@ def _validated_passes(entries: Any, path: Path, lines: dict[tuple, int]) -> Any:
         except ValidationError as exc:
             raise RecipeError(_describe(exc, path, lines, ("passes", index, name))) from None
     return steps
+
+
+def _yaml_error(exc: yaml.YAMLError, path: Path) -> str:
+    """`file:line:column: invalid YAML: what, and where the construct it broke began`."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    began = f" ({context} from line {start.line + 1})" if context and start else ""
+    return f"{where}: invalid YAML: {problem}{began}"
 
 
 def _check_pass_names(entries: Any, path: Path, lines: dict[tuple, int]) -> None:
@@ -164,8 +185,12 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
         node[leaf] = parsed
 
 
+FILE_KEYS = (("calibration", "text"), ("quality", "eval_text"))  # text files a recipe names
+
+
 def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
-    """Relative file paths in a recipe are relative to the recipe's directory."""
+    """Relative file paths in a recipe are relative to the recipe's directory (else to the
+    current one, as `--set` values typed at a prompt are)."""
     def resolve(value: Any) -> Any:
         if isinstance(value, str) and value and not Path(value).is_absolute():
             candidate = base / value
@@ -175,12 +200,23 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
     raw = dict(raw)
     if "model" in raw:
         raw["model"] = resolve(raw["model"])
-    for section, key in (("calibration", "text"), ("quality", "eval_text")):
+    for section, key in FILE_KEYS:
         if isinstance(raw.get(section), dict) and key in raw[section]:
             raw[section] = {**raw[section], key: resolve(raw[section][key])}
     if isinstance(raw.get("passes"), list):  # the path keys the registry names, too
         raw["passes"] = [_resolve_pass_paths(entry, resolve) for entry in raw["passes"]]
     return raw
+
+
+def _check_files(raw: dict[str, Any], path: Path, lines: dict[tuple, int]) -> None:
+    """Every text file the recipe names exists: found now, not after minutes of work."""
+    for section, key in FILE_KEYS:
+        value = raw.get(section, {}).get(key) if isinstance(raw.get(section), dict) else None
+        if isinstance(value, str) and not Path(value).expanduser().is_file():
+            line = lines.get((section, key))
+            where = f"{path}:{line}" if line else str(path)
+            raise RecipeError(f"{where}: {section}.{key}: file not found: {value} (relative "
+                              f"paths are looked up beside the recipe, in {path.parent})")
 
 
 def _resolve_pass_paths(entry: Any, resolve: Any) -> Any:

@@ -78,15 +78,17 @@ class PassContext:
     _probe: QualityProbe | None = None
 
     def quality_probe(self, ir: ModelIR) -> QualityProbe | None:
-        """Held-out windows to measure a pass's cost on; None without `quality.eval_text`."""
+        """Held-out windows to measure a pass's cost on: `quality.eval_text`, else the tail
+        of `calibration.text`; None with neither, or with `quality.measure: false`."""
         from llmopt.compiler.quality import QualityProbe
 
-        quality = self.recipe.quality
-        if quality.eval_text is None:
+        quality, text = self.recipe.quality, self.recipe.quality_text()
+        if text is None or not quality.measure:
             return None
         if self._probe is None:
-            self._probe = QualityProbe.from_text(ir, quality.eval_text, quality.eval_windows,
-                                                 quality.eval_seq_len)
+            self._probe = QualityProbe.from_text(ir, text, quality.eval_windows,
+                                                 quality.eval_seq_len,
+                                                 tail=quality.eval_text is None)
         return self._probe
 
 

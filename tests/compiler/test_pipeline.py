@@ -67,3 +67,30 @@ def test_the_quality_budget_fails_a_pass_that_costs_more():
     check_budget("rtn", report, 6.0, lambda _: None)  # at the budget: allowed
     with pytest.raises(QualityBudgetError, match="pass 'rtn' raised perplexity by 6.00 %"):
         check_budget("rtn", report, 5.0, lambda _: None)
+
+
+def test_a_folder_that_is_not_an_artifact_is_refused_before_loading(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep")
+    recipe = Recipe(model=str(tmp_path / "never-loaded"))
+    with pytest.raises(FileExistsError, match="is not an llmopt artifact"):
+        compile_recipe(recipe, out, log=lambda _: None)
+
+
+def test_without_eval_text_the_calibration_texts_tail_is_measured(tiny_checkpoints,
+                                                                  word_text):
+    ir = load_checkpoint(str(tiny_checkpoints["llama"]))
+    recipe = Recipe(model="m", passes=[{"rtn": {"bits": 4, "group_size": 32}}],
+                    calibration={"text": str(word_text)},
+                    quality={"eval_windows": 2, "eval_seq_len": 64})
+    context = PassContext(recipe, lambda _: None)
+    _, (report,) = apply_passes(ir, recipe.passes, context)
+    every = ir.text_token_ids(word_text)
+    last = (len(every) // 64) * 64
+    assert context.quality_probe(ir).windows[-1] == every[last - 64 : last]
+    assert report["quality"]["tokens"] == 2 * 63
+    off = recipe.model_copy(update={"quality": recipe.quality.model_copy(
+        update={"measure": False})})
+    _, (report,) = apply_passes(ir, off.passes, PassContext(off, lambda _: None))
+    assert report["quality"] is None

@@ -64,3 +64,26 @@ def test_overrides_apply_before_validation(tmp_path):
 
 def test_the_runtime_section_is_the_manifests_type():
     assert isinstance(Recipe(model="m").runtime, RuntimeDefaults)
+
+
+def test_a_missing_text_file_is_named_at_load(tmp_path):
+    path = write(tmp_path, "model: m\ncalibration:\n  text: does-not-exist.txt\n")
+    with pytest.raises(RecipeError, match=r"recipe.yaml:3: calibration.text: file not found: "
+                                          r"does-not-exist.txt \(relative paths are looked up "
+                                          r"beside the recipe"):
+        load_recipe(path)
+
+
+def test_invalid_yaml_keeps_its_position(tmp_path):
+    with pytest.raises(RecipeError, match=r"recipe.yaml:3:1: invalid YAML: expected ',' or "
+                                          r"'\]'.*\(while parsing a flow sequence from line 2"):
+        load_recipe(write(tmp_path, "model: m\npasses: [unclosed\n"))
+
+
+def test_a_budget_measures_on_the_calibration_texts_tail(tmp_path):
+    (tmp_path / "calib.txt").write_text("words " * 10)
+    recipe = load_recipe(write(tmp_path, (
+        "model: m\ncalibration: {text: calib.txt}\nquality: {max_ppl_increase_pct: 5}\n")))
+    assert recipe.quality_text() == str(tmp_path / "calib.txt")
+    with pytest.raises(RecipeError, match="needs quality.eval_text or calibration.text"):
+        load_recipe(write(tmp_path, "model: m\nquality: {max_ppl_increase_pct: 5}\n"))
