@@ -128,8 +128,9 @@ class ModelIR:
 
     def text_token_ids(self, text_file: str | Path) -> list[int]:
         """A UTF-8 text file's token ids without special tokens (the perplexity protocol)."""
-        text = Path(text_file).read_text(encoding="utf-8")
-        return self.text_tokenizer().encode(text, add_special_tokens=False).ids
+        from llmopt.runtime.evaluate import read_text
+
+        return self.text_tokenizer().encode(read_text(text_file), add_special_tokens=False).ids
 
     def copy(self) -> ModelIR:
         """A new IR sharing tensors: passes rewrite the copy and leave their input intact."""

@@ -37,7 +37,59 @@ def _one_line_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-@click.group()
+class ThreadCount(click.ParamType):
+    """Intra-op threads: 1 up to this machine's cores (more only spin against each other)."""
+
+    name = "threads"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        count = click.INT.convert(value, param, ctx)
+        cores = os.cpu_count() or 1
+        if not 1 <= count <= cores:
+            self.fail(f"{count} is not between 1 and this machine's {cores} cores", param, ctx)
+        return count
+
+
+class PositiveIntList(click.ParamType):
+    """Comma-separated positive integers, e.g. batch sizes `1,8`."""
+
+    name = "N,N,..."
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> list[int]:
+        if isinstance(value, list):
+            return value
+        try:
+            numbers = [int(part) for part in str(value).split(",") if part.strip()]
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of integers", param, ctx)
+        if not numbers or min(numbers) < 1:
+            self.fail(f"{value!r} needs one or more integers >= 1", param, ctx)
+        return numbers
+
+
+POSITIVE = click.IntRange(min=1)
+THREADS = click.option("--threads", type=ThreadCount(), default=None,
+                       help="ONNX Runtime intra-op threads (default: all cores).")
+
+
+class _OneLineUsageError(click.ClickException):
+    """A bad argument or option, said in one line like every other error."""
+
+    exit_code = 2
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+class _Commands(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:  # parsing a subcommand's arguments
+            raise _OneLineUsageError(exc.format_message()) from None
+
+
+@click.group(cls=_Commands)
 @click.version_option(package_name="llmopt")
 def main() -> None:
     """Ahead-of-time LLM optimization compiler and paged, continuously batched runtime."""
@@ -83,7 +135,8 @@ def export_hf_command(recipe: Path, out: Path, fmt: str, overrides: tuple[str, .
 
 @main.command("inspect")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--pool-mib", type=float, default=1024.0, show_default=True,
+@click.option("--pool-mib", type=click.FloatRange(min=0, min_open=True), default=1024.0,
+              show_default=True,
               help="KV pool size for the 'tokens that fit' line.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @_one_line_errors
@@ -100,9 +153,9 @@ def _speculation_options(command: Callable[..., Any]) -> Callable[..., Any]:
     options = [
         click.option("--speculative/--no-speculative", default=True, show_default=True,
                      help="Use the artifact's draft (when it has one)."),
-        click.option("--gamma", type=int, default=None,
+        click.option("--gamma", type=click.IntRange(min=0), default=None,
                      help="Draft tokens per step (default: the compiler's choice)."),
-        click.option("--spec-max-batch", type=int, default=None,
+        click.option("--spec-max-batch", type=POSITIVE, default=None,
                      help="Speculate only while at most this many sequences run "
                           "(default: the compiler's measured limit)."),
         click.option("--drafts", type=click.Choice(["all", "ngram", "model"]), default="all",
@@ -123,17 +176,20 @@ def _speculation_kwargs(speculative: bool, gamma: int | None, spec_max_batch: in
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.argument("prompts", nargs=-1, required=True)
 @click.option("--chat", is_flag=True, help="Wrap each prompt in the chat template.")
-@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option("--max-tokens", type=POSITIVE, default=128, show_default=True,
+              help="Most new tokens per prompt.")
 @click.option("--temperature", type=float, default=None, help="0 = greedy (the default).")
-@click.option("--top-p", type=float, default=None)
-@click.option("--top-k", type=int, default=None)
-@click.option("--min-p", type=float, default=None)
-@click.option("--repetition-penalty", type=float, default=None)
-@click.option("--seed", type=int, default=None)
+@click.option("--top-p", type=float, default=None, help="Nucleus sampling mass, in (0, 1].")
+@click.option("--top-k", type=int, default=None, help="Sample among the k likeliest (0: off).")
+@click.option("--min-p", type=float, default=None,
+              help="Drop tokens below this fraction of the likeliest's probability.")
+@click.option("--repetition-penalty", type=float, default=None,
+              help="> 1 discourages tokens already seen.")
+@click.option("--seed", type=int, default=None, help="Sampling seed (reproducible output).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
-@click.option("--num-blocks", type=int, default=None, help="KV pool size in blocks.")
-@click.option("--max-context", type=int, default=None, help="Longest sequence, in tokens.")
+@THREADS
+@click.option("--num-blocks", type=POSITIVE, default=None, help="KV pool size in blocks.")
+@click.option("--max-context", type=POSITIVE, default=None, help="Longest sequence, in tokens.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt and line.")
 @_speculation_options
 @_one_line_errors
@@ -146,13 +202,13 @@ def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_t
     """Generate a continuation of each PROMPT, batched together."""
     from llmopt.runtime import LLM, SamplingParams
 
-    llm = LLM(artifact, num_threads=threads, num_blocks=num_blocks, max_context=max_context,
-              **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))
     chosen = {"temperature": temperature if temperature is not None else 0.0, "top_p": top_p,
               "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty,
               "seed": seed}
-    params = SamplingParams(max_tokens=max_tokens, stop=list(stop),
+    params = SamplingParams(max_tokens=max_tokens, stop=list(stop),  # checked before loading
                             **{k: v for k, v in chosen.items() if v is not None})
+    llm = LLM(artifact, num_threads=threads, num_blocks=num_blocks, max_context=max_context,
+              **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))
     for output in llm.generate(list(prompts), params, chat=chat):
         if as_json:
             record = {"prompt": output.prompt, "text": output.text,
@@ -169,11 +225,15 @@ def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_t
 
 @main.command("eval")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--text", "text_file", required=True, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--windows", type=int, default=64, show_default=True)
-@click.option("--seq-len", type=int, default=512, show_default=True)
-@click.option("--threads", type=int, default=None)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--text", "text_file", required=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="UTF-8 text to score (the protocol: tokenized once without BOS).")
+@click.option("--windows", type=POSITIVE, default=64, show_default=True,
+              help="Non-overlapping windows scored (the first N).")
+@click.option("--seq-len", type=POSITIVE, default=512, show_default=True,
+              help="Tokens per window.")
+@THREADS
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @_one_line_errors
 def eval_command(artifact: Path, text_file: Path, windows: int, seq_len: int,
                  threads: int | None, as_json: bool) -> None:
@@ -192,14 +252,17 @@ def eval_command(artifact: Path, text_file: Path, windows: int, seq_len: int,
 
 @main.command("bench")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--batch", default="1,8", show_default=True, help="Comma-separated batch sizes.")
-@click.option("--prompt-len", type=int, default=128, show_default=True)
-@click.option("--gen-len", type=int, default=128, show_default=True)
-@click.option("--threads", type=int, default=None)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--batch", "batches", type=PositiveIntList(), default="1,8", show_default=True,
+              help="Comma-separated batch sizes.")
+@click.option("--prompt-len", type=POSITIVE, default=128, show_default=True,
+              help="Prompt tokens per sequence.")
+@click.option("--gen-len", type=POSITIVE, default=128, show_default=True,
+              help="New tokens per sequence.")
+@THREADS
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per batch size.")
 @_speculation_options
 @_one_line_errors
-def bench_command(artifact: Path, batch: str, prompt_len: int, gen_len: int,
+def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: int,
                   threads: int | None, as_json: bool, speculative: bool, gamma: int | None,
                   spec_max_batch: int | None, drafts: str) -> None:
     """TTFT, decode tok/s per stream, aggregate tok/s, peak RSS (random-token prompts;
@@ -207,7 +270,6 @@ def bench_command(artifact: Path, batch: str, prompt_len: int, gen_len: int,
     from llmopt.runtime import LLM
     from llmopt.runtime.bench import run_bench
 
-    batches = [int(b) for b in batch.split(",") if b.strip()]
     llm = LLM(artifact, num_threads=threads, max_num_seqs=max(batches),
               max_context=prompt_len + gen_len + 1,
               **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))

@@ -46,9 +46,18 @@ def windows_of(token_ids: Sequence[int], seq_len: int, windows: int | None = Non
     return [list(token_ids[i * seq_len:(i + 1) * seq_len]) for i in range(count)]
 
 
+def read_text(text_file: str | Path) -> str:
+    """A UTF-8 text file's contents; a clear error for anything else."""
+    try:
+        return Path(text_file).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{text_file} is not UTF-8 text (byte {exc.start} cannot be "
+                         "decoded)") from None
+
+
 def perplexity(llm: LLM, text_file: str | Path, windows: int = 64,
                seq_len: int = 512) -> PerplexityResult:
-    text = Path(text_file).read_text(encoding="utf-8")
+    text = read_text(text_file)
     token_ids = llm.tokenizer.encode(text, add_bos=False)
     started = time.perf_counter()
     chunks = windows_of(token_ids, seq_len, windows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -30,7 +31,8 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
-        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _check(0 <= self.temperature < math.inf,
+               f"temperature must be >= 0 and finite, got {self.temperature}")
         _check(self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")

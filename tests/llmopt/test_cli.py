@@ -146,3 +146,30 @@ def test_prompt_longer_than_the_context(artifact):
 def test_zero_size_pool(artifact):
     code, _, err = run("generate", artifact, "hi", "--num-blocks", "0")
     assert_one_line_error(code, err, "block")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["eval", "{a}", "--text", "{t}", "--windows", "0"], "0 is not in the range x>=1"),
+    (["eval", "{a}", "--text", "{t}", "--seq-len", "0"], "0 is not in the range x>=1"),
+    (["eval", "{a}", "--text", "/nonexistent"], "'/nonexistent' does not exist"),
+    (["bench", "{a}", "--batch", "abc"], "'abc' is not a comma-separated list of integers"),
+    (["bench", "{a}", "--batch", "0"], "'0' needs one or more integers >= 1"),
+    (["generate", "{a}", "hi", "--threads", "0"], "0 is not between 1 and this machine's"),
+    (["generate", "{a}", "hi", "--threads", "1000"], "1000 is not between 1 and this machine's"),
+    (["generate", "{a}", "hi", "--max-context", "0"], "0 is not in the range x>=1"),
+    (["generate", "{a}", "hi", "--temperature", "inf"], "temperature must be >= 0 and finite"),
+    (["inspect", "{a}", "--pool-mib", "-1"], "-1.0 is not in the range x>0"),
+])
+def test_bad_numbers_are_named_before_the_model_loads(artifact, word_text, args, message):
+    argv = [a.format(a=artifact, t=word_text) for a in args]
+    result = CliRunner().invoke(main, argv)
+    assert result.exit_code != 0
+    assert message in result.output
+
+
+def test_a_binary_text_file_is_named(artifact, tmp_path):
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    result = CliRunner().invoke(main, ["eval", str(artifact), "--text", str(binary)])
+    assert result.exit_code == 1
+    assert f"error: {binary} is not UTF-8 text (byte 0 cannot be decoded)" in result.output
