@@ -40,8 +40,9 @@ def export_hf(ir: ModelIR, out: Path, fmt: str = "compressed-tensors") -> None:
         raise ValueError("export needs an IR loaded from a Hugging Face config")
     tensors, modules = hf_tensors(ir, fmt)
     config = {**ir.annotations["hf_config"], "dtype": "float32"}
-    config.pop("torch_dtype", None)
-    config.pop("quantization_config", None)
+    for build_only in ("torch_dtype", "quantization_config", "_name_or_path"):
+        config.pop(build_only, None)  # _name_or_path: a path on the build machine
+    config["architectures"] = config.get("architectures") or [_causal_lm_class(config)]
     if "lm_head" in ir.quantized and ir.arch.tie_word_embeddings:
         config["tie_word_embeddings"] = False  # embed_tokens holds the dequantized head
     if modules:
@@ -54,6 +55,8 @@ def export_hf(ir: ModelIR, out: Path, fmt: str = "compressed-tensors") -> None:
         _write_json(staging / "config.json", config)
         _write_json(staging / "generation_config.json", _generation_config(ir))
         _write_tokenizer(ir, staging)
+        for file in staging.iterdir():
+            file.chmod(0o644)  # a checkpoint is meant to be shared, whatever wrote it
 
 
 def export_recipe(recipe: Recipe, out: Path, fmt: str,
@@ -70,6 +73,13 @@ def export_recipe(recipe: Recipe, out: Path, fmt: str,
     ir, _ = run_passes(ir, recipe, log)
     log(f"[3/3] writing a {fmt} Hugging Face checkpoint to {out}")
     export_hf(ir, out, fmt)
+
+
+def _causal_lm_class(config: dict[str, Any]) -> str:
+    """transformers' causal-LM class for the config (vLLM dispatches on `architectures`)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]
 
 
 def check_format(fmt: str) -> None:
