@@ -123,7 +123,9 @@ def _speculation_kwargs(speculative: bool, gamma: int | None, spec_max_batch: in
 @click.argument("prompts", nargs=-1, required=True)
 @click.option("--chat", is_flag=True, help="Wrap each prompt in the chat template.")
 @click.option("--max-tokens", type=int, default=128, show_default=True)
-@click.option("--temperature", type=float, default=None, help="0 = greedy (the default).")
+@click.option("--temperature", type=float, default=None,
+              help="0 = greedy. Unset sampling options take the checkpoint's generation "
+                   "config (greedy without one).")
 @click.option("--top-p", type=float, default=None)
 @click.option("--top-k", type=int, default=None)
 @click.option("--min-p", type=float, default=None)
@@ -147,16 +149,17 @@ def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_t
 
     llm = LLM(artifact, num_threads=threads, num_blocks=num_blocks, max_context=max_context,
               **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))
-    chosen = {"temperature": temperature if temperature is not None else 0.0, "top_p": top_p,
-              "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty,
-              "seed": seed}
-    params = SamplingParams(max_tokens=max_tokens, stop=list(stop),
-                            **{k: v for k, v in chosen.items() if v is not None})
+    chosen = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+              "repetition_penalty": repetition_penalty, "seed": seed}
+    params = SamplingParams.from_generation_config(  # the manifest's: transformers' defaults
+        llm.manifest.generation, max_tokens=max_tokens, stop=list(stop),
+        **{k: v for k, v in chosen.items() if v is not None})
     for output in llm.generate(list(prompts), params, chat=chat):
         if as_json:
             record = {"prompt": output.prompt, "text": output.text,
                       "token_ids": output.token_ids, "finish_reason": output.finish_reason,
                       "prompt_tokens": len(output.prompt_token_ids),
+                      "prompt_token_ids": output.prompt_token_ids,
                       "ttft_ms": round(1000 * (output.metrics.ttft or 0.0), 3)}
             speculation = output.metrics.speculation
             if speculation is not None and speculation.num_spec_steps:

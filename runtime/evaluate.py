@@ -42,7 +42,7 @@ def windows_of(token_ids: list[int], seq_len: int, windows: int) -> list[list[in
 def perplexity(llm: LLM, text_file: str | Path, windows: int = 64,
                seq_len: int = 512) -> PerplexityResult:
     text = Path(text_file).read_text(encoding="utf-8")
-    token_ids = llm.tokenizer.encode(text, add_bos=False)
+    token_ids = llm.tokenizer.encode(text, add_bos=False, add_eos=False)  # plain text
     started = time.perf_counter()
     chunks = windows_of(token_ids, seq_len, windows)
     nll_sum, count = 0.0, 0
