@@ -33,8 +33,7 @@ def check_tokenizer(hf: Any, tokenizer_json: str, spec: Any) -> dict[str, Any]:
     from llmopt.runtime.tokenizer import Tokenizer
 
     runtime = Tokenizer(tokenizers.Tokenizer.from_str(tokenizer_json), spec)
-    # Special tokens inside text must stay whole in both (added-token matching).
-    text = " ".join([PROBE_TEXT, *hf.all_special_tokens])
+    text = " ".join([PROBE_TEXT, *_added_tokens(hf)])
     expected = hf(text)["input_ids"]
     _compare_ids("the probe text", expected, runtime.encode(text), hf)
     _compare_text("decoding the probe text", hf.decode(expected, skip_special_tokens=True),
@@ -43,6 +42,15 @@ def check_tokenizer(hf: Any, tokenizer_json: str, spec: Any) -> dict[str, Any]:
     if spec.chat_template:
         report["chat_tokens"] = _check_chat(hf, runtime)
     return report
+
+
+def _added_tokens(hf: Any, most: int = 64) -> list[str]:
+    """Special tokens, then up to `most` other added ones (Qwen3's <think>): inside text
+    they must stay whole, with the same stripping of spaces around them, in both."""
+    special = set(hf.all_special_tokens)
+    others = [t.content for _, t in sorted(hf.added_tokens_decoder.items())
+              if t.content not in special]
+    return [*hf.all_special_tokens, *others[:most]]
 
 
 def _check_chat(hf: Any, runtime: Any) -> int | str:

@@ -41,7 +41,7 @@ class TokenizerSpec(BaseModel):
         bos = f"adds BOS {self.bos_token!r} ({self.bos_token_id})" if self.add_bos_token else (
             "adds no BOS")
         eos = f"adds EOS {self.eos_token!r} ({self.eos_token_id})" if self.add_eos_token else (
-            "no EOS")
+            "adds no EOS")
         parts = [bos, eos, "chat template" if self.chat_template else "no chat template"]
         check = self.self_check
         if check:

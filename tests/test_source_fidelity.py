@@ -154,3 +154,18 @@ def test_unreproducible_tokenizer_is_a_one_line_error(family_checkpoints, tmp_pa
     assert lines[0].startswith("error: the source tokenizer adds ['<|begin_of_text|>', "
                                "'<|begin_of_text|>'] before")
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_samples_with_the_checkpoints_defaults(artifacts):
+    """Qwen2's generation config samples (temperature 0.7, top-k 20, top-p 0.8, repetition
+    penalty 1.05): `llmopt generate` without sampling options does exactly that."""
+    artifact = artifacts["qwen2", "hf"]
+    llm = LLM(artifact, num_threads=1)
+    seeded = replace(llm.default_params, max_tokens=12, seed=3)
+    assert (seeded.temperature, seeded.top_k, seeded.top_p) == (0.7, 20, 0.8)
+    expected = llm.generate([PROMPT], seeded)[0].token_ids
+    greedy = llm.generate([PROMPT], replace(seeded, temperature=0.0))[0].token_ids
+    result = CliRunner().invoke(main, ["generate", str(artifact), PROMPT, "--max-tokens", "12",
+                                       "--seed", "3", "--threads", "1", "--json"])
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["token_ids"] == expected != greedy
