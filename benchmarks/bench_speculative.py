@@ -239,17 +239,15 @@ def step_costs(llm, gamma: int, context: int = 128, repeats: int = 15) -> dict[s
     """Median ms of the target's step with q = 1..γ+1 query tokens and of the draft's
     one-token step, batch 1, on a `context`-token sequence; and the ratios that decide
     whether speculation can pay."""
-    from llmopt.runtime.step_batch import StepBatch
+    from llmopt.runtime.step_batch import SequenceStep, StepBatch, make_step_batch
 
     engine = llm.engine
     block_size = engine.config.block_size
     blocks = list(range(1, (context + gamma + 1) // block_size + 2))
 
     def batch(q: int) -> StepBatch:
-        positions = np.arange(context, context + q)
-        slots = np.asarray(blocks)[positions // block_size] * block_size + positions % block_size
-        return StepBatch([[100 + i for i in range(q)]], [context], [blocks],
-                         slots.astype(np.int64), np.arange(q, dtype=np.int64))
+        sequence = SequenceStep([100 + i for i in range(q)], context, blocks, range(q))
+        return make_step_batch([sequence], block_size)
 
     def median_ms(executor, q: int) -> float:
         executor.execute(batch(q))
@@ -261,7 +259,7 @@ def step_costs(llm, gamma: int, context: int = 128, repeats: int = 15) -> dict[s
         return statistics.median(times)
 
     target = {q: median_ms(engine.executor, q) for q in range(1, gamma + 2)}
-    drafter = engine.drafter
+    drafter = engine.speculator.drafter
     model = getattr(drafter, "second", drafter)
     draft_ms = median_ms(model.executor, 1) if hasattr(model, "executor") else 0.0
     return {

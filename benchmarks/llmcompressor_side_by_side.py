@@ -3,7 +3,7 @@ with the same calibration samples and the same perplexity protocol.
 
 1. `prepare` (this python): dequantizes the package's Q4_1 GGUF once with transformers and
    saves it as an fp32 Hugging Face directory (llm-compressor needs one); dumps the
-   calibration windows llmopt's passes use (`passes.calibration.calibration_windows` over
+   calibration windows llmopt's passes use (`compiler.calibration.calibration_windows` over
    WikiText-2 valid, 128 x 512 tokens; the first N rows are what `samples: N` gives) and
    the shared protocol's evaluation windows (WikiText-2 test, first 64 x 512, no BOS) as .npy.
 2. `llmc` runs (a separate virtual environment with llm-compressor, `--venv`): a worker
@@ -71,8 +71,7 @@ def prepare(out_dir: Path) -> dict[str, Path]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from llmopt.compiler.loader import resolve_checkpoint
-    from llmopt.compiler.recipe import CalibrationConfig
-    from llmopt.passes.calibration import calibration_windows
+    from llmopt.runtime.evaluate import windows_of
 
     out_dir.mkdir(parents=True, exist_ok=True)
     ref = resolve_checkpoint(MODEL)
@@ -83,12 +82,12 @@ def prepare(out_dir: Path) -> dict[str, Path]:
     # Exactly what the loader stores in the IR and what the passes tokenize with.
     tokenizer_json = tokenizer.backend_tokenizer.to_str()
 
-    class _TokenizerOnly:  # calibration_windows reads nothing else from the IR
-        tokenizer_files = {"tokenizer.json": tokenizer_json.encode()}
-
-    calib = calibration_windows(_TokenizerOnly(), CalibrationConfig(
-        text=str(DATA / "wikitext2-valid.tokens.txt"), samples=CALIB_SAMPLES, seq_len=SEQ_LEN))
-    np.save(paths["calib"], calib.numpy())
+    # What `compiler.calibration.calibration_windows` cuts from the IR's tokenizer.
+    calib_ids = Tokenizer.from_str(tokenizer_json).encode(
+        (DATA / "wikitext2-valid.tokens.txt").read_text(encoding="utf-8"),
+        add_special_tokens=False).ids
+    calib = windows_of(calib_ids, SEQ_LEN, CALIB_SAMPLES, minimum=CALIB_SAMPLES)
+    np.save(paths["calib"], np.array(calib, dtype=np.int64))
     ids = Tokenizer.from_str(tokenizer_json).encode(
         (DATA / "wikitext2-test.raw.txt").read_text(encoding="utf-8"),
         add_special_tokens=False).ids

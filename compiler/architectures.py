@@ -83,6 +83,28 @@ FAMILIES: dict[str, ArchFamily] = {
 # IR names of RMSNorm weights (per layer, and the final norm): where norm_offset applies.
 NORM_NAMES = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm", "q_norm", "k_norm")
 
+
+def is_norm(name: str) -> bool:
+    """Is this IR weight a norm's (Gemma stores those as an offset from 1)?"""
+    return name == "final_norm" or name.rsplit(".", 1)[-1] in NORM_NAMES
+
+# GGUF tensor names (llama.cpp's converter): GGUF linear -> IR linear, per layer.
+GGUF_LAYER_LINEARS = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
+                      "attn_output": "o_proj", "ffn_gate": "gate_proj", "ffn_up": "up_proj",
+                      "ffn_down": "down_proj"}
+# llama.cpp's converter interleaves the rotary halves of Q and K rows for these
+# `general.architecture`s; transformers' GGUF loader undoes it (LlamaTensorProcessor).
+GGUF_PERMUTED_QK = {"llama"}
+
+
+def gguf_names(num_layers: int, tied: bool) -> dict[str, str]:
+    """IR linear name -> GGUF tensor name (the tied LM head is the token embedding)."""
+    names = {f"layers.{i}.{ir}": f"blk.{i}.{g}.weight"
+             for i in range(num_layers) for g, ir in GGUF_LAYER_LINEARS.items()}
+    names["lm_head"] = "token_embd.weight" if tied else "output.weight"
+    return names
+
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 

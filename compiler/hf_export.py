@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from llmopt.compiler.architectures import GLOBAL_NAMES, NORM_NAMES, ArchFamily, family_for
+from llmopt.compiler.architectures import GLOBAL_NAMES, ArchFamily, family_for, is_norm
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.quant_format import QuantizedLinear
 from llmopt.compiler.quantized_checkpoints import to_awq, to_compressed, to_gptq
@@ -81,7 +81,7 @@ def check_groups_fit(ir: ModelIR, recipe: Recipe) -> None:
     """Every format stores whole groups only: refuse before a pass spends minutes."""
     widths = {ir.arch.hidden_size, ir.arch.intermediate_size}
     widths |= {layer.num_heads * layer.head_dim for layer in ir.arch.layers}
-    for name, config in recipe.pass_configs():
+    for name, config in recipe.passes:
         group_size = getattr(config, "group_size", None)
         if group_size and any(w % group_size for w in widths):
             raise ValueError(
@@ -105,7 +105,7 @@ def hf_tensors(ir: ModelIR, fmt: str) -> tuple[dict[str, torch.Tensor],
     for name, tensor in ir.weights.items():
         if name.removesuffix(".weight") in ir.quantized:
             continue  # `embed_tokens` stays float even when the (tied) head is quantized
-        if family.norm_offset and _is_norm(name):
+        if family.norm_offset and is_norm(name):
             tensor = tensor - family.norm_offset  # Gemma stores w, multiplies by 1 + w
         tensors[_hf_name(name, family)] = tensor.float().contiguous()
     return tensors, modules
@@ -160,10 +160,6 @@ def _hf_name(name: str, family: ArchFamily) -> str:
         if ir == rest:
             return f"model.layers.{index}.{hf}"
     raise ValueError(f"IR weight {name!r} has no Hugging Face name")
-
-
-def _is_norm(name: str) -> bool:
-    return name == "final_norm" or name.rsplit(".", 1)[-1] in NORM_NAMES
 
 
 def _float_linears(ir: ModelIR) -> list[str]:

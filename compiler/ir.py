@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -36,6 +37,9 @@ from llmopt.runtime.tokenizer_spec import TokenizerSpec
 
 Activation = Literal["silu", "gelu_tanh"]
 KV_DTYPES = ("float32", "float16")
+
+if TYPE_CHECKING:
+    import tokenizers
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,17 @@ class ModelIR:
     @property
     def add_bos_token(self) -> bool:
         return self.tokenizer_spec.add_bos_token if self.tokenizer_spec else False
+
+    def text_tokenizer(self) -> tokenizers.Tokenizer:
+        """The source's tokenizer, as the artifact ships it (`tokenizer.json`)."""
+        import tokenizers
+
+        return tokenizers.Tokenizer.from_str(self.tokenizer_files["tokenizer.json"].decode())
+
+    def text_token_ids(self, text_file: str | Path) -> list[int]:
+        """A UTF-8 text file's token ids without special tokens (the perplexity protocol)."""
+        text = Path(text_file).read_text(encoding="utf-8")
+        return self.text_tokenizer().encode(text, add_special_tokens=False).ids
 
     def copy(self) -> ModelIR:
         """A new IR sharing tensors: passes rewrite the copy and leave their input intact."""

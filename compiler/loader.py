@@ -15,11 +15,11 @@ from llmopt.compiler.architectures import (
     ACTIVATIONS,
     FAMILIES,
     GLOBAL_NAMES,
-    NORM_NAMES,
     SUPPORTED_ROPE_TYPES,
     ArchFamily,
     UnsupportedModelError,
     family_for,
+    is_norm,
 )
 from llmopt.compiler.ir import ArchSpec, LayerSpec, ModelIR, RopeSpec
 from llmopt.compiler.quant_format import QuantizedLinear
@@ -213,7 +213,7 @@ def map_weights(
         if name == "lm_head.weight" and arch.tie_word_embeddings:
             continue
         tensor = tensor.detach().to(torch.float32).contiguous()
-        if family.norm_offset and _is_norm(name):
+        if family.norm_offset and is_norm(name):
             tensor = tensor + family.norm_offset
         weights[name] = tensor
     return weights
@@ -226,10 +226,6 @@ def _ir_name(hf_name: str, family: ArchFamily) -> str:
     if match and match.group(2) in family.layer_names:
         return f"layers.{match.group(1)}.{family.layer_names[match.group(2)]}"
     raise UnsupportedModelError(f"unsupported checkpoint tensor {hf_name!r}")
-
-
-def _is_norm(name: str) -> bool:
-    return name == "final_norm" or name.rsplit(".", 1)[-1] in NORM_NAMES
 
 
 def _check_unsupported(config: Any, family: ArchFamily) -> None:

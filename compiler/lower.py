@@ -9,13 +9,14 @@ shared by every layer with the same window.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 import torch
 from onnx import TensorProto
 
-from llmopt.compiler.ir import LayerSpec, ModelIR
+from llmopt.compiler.ir import ArchSpec, LayerSpec, ModelIR
 from llmopt.compiler.lower_ops import OPERATOR_SETS, StandardOps
 from llmopt.compiler.onnx_graph import MS_DOMAIN, NP_TO_ONNX, GraphBuilder
 from llmopt.compiler.quant_format import (
@@ -27,6 +28,9 @@ from llmopt.compiler.quant_format import (
     split_fractional_zeros,
 )
 from llmopt.runtime import contract as C
+
+if TYPE_CHECKING:
+    from llmopt.compiler.recipe import Recipe
 
 WEIGHT_DTYPES = {"float32": np.float32, "float16": np.float16}
 _NEG_INF = np.float32(-np.inf)
@@ -43,6 +47,18 @@ class LoweringOptions:
     # "matmul_nbits" (ONNX Runtime's int4/int8 kernel) or "dequantize_linear" (standard
     # ONNX; ONNX Runtime fuses it back into MatMulNBits); None: the operator set's choice.
     quantized_matmul: str | None = None
+
+
+def lowering_options(recipe: Recipe, arch: ArchSpec) -> LoweringOptions:
+    """How a recipe's target lowers a model (the target, or its draft)."""
+    return LoweringOptions(
+        operator_set=recipe.target.operator_set,
+        weight_dtype=recipe.target.weight_dtype,
+        max_position=min(arch.max_position, recipe.runtime.max_context),
+        nbits_accuracy_level=recipe.target.nbits_accuracy_level,
+        quantized_matmul=None if recipe.target.quantized_matmul == "auto"
+        else recipe.target.quantized_matmul,
+    )
 
 
 def lower_to_onnx(ir: ModelIR, options: LoweringOptions) -> onnx.ModelProto:

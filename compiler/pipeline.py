@@ -3,43 +3,22 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from llmopt.compiler.artifact import staging_directory, write_artifact
-from llmopt.compiler.ir import ArchSpec, ModelIR
+from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.loader import load_checkpoint
-from llmopt.compiler.lower import LoweringOptions, lower_to_onnx
+from llmopt.compiler.lower import lower_to_onnx, lowering_options
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import spec_summary
-from llmopt.passes.quality import QualityProbe
-from llmopt.passes.registry import PASSES, load_pass
+from llmopt.passes.registry import PassContext, PassStep, check_order, load_pass
 from llmopt.runtime.manifest import Manifest
 
 
 class QualityBudgetError(ValueError):
     """A lossy pass cost more than the recipe's quality budget allows."""
-
-
-@dataclass
-class PassContext:
-    """What a pass may read besides the IR: the recipe's calibration and quality settings."""
-
-    recipe: Recipe
-    log: Callable[[str], None]
-    _probe: QualityProbe | None = None
-
-    def quality_probe(self, ir: ModelIR) -> QualityProbe | None:
-        """Held-out windows to measure a pass's cost on; None without `quality.eval_text`."""
-        quality = self.recipe.quality
-        if quality.eval_text is None:
-            return None
-        if self._probe is None:
-            self._probe = QualityProbe.from_text(ir, quality.eval_text, quality.eval_windows,
-                                                 quality.eval_seq_len)
-        return self._probe
 
 
 def compile_recipe(recipe: Recipe, out: Path, log: Callable[[str], None] = print) -> Manifest:
@@ -71,32 +50,19 @@ def compile_recipe(recipe: Recipe, out: Path, log: Callable[[str], None] = print
     return manifest
 
 
-def lowering_options(recipe: Recipe, arch: ArchSpec) -> LoweringOptions:
-    """How the recipe's target lowers a model (the target, or its draft)."""
-    return LoweringOptions(
-        operator_set=recipe.target.operator_set,
-        weight_dtype=recipe.target.weight_dtype,
-        max_position=min(arch.max_position, recipe.runtime.max_context),
-        nbits_accuracy_level=recipe.target.nbits_accuracy_level,
-        quantized_matmul=None if recipe.target.quantized_matmul == "auto"
-        else recipe.target.quantized_matmul,
-    )
-
-
 def run_passes(
     ir: ModelIR, recipe: Recipe, log: Callable[[str], None]
 ) -> tuple[ModelIR, list[dict[str, Any]]]:
-    configs = recipe.pass_configs()
-    log(f"[2/3] running {len(configs)} pass(es)")
-    return apply_passes(ir, configs, PassContext(recipe=recipe, log=log))
+    log(f"[2/3] running {len(recipe.passes)} pass(es)")
+    return apply_passes(ir, recipe.passes, PassContext(recipe, log, apply_passes))
 
 
 def apply_passes(
-    ir: ModelIR, configs: list[tuple[str, Any]], context: PassContext
+    ir: ModelIR, steps: Sequence[PassStep], context: PassContext
 ) -> tuple[ModelIR, list[dict[str, Any]]]:
-    """Run (name, validated config) passes in order; the draft pass runs its own with this."""
+    """Run validated passes in order (a draft's own passes too, through its context)."""
     reports = []
-    for name, config in configs:
+    for name, config in steps:
         started = time.perf_counter()
         context.log(f"      {name}: {config.model_dump()}")
         result = load_pass(name).run(ir, config, context)
@@ -123,13 +89,5 @@ def check_budget(name: str, report: dict[str, Any], budget: float | None,
 
 
 def check_pass_order(recipe: Recipe) -> None:
-    """Every pass's requirements are provided by a pass before it, checked before work."""
-    provided: set[str] = set()
-    for entry in recipe.passes:
-        (name,) = entry
-        if "draft" in provided:  # it measured acceptance and costs against the final target
-            raise ValueError(f"pass {name!r} comes after 'draft', which must be the last pass")
-        missing = set(PASSES[name].requires) - provided
-        if missing:
-            raise ValueError(f"pass {name!r} needs {sorted(missing)} from an earlier pass")
-        provided |= set(PASSES[name].provides)
+    """The registry's constraints between passes, checked before any work starts."""
+    check_order([step.name for step in recipe.passes])

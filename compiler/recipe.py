@@ -11,11 +11,13 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    field_serializer,
     field_validator,
     model_validator,
 )
 
-from llmopt.passes.registry import PASSES, load_pass
+from llmopt.passes.registry import PASSES, PassStep, known_passes, validate_pass
+from llmopt.runtime.manifest import RuntimeDefaults
 
 
 class RecipeError(ValueError):
@@ -60,41 +62,35 @@ class QualityConfig(_Strict):
         return self
 
 
-class RuntimeConfig(_Strict):
-    block_size: int = Field(16, gt=0)
-    max_context: int = Field(2048, gt=0)
-    max_num_seqs: int = Field(16, gt=0)
-    max_num_batched_tokens: int = Field(512, gt=0)
-    num_blocks: int | None = Field(None, gt=0)  # None: fits max_num_seqs full contexts
-
-
 class Recipe(_Strict):
     model: str
-    passes: list[dict[str, Any]] = Field(default_factory=list)
+    # `- name: {options}` entries, each validated into a PassStep (name, typed Config).
+    passes: list[PassStep] = Field(default_factory=list)
     calibration: CalibrationConfig = CalibrationConfig()
     target: TargetConfig = TargetConfig()
     quality: QualityConfig = QualityConfig()
-    runtime: RuntimeConfig = RuntimeConfig()
+    runtime: RuntimeDefaults = RuntimeDefaults()  # the manifest keeps it as it is
 
-    @field_validator("passes")
+    @field_validator("passes", mode="before")
     @classmethod
-    def _known_passes(cls, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        for entry in entries:
-            if len(entry) != 1:
-                raise ValueError("each pass is a one-key mapping: `- name: {options}`")
-            (name,) = entry
-            if name not in PASSES:
-                known = ", ".join(sorted(PASSES)) or "none yet"
-                raise ValueError(f"unknown pass {name!r} (known: {known})")
-        return entries
+    def _typed_passes(cls, entries: Any) -> list[PassStep]:
+        """Raw `{name: options}` mappings become typed steps; `load_recipe` hands over
+        steps it already validated (with YAML lines in its errors), kept as they are."""
+        if not isinstance(entries, list):
+            raise ValueError("passes is a list of `- name: {options}` entries")
+        return [entry if isinstance(entry, PassStep) else _pass_step(entry)
+                for entry in entries]
 
-    def pass_configs(self) -> list[tuple[str, BaseModel]]:
-        """(name, validated config) for each pass, in recipe order."""
-        configs = []
-        for entry in self.passes:
-            ((name, options),) = entry.items()
-            configs.append((name, load_pass(name).Config.model_validate(options or {})))
-        return configs
+    @field_serializer("passes")
+    def _dump_passes(self, steps: list[PassStep]) -> list[dict[str, Any]]:
+        return [{step.name: step.config.model_dump(mode="json")} for step in steps]
+
+
+def _pass_step(entry: Any) -> PassStep:
+    if not isinstance(entry, dict) or len(entry) != 1:
+        raise ValueError("each pass is a one-key mapping: `- name: {options}`")
+    ((name, options),) = entry.items()
+    return validate_pass(name, options)
 
 
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
@@ -114,18 +110,28 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     for override in overrides:
         _apply_override(raw, override)
     raw = _resolve_paths(raw, path.parent)
-    _check_pass_names(raw.get("passes"), path, lines)
+    raw["passes"] = _validated_passes(raw.get("passes", []), path, lines)
     try:
-        recipe = Recipe.model_validate(raw)
+        return Recipe.model_validate(raw)
     except ValidationError as exc:
         raise RecipeError(_describe(exc, path, lines)) from None
-    for index, entry in enumerate(recipe.passes):
+
+
+def _validated_passes(entries: Any, path: Path, lines: dict[tuple, int]) -> Any:
+    """Each `- name: {options}` as a typed PassStep, errors naming the pass's YAML line;
+    anything not shaped like a pass list is left to the schema's message."""
+    _check_pass_names(entries, path, lines)
+    if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and len(e) == 1 for e in entries):
+        return entries
+    steps = []
+    for index, entry in enumerate(entries):
         ((name, options),) = entry.items()
         try:
-            load_pass(name).Config.model_validate(options or {})
+            steps.append(validate_pass(name, options))
         except ValidationError as exc:
             raise RecipeError(_describe(exc, path, lines, ("passes", index, name))) from None
-    return recipe
+    return steps
 
 
 def _check_pass_names(entries: Any, path: Path, lines: dict[tuple, int]) -> None:
@@ -137,10 +143,9 @@ def _check_pass_names(entries: Any, path: Path, lines: dict[tuple, int]) -> None
             (name,) = entry
             if name not in PASSES:
                 line = lines.get(("passes", index))
-                known = ", ".join(sorted(PASSES)) or "none yet"
                 where = f"{path}:{line}" if line else str(path)
                 raise RecipeError(f"{where}: passes.{index}: unknown pass {name!r} "
-                                  f"(known: {known})")
+                                  f"(known: {known_passes()})")
 
 
 def _apply_override(raw: dict[str, Any], override: str) -> None:
@@ -173,14 +178,19 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
     for section, key in (("calibration", "text"), ("quality", "eval_text")):
         if isinstance(raw.get(section), dict) and key in raw[section]:
             raw[section] = {**raw[section], key: resolve(raw[section][key])}
-    if isinstance(raw.get("passes"), list):  # a draft pass's `model: PATH` too
-        raw["passes"] = [
-            {"draft": {**entry["draft"], "model": resolve(entry["draft"]["model"])}}
-            if isinstance(entry, dict) and isinstance(entry.get("draft"), dict)
-            and "model" in entry["draft"] else entry
-            for entry in raw["passes"]
-        ]
+    if isinstance(raw.get("passes"), list):  # the path keys the registry names, too
+        raw["passes"] = [_resolve_pass_paths(entry, resolve) for entry in raw["passes"]]
     return raw
+
+
+def _resolve_pass_paths(entry: Any, resolve: Any) -> Any:
+    if not (isinstance(entry, dict) and len(entry) == 1):
+        return entry
+    ((name, options),) = entry.items()
+    keys = PASSES[name].path_keys if name in PASSES else ()
+    if not isinstance(options, dict) or not any(k in options for k in keys):
+        return entry
+    return {name: {k: resolve(v) if k in keys else v for k, v in options.items()}}
 
 
 def _key_lines(node: yaml.Node | None, prefix: tuple = ()) -> dict[tuple, int]:
@@ -208,7 +218,9 @@ def _describe(
         line = next((lines[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines), None)
         where = f"{path}:{line}" if line else str(path)
         key = ".".join(map(str, loc)) or "(top level)"
-        reason = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
+        reason = ("unknown key" if error["type"] == "extra_forbidden"
+                  else str(error["ctx"]["error"]) if error["type"] == "value_error"
+                  else error["msg"])
         messages.append(f"{where}: {key}: {reason}")
     return "; ".join(messages)
 

@@ -34,18 +34,18 @@ from typing import Any
 import torch
 from pydantic import Field
 
+from llmopt.compiler.calibration import LayerwiseRunner, calibration_windows
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.quant_format import group_quantize, group_view, quant_params
 from llmopt.compiler.reference import rms_norm
-from llmopt.passes.calibration import LayerwiseRunner, calibration_windows
-from llmopt.passes.registry import PassResult
-from llmopt.passes.rtn import relative_error
-from llmopt.passes.weight_quant import (
+from llmopt.compiler.weight_quant import (
     WeightQuantConfig,
     intra_op_threads,
     quantization_report,
     target_linears,
 )
+from llmopt.passes.registry import PassContext, PassResult
+from llmopt.passes.rtn import relative_error
 
 
 class Config(WeightQuantConfig):
@@ -115,7 +115,7 @@ class InputStats:
         return (self.gram / max(1, self.sampled)).float()
 
 
-def run(ir: ModelIR, config: Config, context: Any) -> PassResult:
+def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     started = time.perf_counter()
     targets = set(target_linears(ir, config))
     windows = calibration_windows(ir, context.recipe.calibration)

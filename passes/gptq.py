@@ -20,24 +20,23 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
 
 import torch
 from pydantic import Field
 
+from llmopt.compiler.calibration import LayerwiseRunner, calibration_windows, observing
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.quant_format import QuantizedLinear, quant_params
 from llmopt.compiler.reference import rms_norm
-from llmopt.passes.calibration import LayerwiseRunner, calibration_windows, observing
-from llmopt.passes.registry import PassResult
-from llmopt.passes.rtn import relative_error
-from llmopt.passes.weight_quant import (
+from llmopt.compiler.weight_quant import (
     WeightQuantConfig,
     float_weight,
     intra_op_threads,
     quantization_report,
     target_linears,
 )
+from llmopt.passes.registry import PassContext, PassResult
+from llmopt.passes.rtn import relative_error
 
 # Linears sharing one input, in the order a decoder layer computes them.
 SEQUENTIAL_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
@@ -67,7 +66,7 @@ class HessianAccumulator:
         return self.sum * (2 / max(1, self.tokens))
 
 
-def run(ir: ModelIR, config: Config, context: Any) -> PassResult:
+def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     started = time.perf_counter()
     targets = set(target_linears(ir, config))
     windows = calibration_windows(ir, context.recipe.calibration)

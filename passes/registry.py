@@ -1,17 +1,32 @@
 """The one registry of passes: recipe keys are exactly these names.
 
 Each entry names the module that holds the pass. A pass module defines a frozen
-pydantic `Config` and `run(ir, config, context) -> PassResult`; it is imported only
+pydantic `Config` (a model, or a tagged union of models) and
+`run(ir, config, context) -> PassResult`; it is imported only
 when a recipe uses it, so heavy dependencies load lazily. An import error is an
 error, never a silent skip.
+
+What passes need of each other is data here, checked on the recipe's list of names
+before any pass runs (`check_order`): the facts a pass requires from earlier passes and
+provides to later ones, facts at most one pass may provide, and passes that must come
+last.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from pydantic import BaseModel, TypeAdapter
+
+if TYPE_CHECKING:
+    from llmopt.compiler.ir import ModelIR
+    from llmopt.compiler.quality import QualityProbe
+    from llmopt.compiler.recipe import Recipe
 
 
 @dataclass(frozen=True)
@@ -19,6 +34,8 @@ class PassEntry:
     module: str  # e.g. "llmopt.passes.rtn"
     requires: tuple[str, ...] = ()  # facts earlier passes must provide
     provides: tuple[str, ...] = ()
+    last: bool = False  # must be the recipe's last pass
+    path_keys: tuple[str, ...] = ()  # config keys holding file paths (resolved by the recipe)
 
 
 PASSES: dict[str, PassEntry] = {
@@ -27,9 +44,20 @@ PASSES: dict[str, PassEntry] = {
     "gguf_weights": PassEntry("llmopt.passes.gguf_weights", provides=("quantized_weights",)),
     "awq": PassEntry("llmopt.passes.awq", provides=("quantized_weights",)),
     "gptq": PassEntry("llmopt.passes.gptq", provides=("quantized_weights",)),
-    # Speculative decoding: pair a draft with the (final) target; must come last.
-    "draft": PassEntry("llmopt.passes.draft", provides=("draft",)),
+    # Speculative decoding: pair a draft with the final target (it measures against it).
+    "draft": PassEntry("llmopt.passes.draft", provides=("draft",), last=True,
+                       path_keys=("model",)),
 }
+
+# Facts that at most one pass of a recipe may provide, and what they mean to a user.
+UNIQUE_FACTS = {"quantized_weights": "weight-quantization", "draft": "draft"}
+
+
+class PassStep(NamedTuple):
+    """One validated entry of a recipe's `passes`."""
+
+    name: str
+    config: BaseModel
 
 
 @dataclass
@@ -38,5 +66,66 @@ class PassResult:
     report: dict[str, Any] = field(default_factory=dict)  # what changed and what it cost
 
 
+@dataclass
+class PassContext:
+    """What a pass may read besides the IR: the recipe, the compile log, held-out text to
+    measure its cost on, and the pipeline's runner for a draft's own passes."""
+
+    recipe: Recipe
+    log: Callable[[str], None]
+    run_passes: Callable[[ModelIR, Sequence[PassStep], PassContext],
+                         tuple[ModelIR, list[dict[str, Any]]]] | None = None
+    _probe: QualityProbe | None = None
+
+    def quality_probe(self, ir: ModelIR) -> QualityProbe | None:
+        """Held-out windows to measure a pass's cost on; None without `quality.eval_text`."""
+        from llmopt.compiler.quality import QualityProbe
+
+        quality = self.recipe.quality
+        if quality.eval_text is None:
+            return None
+        if self._probe is None:
+            self._probe = QualityProbe.from_text(ir, quality.eval_text, quality.eval_windows,
+                                                 quality.eval_seq_len)
+        return self._probe
+
+
 def load_pass(name: str) -> ModuleType:
     return importlib.import_module(PASSES[name].module)
+
+
+def known_passes() -> str:
+    return ", ".join(sorted(PASSES))
+
+
+def validate_pass(name: str, options: Any) -> PassStep:
+    """The typed step for `- name: {options}` (pydantic's ValidationError on bad options)."""
+    if name not in PASSES:
+        raise ValueError(f"unknown pass {name!r} (known: {known_passes()})")
+    return PassStep(name, _config_adapter(name).validate_python(options or {}))
+
+
+@functools.cache
+def _config_adapter(name: str) -> TypeAdapter[Any]:
+    """A pass's `Config`: a model, or a union of models told apart by a tag (draft kinds)."""
+    return TypeAdapter(load_pass(name).Config)
+
+
+def check_order(names: Sequence[str]) -> None:
+    """Every pass's requirements come from a pass before it, a unique fact is provided
+    once, and a `last` pass is last: a one-line error naming both passes otherwise."""
+    provider: dict[str, str] = {}  # fact -> the pass that provided it
+    for index, name in enumerate(names):
+        entry = PASSES[name]
+        earlier_last = next((n for n in names[:index] if PASSES[n].last), None)
+        if earlier_last is not None:
+            raise ValueError(f"pass {name!r} comes after {earlier_last!r}, which must be the "
+                             "last pass")
+        missing = [fact for fact in entry.requires if fact not in provider]
+        if missing:
+            raise ValueError(f"pass {name!r} needs {', '.join(missing)} from an earlier pass")
+        for fact in entry.provides:
+            if fact in UNIQUE_FACTS and fact in provider:
+                raise ValueError(f"passes {provider[fact]!r} and {name!r} are both "
+                                 f"{UNIQUE_FACTS[fact]} passes; a recipe takes one")
+            provider[fact] = name

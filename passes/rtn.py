@@ -7,24 +7,23 @@ Recipe: `- rtn: {bits: 4, group_size: 32, symmetric: false, include_lm_head: fal
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.quant_format import group_quantize
-from llmopt.passes.registry import PassResult
-from llmopt.passes.weight_quant import (
+from llmopt.compiler.weight_quant import (
     WeightQuantConfig,
     float_weight,
     quantization_report,
     target_linears,
 )
+from llmopt.passes.registry import PassContext, PassResult
 
 
 class Config(WeightQuantConfig):
     pass
 
 
-def run(ir: ModelIR, config: Config, context: Any) -> PassResult:
+def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     started = time.perf_counter()
     out = ir.copy()
     errors = {}

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from llmopt.runtime.llm import LLM
+if TYPE_CHECKING:
+    from llmopt.runtime.llm import LLM
 
 
 @dataclass(frozen=True)
@@ -30,13 +33,17 @@ class PerplexityResult:
         return asdict(self)
 
 
-def windows_of(token_ids: list[int], seq_len: int, windows: int) -> list[list[int]]:
+def windows_of(token_ids: Sequence[int], seq_len: int, windows: int | None = None,
+               minimum: int = 1, source: str = "the text") -> list[list[int]]:
+    """The first `windows` (None: all) non-overlapping windows of `seq_len` tokens; at
+    least `minimum` must fit. The one way text becomes model input windows: evaluation,
+    calibration, quality probes and distillation alike."""
     available = len(token_ids) // seq_len
-    if available == 0:
-        raise ValueError(f"the text has {len(token_ids)} tokens, fewer than one window of "
-                         f"{seq_len}")
-    count = min(windows, available)
-    return [token_ids[i * seq_len:(i + 1) * seq_len] for i in range(count)]
+    if available < minimum:
+        raise ValueError(f"{source} has {len(token_ids)} tokens: {available} windows of "
+                         f"{seq_len}, fewer than the {minimum} needed")
+    count = available if windows is None else min(windows, available)
+    return [list(token_ids[i * seq_len:(i + 1) * seq_len]) for i in range(count)]
 
 
 def perplexity(llm: LLM, text_file: str | Path, windows: int = 64,

@@ -14,8 +14,8 @@ import numpy as np
 import onnxruntime as ort
 
 from llmopt.runtime import contract
-from llmopt.runtime.kv_cache_manager import cdiv
 from llmopt.runtime.manifest import KVCacheSpec
+from llmopt.runtime.paging import cdiv
 from llmopt.runtime.step_batch import StepBatch
 
 OPTIMIZATION_LEVELS = {

@@ -10,11 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from llmopt.runtime.block_pool import Block, BlockPool, hash_block_tokens
+from llmopt.runtime.paging import cdiv, slots_of
 from llmopt.runtime.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:
@@ -93,7 +90,7 @@ class KVCacheManager:
             for i in range(first, num_full):
                 self.block_pool.cache_full_block(table[i], hashes[i])
             self.num_cached_blocks[request.request_id] = num_full
-        num_draft_full = min(num_full, request.num_draft_computed_tokens // self.block_size)
+        num_draft_full = min(num_full, request.spec.num_draft_computed_tokens // self.block_size)
         first_draft = self.num_draft_marked_blocks.get(request.request_id, 0)
         for block in table[first_draft:num_draft_full]:
             block.has_draft_kv = block.block_hash is not None
@@ -111,11 +108,7 @@ class KVCacheManager:
 
     def slot_mapping(self, request: Request, start: int, num_tokens: int) -> np.ndarray:
         """Pool slots of positions start .. start + num_tokens - 1 of the request."""
-        block_ids = np.array(self.block_ids(request), dtype=np.int64)
-        positions = np.arange(start, start + num_tokens, dtype=np.int64)
-        return block_ids[positions // self.block_size] * self.block_size + (
-            positions % self.block_size
-        )
+        return slots_of(self.block_ids(request), start, num_tokens, self.block_size)
 
     def _block_hashes(self, request: Request) -> list[bytes]:
         """The request's chained block hashes, extended over every full block of known tokens."""

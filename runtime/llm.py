@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TypeGuard
 
 import numpy as np
 
 from llmopt.runtime.artifact import load_manifest
-from llmopt.runtime.drafter import Drafter, FallbackDrafter, ModelDrafter, NgramDrafter
-from llmopt.runtime.engine import EngineConfig, LLMEngine
-from llmopt.runtime.executor import OrtExecutor
-from llmopt.runtime.kv_cache_manager import KVCacheManager, cdiv
-from llmopt.runtime.manifest import KVCacheSpec, Manifest, SpeculativeSpec
+from llmopt.runtime.assembly import EngineOptions, build_engine
 from llmopt.runtime.output import RequestOutput
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.scheduler import check_prompt_length
-from llmopt.runtime.speculation_governor import SpeculationGovernor
-from llmopt.runtime.speculation_policy import SpeculationPolicy, expected_tokens
 from llmopt.runtime.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -57,69 +50,19 @@ class LLM:
     ):
         self.path = Path(path)
         self.manifest = manifest = load_manifest(self.path)
-        defaults = manifest.runtime
-        block_size = block_size or defaults.block_size
-        max_context = max_context or defaults.max_context
-        max_num_seqs = max_num_seqs or defaults.max_num_seqs
-        if max_context > manifest.model.max_position:
-            raise ValueError(
-                f"max_context {max_context} exceeds the {manifest.model.max_position} "
-                "positions the graph's rotary tables cover"
-            )
-        if num_blocks is None:
-            num_blocks = defaults.num_blocks or max_num_seqs * cdiv(max_context, block_size) + 1
-        spec = manifest.speculative if speculative else None
-        gamma = num_speculative_tokens if num_speculative_tokens is not None else (
-            spec.gamma if spec else 0)
-        if gamma and spec is None:
-            raise ValueError("num_speculative_tokens > 0 needs an artifact compiled with a draft "
-                             "(a `draft` pass) and speculative=True")
-        config = EngineConfig(  # checks the pool size before the pool is allocated
-            block_size=block_size,
-            num_blocks=num_blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or defaults.max_num_batched_tokens,
-            max_context=max_context,
-            enable_prefix_caching=enable_prefix_caching,
-            num_speculative_tokens=gamma,
-            speculative_max_batch_size=(speculative_max_batch_size
-                                        if speculative_max_batch_size is not None
-                                        else spec.max_batch_size if spec else None),
-        )
         self.tokenizer = Tokenizer.from_file(
             self.path / manifest.tokenizer.file, manifest.tokenizer
         )
-        def executor_for(graph: str, kv_cache: KVCacheSpec, max_position: int) -> OrtExecutor:
-            return OrtExecutor(
-                self.path / manifest.graphs[graph].file,
-                kv_cache,
-                num_blocks=num_blocks,
-                block_size=block_size,
-                max_position=max_position,
-                # The draft runs on the calling thread: a second intra-op pool would spin
-                # on the target's cores between steps (measured: the target's steps ran
-                # 29 % slower beside a 2-thread draft session on 2 cores).
-                num_threads=num_threads if graph == "target" else 1,
-                optimization_level=optimization_level,
-                nbits_accuracy_level=manifest.graphs[graph].nbits_accuracy_level,
-            )
-
-        kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-        drafter = None
-        if gamma:
-            drafter = make_drafter(self.path, manifest, spec, kv_cache_manager, executor_for,
-                                   drafts)
-        policy = make_policy(spec, gamma) if adaptive_speculation else None
-        self.engine = LLMEngine(
-            executor_for("target", manifest.kv_cache, manifest.model.max_position),
-            config,
-            eos_token_ids=manifest.model.eos_token_ids,
-            tokenizer=self.tokenizer,
-            kv_cache_manager=kv_cache_manager,
-            drafter=drafter,
-            speculation_policy=policy,
-            speculation_governor=make_governor(spec, gamma) if adaptive_speculation else None,
+        options = EngineOptions(
+            num_threads=num_threads, block_size=block_size, num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_context=max_context, enable_prefix_caching=enable_prefix_caching,
+            optimization_level=optimization_level, speculative=speculative,
+            num_speculative_tokens=num_speculative_tokens,
+            speculative_max_batch_size=speculative_max_batch_size,
+            adaptive_speculation=adaptive_speculation, drafts=drafts,
         )
+        self.engine = build_engine(self.path, manifest, self.tokenizer, options)
         self.default_params = SamplingParams.from_generation_config(manifest.generation)
 
     def generate(
@@ -217,74 +160,6 @@ class LLM:
         if len(params) != num_prompts:
             raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts")
         return list(params)
-
-
-def has_step_costs(spec: SpeculativeSpec | None, gamma: int) -> TypeGuard[SpeculativeSpec]:
-    """Did the compiler measure verification costs for every draft length up to γ?"""
-    return spec is not None and gamma > 0 and len(spec.verify_cost) >= gamma + 1
-
-
-def make_policy(spec: SpeculativeSpec | None, gamma: int) -> SpeculationPolicy | None:
-    """A per-sequence draft-length policy from the compiler's costs, if it measured them."""
-    if not has_step_costs(spec, gamma):
-        return None
-    prior = equivalent_alpha(spec.acceptance, gamma) if spec.acceptance else 0.5
-    return SpeculationPolicy(gamma, spec.verify_cost, spec.cost_ratio or 0.0, prior)
-
-
-def make_governor(spec: SpeculativeSpec | None, gamma: int) -> SpeculationGovernor | None:
-    """Draft prices measured at run time, starting from the compiler's costs."""
-    if not has_step_costs(spec, gamma):
-        return None
-    return SpeculationGovernor(spec.verify_cost, spec.cost_ratio or 0.0)
-
-
-def equivalent_alpha(acceptance: Sequence[float], gamma: int) -> float:
-    """The i.i.d. acceptance rate that yields as many tokens per γ-draft step as the
-    compiler's per-position rates (position j accepted given 0..j-1 were); the policy
-    models acceptance as i.i.d."""
-    rates = (list(acceptance) + [acceptance[-1]] * gamma)[:gamma]
-    target = 1.0 + float(np.sum(np.cumprod(rates)))
-    low, high = 0.0, 1.0
-    for _ in range(40):  # expected_tokens grows with α: bisect
-        middle = (low + high) / 2
-        low, high = (middle, high) if expected_tokens(middle, gamma) < target else (low, middle)
-    return (low + high) / 2
-
-
-def make_drafter(
-    path: Path,
-    manifest: Manifest,
-    spec: SpeculativeSpec,
-    kv_cache_manager: KVCacheManager,
-    executor_for: Callable[[str, KVCacheSpec, int], OrtExecutor],
-    drafts: str = "all",
-) -> Drafter:
-    """The artifact's drafter: n-gram lookup, its draft model, or n-gram falling back to it
-    (`drafts`: "all" of those it has, only "ngram" or only "model")."""
-    if drafts not in ("all", "ngram", "model"):
-        raise ValueError(f"drafts must be 'all', 'ngram' or 'model', got {drafts!r}")
-    if drafts != "all" and getattr(spec, drafts) is None:
-        raise ValueError(f"drafts={drafts!r}, but the artifact has no {drafts} draft")
-    model = None
-    if spec.model is not None and drafts != "ngram":
-        draft = spec.model
-        token_map = None
-        if draft.token_map is not None:
-            token_map = np.load(path / draft.token_map).astype(np.int64)
-            if token_map.shape != (draft.vocab_size,):
-                raise ValueError(f"the draft's token map {draft.token_map} has shape "
-                                 f"{token_map.shape}, expected ({draft.vocab_size},)")
-        executor = executor_for(draft.graph, draft.kv_cache, draft.max_position)
-        model = ModelDrafter(executor, kv_cache_manager, manifest.model.vocab_size, token_map)
-    ngram = spec.ngram and drafts != "model" and NgramDrafter(spec.ngram.min_n,
-                                                              spec.ngram.max_n)
-    if ngram and model:
-        return FallbackDrafter(ngram, model)
-    if ngram or model:
-        return ngram or model
-    raise ValueError("the manifest's speculative section names neither an n-gram nor a "
-                     "model draft")
 
 
 def _is_single_prompt(prompts: Prompt | Sequence[Prompt]) -> bool:

@@ -66,11 +66,13 @@ class ModelSpec(_Strict):
 
 
 class RuntimeDefaults(_Strict):
-    block_size: int = 16
-    max_context: int = 2048
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512  # per-step token budget for chunked prefill
-    num_blocks: int | None = None  # None: enough for max_num_seqs * max_context
+    """What the runtime starts with: a recipe's `runtime:` section, kept in the manifest."""
+
+    block_size: int = Field(16, gt=0)
+    max_context: int = Field(2048, gt=0)
+    max_num_seqs: int = Field(16, gt=0)
+    max_num_batched_tokens: int = Field(512, gt=0)  # per-step token budget: chunked prefill
+    num_blocks: int | None = Field(None, gt=0)  # None: enough for max_num_seqs * max_context
 
 
 class NgramDraftSpec(_Strict):

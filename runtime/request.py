@@ -10,6 +10,7 @@ import numpy as np
 
 from llmopt.runtime.block_pool import BlockHash
 from llmopt.runtime.sampling_params import SamplingParams
+from llmopt.runtime.spec.state import SpecState
 
 
 class RequestStatus(enum.Enum):
@@ -47,19 +48,8 @@ class Request:
     # score_only: logprob of token t+1 given tokens 0..t, filled as positions are computed.
     prompt_logprobs: np.ndarray | None = field(init=False, default=None)
     generator: np.random.Generator = field(init=False)
-    # Speculative decoding: this step's draft tokens (verified, then cleared, by the step),
-    # and how many leading known tokens have their draft-model KV in the pool.
-    spec_token_ids: list[int] = field(init=False, default_factory=list)
-    num_draft_computed_tokens: int = field(init=False, default=0)
     num_decode_steps: int = field(init=False, default=0)  # steps that gave it tokens
-    num_spec_steps: int = field(init=False, default=0)  # of those, steps that verified drafts
-    num_draft_tokens: int = field(init=False, default=0)  # drafts verified
-    num_accepted_tokens: int = field(init=False, default=0)  # drafts accepted
-    # Per draft source, decayed counts of accepted drafts and of rejections
-    # (SpeculationPolicy's evidence), and the source of this step's drafts.
-    spec_accept_estimate: dict[str, tuple[float, float]] = field(init=False,
-                                                                 default_factory=dict)
-    spec_source: str = field(init=False, default="")
+    spec: SpecState = field(init=False, default_factory=SpecState)  # speculative decoding
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

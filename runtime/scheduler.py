@@ -9,13 +9,12 @@ admitted running request is preempted by recompute: its blocks are freed and it 
 back to the front of the waiting queue with its output tokens kept as known tokens,
 so recomputing them continues exactly where it stopped.
 
-Speculation: a running request that is decoding gets up to `num_speculative_tokens`
-more slots (and budget) for draft tokens, which the engine fills before the step runs;
-the target computes them with the last known token, and only the accepted ones count
-as computed afterwards (roll back by length: rejected slots are simply overwritten
-later, and never reach the prefix cache). It is off while more requests run than
-`speculative_max_batch_size`, and a request's drafts are dropped before anything is
-preempted for them.
+Speculation: when the step's caller passes a draft budget (`max_drafts`), a running
+request that is decoding gets up to that many more slots (and budget) for draft tokens,
+which the engine fills before the step runs; the target computes them with the last
+known token, and only the accepted ones count as computed afterwards (roll back by
+length: rejected slots are simply overwritten later, and never reach the prefix cache).
+A request's drafts are dropped before anything is preempted for them.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from dataclasses import dataclass
 
 from llmopt.runtime.kv_cache_manager import KVCacheManager
 from llmopt.runtime.request import Request, RequestStatus
-from llmopt.runtime.speculation_policy import SpeculationPolicy
 
 
 @dataclass(frozen=True)
@@ -35,16 +33,11 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int  # per-step token budget
     max_context: int  # most known tokens (prompt + output) a request may reach
-    num_speculative_tokens: int = 0  # draft tokens per decoding request and step (γ)
-    speculative_max_batch_size: int | None = None  # None: speculate at any batch size
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_context"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_speculative_tokens < 0:
-            raise ValueError(
-                f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
 
 
 @dataclass(frozen=True)
@@ -53,6 +46,27 @@ class ScheduledRequest:
     num_tokens: int  # tokens computed this step, from position request.num_computed_tokens
     num_spec_tokens: int = 0  # of those, slots for draft tokens after the known ones
 
+    def query_token_ids(self) -> list[int]:
+        """The tokens this step computes: known ones, then the request's drafts."""
+        request, start = self.request, self.request.num_computed_tokens
+        return (request.all_token_ids + request.spec.token_ids)[start : start + self.num_tokens]
+
+    def logits_offsets(self) -> range:
+        """Query offsets whose logits the step needs.
+
+        Its last query row when the step catches it up with its known tokens (that row
+        gives the next token), and with draft tokens the rows of the last known token and
+        of every draft (the target's distribution after each); every row that has a next
+        token when it is scored.
+        """
+        request, start, n = self.request, self.request.num_computed_tokens, self.num_tokens
+        if request.score_only:
+            return range(min(n, request.num_tokens - 1 - start))
+        num_drafts = len(request.spec.token_ids)
+        if start + n == request.num_tokens + num_drafts:
+            return range(n - 1 - num_drafts, n)
+        return range(0)
+
 
 class Scheduler:
     def __init__(
@@ -60,12 +74,8 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         eos_token_ids: Iterable[int] = (),
-        speculation_policy: SpeculationPolicy | None = None,
     ):
-        """`speculation_policy` sizes each request's drafts (up to γ); None: always γ."""
         self.config = config
-        self.speculation_policy = speculation_policy
-        self.speculation_allowed = True  # the engine's governor may pause it per step
         self.kv_cache_manager = kv_cache_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
@@ -79,18 +89,21 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[ScheduledRequest]:
+    def schedule(
+        self, max_drafts: Callable[[Request], int] | None = None
+    ) -> list[ScheduledRequest]:
+        """This step's requests and token counts; `max_drafts(request)`: how many draft
+        slots a decoding request may take (None: no speculation this step)."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         num_preemptions = self.num_preemptions
-        speculate = self.speculation_enabled()
 
         # Running requests first: they hold blocks already, and decodes keep latency low.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            num_spec = self._num_spec_tokens(request, budget) if speculate else 0
+            num_spec = self._num_spec_tokens(request, budget, max_drafts) if max_drafts else 0
             if num_spec and self.kv_cache_manager.allocate_slots(request, num_tokens + num_spec):
                 scheduled.append(ScheduledRequest(request, num_tokens + num_spec, num_spec))
                 budget -= num_tokens + num_spec
@@ -107,22 +120,15 @@ class Scheduler:
             scheduled += self._admit_waiting(budget)
         return scheduled
 
-    def speculation_enabled(self) -> bool:
-        limit = self.config.speculative_max_batch_size
-        return self.config.num_speculative_tokens > 0 and self.speculation_allowed and (
-            limit is None or len(self.running) <= limit)
-
-    def _num_spec_tokens(self, request: Request, budget: int) -> int:
-        """Draft slots for a decoding request: γ, within the budget, the context and what
-        is left of max_tokens (drafts past the last output token would be wasted)."""
+    def _num_spec_tokens(self, request: Request, budget: int,
+                         max_drafts: Callable[[Request], int]) -> int:
+        """Draft slots for a decoding request: its budget, within the step's, the context
+        and what is left of max_tokens (drafts past the last output token are wasted)."""
         if request.score_only or request.num_tokens - request.num_computed_tokens != 1:
             return 0
         left = request.sampling_params.max_tokens - len(request.output_token_ids)
         room = self.config.max_context - request.num_tokens
-        gamma = self.config.num_speculative_tokens
-        if self.speculation_policy is not None:
-            gamma = min(gamma, self.speculation_policy.num_drafts(request))
-        return max(0, min(gamma, budget - 1, room, left - 1))
+        return max(0, min(max_drafts(request), budget - 1, room, left - 1))
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int) -> bool:
         """Allocate slots, preempting the latest admitted requests until they fit.
@@ -147,8 +153,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = request.num_cached_tokens = num_cached_tokens
-            request.num_draft_computed_tokens = self.kv_cache_manager.num_draft_cached_tokens(
-                computed_blocks)
+            request.spec.num_draft_computed_tokens = (
+                self.kv_cache_manager.num_draft_cached_tokens(computed_blocks))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             admitted.append(ScheduledRequest(request, num_tokens))
@@ -171,7 +177,7 @@ class Scheduler:
         updated = []
         for item in scheduled:
             request = item.request
-            num_drafts, request.spec_token_ids = len(request.spec_token_ids), []
+            num_drafts = request.spec.clear_drafts()
             emitted = sampled_token_ids.get(request.request_id, ())
             num_accepted = max(len(emitted) - 1, 0) if num_drafts else 0
             request.num_computed_tokens += item.num_tokens - num_drafts + num_accepted
@@ -184,8 +190,8 @@ class Scheduler:
                 continue
             reason = self._append_tokens(request, emitted, stop_check)
             # The draft model's KV is valid only up to the last accepted token.
-            request.num_draft_computed_tokens = min(
-                request.num_draft_computed_tokens, request.num_computed_tokens)
+            request.spec.num_draft_computed_tokens = min(
+                request.spec.num_draft_computed_tokens, request.num_computed_tokens)
             self.kv_cache_manager.cache_blocks(request)
             updated.append(request)
             if reason is not None:
@@ -223,8 +229,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
-        request.num_computed_tokens = request.num_draft_computed_tokens = 0
-        request.spec_token_ids = []
+        request.num_computed_tokens = request.spec.num_draft_computed_tokens = 0
+        request.spec.clear_drafts()
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -8,13 +8,13 @@ layout (OrtExecutor: the right-padded [B, S] tensors of the paged-KV contract).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from llmopt.runtime.kv_cache_manager import KVCacheManager
-from llmopt.runtime.scheduler import ScheduledRequest
+from llmopt.runtime.paging import slots_of
 
 
 @dataclass(frozen=True)
@@ -45,41 +45,28 @@ class Executor(Protocol):
         ...
 
 
-def make_step_batch(
-    scheduled: list[ScheduledRequest], kv_cache_manager: KVCacheManager
-) -> StepBatch:
-    """The StepBatch for a scheduler step; logits rows follow `scheduled`'s order."""
-    token_ids, context_lens, block_tables, slots, logits_indices = [], [], [], [], []
-    row = 0
-    for item in scheduled:
-        request, start, n = item.request, item.request.num_computed_tokens, item.num_tokens
-        token_ids.append((request.all_token_ids + request.spec_token_ids)[start : start + n])
-        context_lens.append(start)
-        block_tables.append(kv_cache_manager.block_ids(request))
-        slots.append(kv_cache_manager.slot_mapping(request, start, n))
-        logits_indices.extend(row + offset for offset in logits_offsets(item))
-        row += n
+@dataclass(frozen=True)
+class SequenceStep:
+    """One sequence's share of a step."""
+
+    token_ids: list[int]  # its query tokens
+    start: int  # position of the first = its tokens already in the pool
+    block_table: list[int]  # physical block ids covering positions 0 .. start + len - 1
+    logits_offsets: Sequence[int]  # query offsets whose logits the step returns
+
+
+def make_step_batch(sequences: Sequence[SequenceStep], block_size: int) -> StepBatch:
+    """The one StepBatch builder (engine, model drafter, compile-time measurement):
+    logits rows follow `sequences`' order."""
+    slots, logits_indices, row = [], [], 0
+    for seq in sequences:
+        slots.append(slots_of(seq.block_table, seq.start, len(seq.token_ids), block_size))
+        logits_indices.extend(row + offset for offset in seq.logits_offsets)
+        row += len(seq.token_ids)
     return StepBatch(
-        token_ids=token_ids,
-        context_lens=context_lens,
-        block_tables=block_tables,
+        token_ids=[seq.token_ids for seq in sequences],
+        context_lens=[seq.start for seq in sequences],
+        block_tables=[seq.block_table for seq in sequences],
         slot_mapping=np.concatenate(slots).astype(np.int64),
         logits_indices=np.asarray(logits_indices, dtype=np.int64),
     )
-
-
-def logits_offsets(item: ScheduledRequest) -> range:
-    """Query offsets of a scheduled request whose logits the step needs.
-
-    Its last query row when the step catches it up with its known tokens (that row gives
-    the next token), and with draft tokens the rows of the last known token and of every
-    draft (the target's distribution after each); every row that has a next token when
-    it is scored.
-    """
-    request, start, n = item.request, item.request.num_computed_tokens, item.num_tokens
-    if request.score_only:
-        return range(min(n, request.num_tokens - 1 - start))
-    num_drafts = len(request.spec_token_ids)
-    if start + n == request.num_tokens + num_drafts:
-        return range(n - 1 - num_drafts, n)
-    return range(0)

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from llmopt.compiler.loader import load_checkpoint
-from llmopt.compiler.pipeline import PassContext, compile_recipe, run_passes
+from llmopt.compiler.pipeline import compile_recipe, run_passes
 from llmopt.compiler.quant_format import group_quantize
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes import awq, rtn
+from llmopt.passes.registry import PassContext
 from llmopt.runtime import LLM
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -105,7 +106,7 @@ def test_one_alpha_without_clipping_is_rtn(tiny_checkpoints, calibration_text):
     ir = load_checkpoint(str(tiny_checkpoints["llama"]))
     r = recipe(tiny_checkpoints["llama"], calibration_text, grid=1, clip=False,
                duo_scaling=False, group_size=32)
-    out = awq.run(ir, r.pass_configs()[0][1], PassContext(r, log=lambda _: None)).ir
+    out = awq.run(ir, r.passes[0].config, PassContext(r, log=lambda _: None)).ir
     base = rtn.run(ir, rtn.Config(group_size=32), None).ir
     assert set(out.quantized) == set(base.quantized)
     for name, q in out.quantized.items():

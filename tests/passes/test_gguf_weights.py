@@ -140,7 +140,7 @@ def test_pass_keeps_the_files_blocks(mix, tmp_path):
 def test_wrong_row_order_is_caught(tmp_path, monkeypatch):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", MIXES["q4_1+q8_0"])
     ir = load_checkpoint(str(path))
-    monkeypatch.setattr(gguf_weights, "PERMUTED_QK", set())
+    monkeypatch.setattr(gguf_weights, "GGUF_PERMUTED_QK", set())
     with pytest.raises(ValueError, match="blk.0.attn_q.weight"):
         gguf_weights.run(ir, gguf_weights.Config(include_lm_head=True), None)
 

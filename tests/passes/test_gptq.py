@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from llmopt.compiler.calibration import LayerwiseRunner
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.pipeline import compile_recipe, run_passes
 from llmopt.compiler.quant_format import group_quantize, quant_params
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
-from llmopt.passes.calibration import LayerwiseRunner
 from llmopt.passes.gptq import HessianAccumulator, gptq_quantize, group_hessian
 from llmopt.runtime import LLM
 

@@ -13,8 +13,8 @@ from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.pipeline import QualityBudgetError, compile_recipe
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
+from llmopt.compiler.weight_quant import target_linears
 from llmopt.passes import rtn
-from llmopt.passes.weight_quant import target_linears
 from llmopt.runtime import LLM
 
 

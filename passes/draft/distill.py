@@ -20,6 +20,7 @@ import torch
 
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.reference import ReferenceModel, rms_norm
+from llmopt.runtime.evaluate import windows_of
 
 
 @dataclass(frozen=True)
@@ -33,15 +34,9 @@ class DistillSettings:
 
 def text_windows(ir: ModelIR, text_file: str | Path, seq_len: int) -> torch.Tensor:
     """int64 [n, seq_len]: every non-overlapping window of the text, in target ids."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_str(ir.tokenizer_files["tokenizer.json"].decode())
-    text = Path(text_file).read_text(encoding="utf-8")
-    ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False).ids, dtype=torch.int64)
-    count = len(ids) // seq_len
-    if count < 2:
-        raise ValueError(f"{text_file} holds fewer than two windows of {seq_len} tokens")
-    return ids[: count * seq_len].view(count, seq_len)
+    windows = windows_of(ir.text_token_ids(text_file), seq_len, minimum=2,
+                         source=str(text_file))
+    return torch.tensor(windows, dtype=torch.int64)
 
 
 def distill(draft: ModelIR, target: ModelIR, windows: torch.Tensor,

@@ -43,10 +43,7 @@ def truncated(target: ModelIR, num_layers: int) -> ModelIR:
 
 # --- model: another checkpoint, mapped onto the target's token ids ---------------------
 def tokenizer_vocab(ir: ModelIR) -> dict[str, int]:
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_str(ir.tokenizer_files["tokenizer.json"].decode())
-    return tokenizer.get_vocab(with_added_tokens=True)
+    return ir.text_tokenizer().get_vocab(with_added_tokens=True)
 
 
 def _unk_id(ir: ModelIR, vocab: dict[str, int]) -> int:

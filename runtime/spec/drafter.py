@@ -18,7 +18,7 @@ import numpy as np
 from llmopt.runtime.kv_cache_manager import KVCacheManager
 from llmopt.runtime.request import Request
 from llmopt.runtime.sampler import draw, sample, token_probs
-from llmopt.runtime.step_batch import Executor, StepBatch
+from llmopt.runtime.step_batch import Executor, SequenceStep, StepBatch, make_step_batch
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def ngram_lookup(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> li
 class ModelDrafter:
     """Runs the draft graph on its own KV pool, through the target's block tables.
 
-    `request.num_draft_computed_tokens` counts the leading tokens whose draft KV is in
+    `request.spec.num_draft_computed_tokens` counts the leading tokens whose draft KV is in
     the pool. A proposal first catches the draft up with the known tokens (after a
     prefill, or after the target accepted tokens the draft never saw), then runs one
     token at a time; the slots it writes are those the scheduler allocated for the
@@ -118,7 +118,7 @@ class ModelDrafter:
             logits = self.executor.execute(batch)
             for row, i in enumerate(active):
                 request = requests[i]
-                request.num_draft_computed_tokens = request.num_tokens + step
+                request.spec.num_draft_computed_tokens = request.num_tokens + step
                 token, q = self._draw(logits[row], request, drafts[i])
                 drafts[i].append(token)
                 if q is not None:
@@ -133,17 +133,13 @@ class ModelDrafter:
     def _step_batch(self, requests: list[Request], drafts: list[list[int]]) -> StepBatch:
         """Each request's tokens the draft has not computed: known ones, then its drafts
         except the newest (whose logits are what this step asks for)."""
-        token_ids, starts, tables, slots = [], [], [], []
+        sequences = []
         for request, draft in zip(requests, drafts, strict=True):
-            start = request.num_draft_computed_tokens
+            start = request.spec.num_draft_computed_tokens
             tokens = (request.all_token_ids + draft)[start:]
-            token_ids.append(tokens)
-            starts.append(start)
-            tables.append(self.kv_cache_manager.block_ids(request))
-            slots.append(self.kv_cache_manager.slot_mapping(request, start, len(tokens)))
-        last_rows = np.cumsum([len(t) for t in token_ids]) - 1
-        return StepBatch(token_ids, starts, tables, np.concatenate(slots).astype(np.int64),
-                         last_rows.astype(np.int64))
+            sequences.append(SequenceStep(tokens, start, self.kv_cache_manager.block_ids(request),
+                                          [len(tokens) - 1]))
+        return make_step_batch(sequences, self.kv_cache_manager.block_size)
 
     def _draw(
         self, logits: np.ndarray, request: Request, draft: list[int]

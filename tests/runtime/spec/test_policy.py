@@ -7,7 +7,8 @@ from test_speculative_engine import GREEDY, make_spec_engine, prompts, run_check
 
 from llmopt.runtime.request import Request
 from llmopt.runtime.sampling_params import SamplingParams
-from llmopt.runtime.speculation_policy import SpeculationPolicy, expected_tokens
+from llmopt.runtime.spec.cost_model import expected_tokens
+from llmopt.runtime.spec.policy import SpeculationPolicy
 
 
 def request() -> Request:
@@ -70,8 +71,7 @@ def always_wrong(h: int) -> np.ndarray:
 def test_the_engine_backs_off_a_useless_draft_and_keeps_the_output():
     batch = prompts(2, seed=21)
     engine = make_spec_engine(always_wrong, gamma=3)
-    engine.speculation_policy = policy = SpeculationPolicy(3, [1.0, 1.2, 1.4, 1.6], 0.1, 0.6)
-    engine.scheduler.speculation_policy = policy
+    engine.speculator.policy = SpeculationPolicy(3, [1.0, 1.2, 1.4, 1.6], 0.1, 0.6)
     outputs = run_checked(engine, batch, GREEDY)
     for prompt, out in zip(batch, outputs, strict=True):
         assert out.token_ids == reference_greedy(prompt, GREEDY.max_tokens)

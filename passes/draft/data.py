@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from llmopt.compiler.ir import ModelIR
-from llmopt.passes.draft_distill import text_windows
-from llmopt.passes.draft_measure import PagedRunner, Trajectory, greedy_trajectories
+from llmopt.passes.draft.distill import text_windows
+from llmopt.passes.draft.measure import PagedRunner, Trajectory, greedy_trajectories
 from llmopt.runtime.tokenizer import Tokenizer
 
 INSTRUCTIONS = (

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.recipe import CalibrationConfig
 from llmopt.compiler.reference import ReferenceModel
+from llmopt.runtime.evaluate import windows_of
 
 Observer = Callable[[int, str, torch.Tensor], None]
 
@@ -25,16 +25,9 @@ def calibration_windows(ir: ModelIR, config: CalibrationConfig) -> torch.Tensor:
     (the first `samples` of them), tokenized without special tokens."""
     if config.text is None:
         raise ValueError("this pass needs calibration data: set calibration.text in the recipe")
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_str(ir.tokenizer_files["tokenizer.json"].decode())
-    text = Path(config.text).read_text(encoding="utf-8")
-    ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False).ids, dtype=torch.int64)
-    available = len(ids) // config.seq_len
-    if available < config.samples:
-        raise ValueError(f"{config.text} holds {available} windows of {config.seq_len} tokens; "
-                         f"calibration.samples asks for {config.samples}")
-    return ids[: config.samples * config.seq_len].view(config.samples, config.seq_len)
+    windows = windows_of(ir.text_token_ids(config.text), config.seq_len, config.samples,
+                         minimum=config.samples, source=f"calibration.text {config.text}")
+    return torch.tensor(windows, dtype=torch.int64)
 
 
 class LayerwiseRunner:

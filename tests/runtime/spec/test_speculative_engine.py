@@ -24,13 +24,14 @@ from runtime_fakes import (
 )
 from scipy.stats import chisquare
 
-from llmopt.runtime import engine as engine_module
 from llmopt.runtime.block_pool import hash_block_tokens
-from llmopt.runtime.drafter import FallbackDrafter, ModelDrafter, NgramDrafter
 from llmopt.runtime.engine import EngineConfig, LLMEngine
 from llmopt.runtime.kv_cache_manager import KVCacheManager
 from llmopt.runtime.sampler import draw, token_probs
 from llmopt.runtime.sampling_params import SamplingParams
+from llmopt.runtime.spec import speculator as speculator_module
+from llmopt.runtime.spec.drafter import FallbackDrafter, ModelDrafter, NgramDrafter
+from llmopt.runtime.spec.speculator import Speculator
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -59,8 +60,7 @@ def make_spec_engine(
     config = EngineConfig(
         block_size=block_size, num_blocks=num_blocks, max_num_seqs=16,
         max_num_batched_tokens=max_num_batched_tokens, max_context=max_context,
-        enable_prefix_caching=enable_prefix_caching, num_speculative_tokens=gamma,
-        speculative_max_batch_size=max_batch_size,
+        enable_prefix_caching=enable_prefix_caching,
     )
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
     drafter = None
@@ -70,7 +70,8 @@ def make_spec_engine(
         drafter = NgramDrafter(1, 3) if drafter is None else FallbackDrafter(
             NgramDrafter(1, 3), drafter)
     target = FakeModel(num_blocks, block_size, target_fn)
-    return LLMEngine(target, config, kv_cache_manager=kv, drafter=drafter)
+    return LLMEngine(target, config, kv_cache_manager=kv,
+                     speculator=Speculator(drafter, gamma, max_batch_size))
 
 
 def prompts(count: int, seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
@@ -83,8 +84,8 @@ def prompts(count: int, seed: int = 0, shared_prefix: int = 0) -> list[list[int]
 def check_pools(engine: LLMEngine) -> None:
     """Every computed position of every running request holds its token, in the target's
     pool and (up to its draft count) in the draft's."""
-    draft = engine.drafter.second if isinstance(engine.drafter, FallbackDrafter) else (
-        engine.drafter)
+    drafter = engine.speculator.drafter
+    draft = drafter.second if isinstance(drafter, FallbackDrafter) else drafter
     for request in engine.scheduler.running:
         kv = engine.kv_cache_manager
         tokens = np.asarray(request.all_token_ids)
@@ -92,7 +93,7 @@ def check_pools(engine: LLMEngine) -> None:
         np.testing.assert_array_equal(
             engine.executor.tokens_at(kv.slot_mapping(request, 0, n)), tokens[:n])
         if isinstance(draft, ModelDrafter):
-            d = request.num_draft_computed_tokens
+            d = request.spec.num_draft_computed_tokens
             assert d <= n
             np.testing.assert_array_equal(
                 draft.executor.tokens_at(kv.slot_mapping(request, 0, d)), tokens[:d])
@@ -180,7 +181,8 @@ def test_speculation_switches_off_above_the_batch_size_limit():
     engine = make_spec_engine(max_batch_size=2)
     outputs = run_checked(engine, prompts(6, seed=9), GREEDY)
     # While 6 run together there is no speculation; as they finish it comes back.
-    assert engine.scheduler.speculation_enabled() is False or not engine.scheduler.running
+    running = len(engine.scheduler.running)
+    assert engine.speculator.max_drafts(running) is None or not running
     steps = [o.metrics.speculation for o in outputs]
     assert sum(s.num_spec_steps for s in steps) < sum(s.num_decode_steps for s in steps) - 6
 
@@ -297,7 +299,7 @@ def test_sampling_with_a_poor_draft_matches_the_target_distribution():
 def test_wrong_rules_fail_the_same_check(monkeypatch, accept, replace):
     """Proof the check has teeth: resampling from p instead of the residual biases the
     output towards the draft's choices."""
-    monkeypatch.setattr(engine_module, "verify_drafts", rule(accept, replace))
+    monkeypatch.setattr(speculator_module, "verify_drafts", rule(accept, replace))
     counts, exact, _ = first_two_tokens(NUM_SAMPLES)
     assert chi_square_p_value(counts, exact) < 0.01
 
@@ -308,7 +310,7 @@ def test_the_tutorial_rule_is_exact_but_accepts_less(monkeypatch):
     q(x)(1 - p(x)) p(z) / (1 - p(x)) = p(z). It is wasteful rather than wrong: it keeps
     sum(q p) of the drafts where the exact rule keeps sum(min(p, q))."""
     _, _, exact_rule_acceptance = first_two_tokens(NUM_SAMPLES)
-    monkeypatch.setattr(engine_module, "verify_drafts", rule("p", "p without x"))
+    monkeypatch.setattr(speculator_module, "verify_drafts", rule("p", "p without x"))
     counts, exact, tutorial_acceptance = first_two_tokens(NUM_SAMPLES)
     assert chi_square_p_value(counts, exact) > 0.01
     assert tutorial_acceptance < exact_rule_acceptance - 0.05

@@ -1,19 +1,13 @@
-"""Draft pairing for speculative decoding: build (or load) a draft, compile it with its own
-passes, measure it against the final target, and choose γ.
+"""Draft pairing for speculative decoding: build (or load) a draft, have the pipeline
+compile it with its own passes, measure it against the final target, and choose γ.
 
-Recipe: `- draft: {kind: model|self|tiny|ngram, gamma: auto|N, passes: [...], ...}`
-  model: `model: PATH` another checkpoint; identical vocabularies pass, a subset is mapped
-         onto target ids, anything else is refused naming the first mismatch.
-  self:  `layers: k` the target's first k layers + final norm + LM head.
-  tiny:  `hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size` a narrow,
-         shallow model of the target's family, sliced from it and distilled.
-  ngram: prompt lookup (`ngram: {min_n, max_n}`), no model.
-Model drafts also take `head_vocab: N` (keep the LM head's N most frequent calibration
-tokens, FR-Spec), `distill_steps` (KL to the target on `calibration.text`) and
-`ngram: true|{...}` (n-gram lookup first, the model when it finds nothing) and
-`distill_data: text|self`: text windows, or the target's own greedy continuations of
-`distill_prompts` prompts (`distill_new_tokens` each; see passes/draft_data.py).
-It must be the last pass: it measures against the target as the artifact will run it.
+Recipe: `- draft: {kind: model|self|tiny|ngram, gamma: auto|N, passes: [...], ...}`; each
+kind's options are its type in `config.py`. Model drafts also take `head_vocab: N` (keep
+the LM head's N most frequent calibration tokens, FR-Spec), `distill_steps` (KL to the
+target on `calibration.text`) and `distill_data: text|self`: text windows, or the
+target's own greedy continuations of `distill_prompts` prompts (`distill_new_tokens`
+each; see `data.py`). It must be the last pass (the registry says so): it measures
+against the target as the artifact will run it.
 """
 
 from __future__ import annotations
@@ -21,136 +15,39 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from llmopt.compiler import draft_model as dm
 from llmopt.compiler.ir import DraftBundle, ModelIR
+from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
-from llmopt.passes.draft_distill import DistillSettings, distill, text_windows
-from llmopt.passes.registry import PASSES, PassResult, load_pass
-from llmopt.runtime.kv_cache_manager import cdiv
-
-MAX_GAMMA = 8
-# Keys that belong to one kind only; MODEL_DRAFT_KEYS apply to every kind with a model.
-KIND_KEYS = {
-    "model": {"model"},
-    "self": {"layers"},
-    "tiny": {"hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"},
-    "ngram": set(),
-}
-MODEL_DRAFT_KEYS = {"head_vocab", "distill_steps", "distill_lr", "distill_batch_size",
-                    "distill_seq_len", "distill_data", "distill_prompts",
-                    "distill_new_tokens", "passes"}
-TRAINABLE = {"model": ("layers.*", "final_norm"), "self": ("layers.*", "final_norm"),
-             "tiny": ("*",)}
+from llmopt.passes.draft import model as dm
+from llmopt.passes.draft.config import (
+    MAX_GAMMA,
+    Config,
+    DraftModelConfig,
+    NgramDraft,
+    TinyDraft,
+)
+from llmopt.passes.draft.config import (
+    make_config as make_config,  # the config of one kind, from its options
+)
+from llmopt.passes.draft.distill import DistillSettings, distill, text_windows
+from llmopt.passes.registry import PassContext, PassResult
+from llmopt.runtime.paging import cdiv
 
 
-class NgramOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    min_n: int = Field(1, ge=1)
-    max_n: int = Field(4, ge=1)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> NgramOptions:
-        if self.min_n > self.max_n:
-            raise ValueError("ngram needs min_n <= max_n")
-        return self
-
-
-class Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    kind: Literal["model", "self", "tiny", "ngram"]
-    gamma: Literal["auto"] | int = "auto"  # draft tokens per step; auto: best measured
-    ngram: NgramOptions | bool = False  # model drafts: prompt lookup first when it matches
-    passes: list[dict[str, Any]] = Field(default_factory=list)  # the draft's own passes
-    model: str | None = None
-    layers: int | None = Field(None, gt=0)  # self; None: a quarter of the target's
-    hidden_size: int | None = Field(None, gt=0)  # tiny; None: derived from the target's
-    num_layers: int = Field(2, gt=0)
-    num_heads: int | None = Field(None, gt=0)
-    num_kv_heads: int | None = Field(None, gt=0)
-    intermediate_size: int | None = Field(None, gt=0)
-    head_vocab: int | None = Field(None, gt=0)
-    distill_steps: int | None = Field(None, ge=0)  # None: 200 for tiny, else 0
-    distill_lr: float | None = Field(None, gt=0)  # None: 1e-3 for tiny, else 5e-4
-    distill_batch_size: int = Field(4, gt=0)
-    distill_seq_len: int = Field(128, gt=1)  # text windows
-    # self: distil on the target's greedy continuations of prompts, loss on those only
-    distill_data: Literal["text", "self"] = "text"
-    distill_prompts: int = Field(64, gt=1)
-    distill_new_tokens: int = Field(96, gt=0)
-    # Measurement: greedy continuations of `prompts` prompts (chat-style and, with
-    # calibration text, text), step costs at `batch_sizes` with `context_len` cached tokens.
-    prompts: int = Field(8, gt=0)
-    new_tokens: int = Field(128, gt=0)
-    batch_sizes: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16])
-    context_len: int = Field(128, gt=0)
-    cost_repeats: int = Field(5, gt=0)  # interleaved rounds; each step keeps its fastest
-    min_speedup: float = Field(1.05, gt=0)  # below this predicted speedup: speculation off
-
-    @field_validator("gamma")
-    @classmethod
-    def _gamma_range(cls, gamma: str | int) -> str | int:
-        if isinstance(gamma, int) and not 1 <= gamma <= MAX_GAMMA:
-            raise ValueError(f"gamma is auto or 1..{MAX_GAMMA}")
-        return gamma
-
-    @field_validator("passes")
-    @classmethod
-    def _known_passes(cls, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        for entry in entries:
-            if len(entry) != 1:
-                raise ValueError("each draft pass is a one-key mapping: `- name: {options}`")
-            ((name, options),) = entry.items()
-            if name not in PASSES or name == "draft":
-                raise ValueError(f"unknown draft pass {name!r}")
-            load_pass(name).Config.model_validate(options or {})
-        return entries
-
-    @field_validator("batch_sizes")
-    @classmethod
-    def _batches(cls, sizes: list[int]) -> list[int]:
-        if not sizes or sorted(set(sizes)) != sizes or sizes[0] < 1:
-            raise ValueError("batch_sizes is a non-empty increasing list of positive sizes")
-        return sizes
-
-    @model_validator(mode="after")
-    def _keys_fit_kind(self) -> Config:
-        foreign = {k for kind, keys in KIND_KEYS.items() if kind != self.kind for k in keys}
-        if self.kind == "ngram":
-            foreign |= MODEL_DRAFT_KEYS
-        wrong = sorted(self.model_fields_set & foreign)
-        if wrong:
-            raise ValueError(f"{', '.join(wrong)} does not apply to kind {self.kind!r}")
-        if self.kind == "model" and not self.model:
-            raise ValueError("kind 'model' needs `model: PATH`")
-        if self.kind == "ngram" and self.ngram is False and "ngram" in self.model_fields_set:
-            raise ValueError("kind 'ngram' cannot switch n-gram lookup off")
-        return self
-
-    def ngram_options(self) -> NgramOptions | None:
-        if isinstance(self.ngram, NgramOptions):
-            return self.ngram
-        return NgramOptions() if self.ngram or self.kind == "ngram" else None
-
-
-def run(ir: ModelIR, config: Config, context: Any) -> PassResult:
+def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     started = time.perf_counter()
     report: dict[str, Any] = {"kind": config.kind}
     draft, token_map = None, None
-    if config.kind != "ngram":
+    if not isinstance(config, NgramDraft):
         draft, token_map = build_draft(ir, config, context, report)
-        if config.passes:
-            from llmopt.compiler.pipeline import apply_passes
-
-            configs = [(name, load_pass(name).Config.model_validate(options or {}))
-                       for entry in config.passes for name, options in entry.items()]
-            draft, report["passes"] = apply_passes(draft, configs, context)
+        if config.passes:  # the pipeline runs them, as it runs the target's
+            if context.run_passes is None:
+                raise ValueError("the draft's own passes need the pipeline's pass runner")
+            draft, report["passes"] = context.run_passes(draft, config.passes, context)
         report["draft"] = _draft_summary(draft, token_map)
     speculative = measure_pairing(ir, draft, token_map, config, context)
     ngram = config.ngram_options()
@@ -164,11 +61,10 @@ def run(ir: ModelIR, config: Config, context: Any) -> PassResult:
 
 
 # --- building the draft --------------------------------------------------------------------
-def build_draft(ir: ModelIR, config: Config, context: Any,
+def build_draft(ir: ModelIR, config: DraftModelConfig, context: PassContext,
                 report: dict[str, Any]) -> tuple[ModelIR, torch.Tensor | None]:
     """The draft IR for `config.kind`, head-trimmed and distilled as asked."""
-    steps = config.distill_steps if config.distill_steps is not None else (
-        200 if config.kind == "tiny" else 0)
+    steps = config.steps()
     windows, mask, own = None, None, None
     if config.distill_data == "self" and (steps or config.head_vocab or config.kind == "tiny"):
         data = _self_windows(ir, config, context)
@@ -190,8 +86,8 @@ def build_draft(ir: ModelIR, config: Config, context: Any,
                                   first=own)
         draft, token_map = dm.trim_head(draft, token_map, keep)
     if steps:
-        lr = config.distill_lr or (1e-3 if config.kind == "tiny" else 5e-4)
-        settings = DistillSettings(steps, lr, config.distill_batch_size, TRAINABLE[config.kind])
+        settings = DistillSettings(steps, config.lr(), config.distill_batch_size,
+                                   config.trainable)
         context.log(f"      distilling the {config.kind} draft: {steps} steps of "
                     f"{config.distill_batch_size} x {windows.shape[1]} tokens "
                     f"({config.distill_data} data)")
@@ -206,7 +102,8 @@ def _load(model: str | None) -> ModelIR:
     return load_checkpoint(str(model))
 
 
-def _calibration_windows(ir: ModelIR, config: Config, context: Any) -> torch.Tensor:
+def _calibration_windows(ir: ModelIR, config: DraftModelConfig,
+                         context: PassContext) -> torch.Tensor:
     text = context.recipe.calibration.text
     if text is None:
         raise ValueError(f"the {config.kind} draft needs calibration text (distillation or "
@@ -214,12 +111,12 @@ def _calibration_windows(ir: ModelIR, config: Config, context: Any) -> torch.Ten
     return text_windows(ir, text, config.distill_seq_len)
 
 
-def _self_windows(ir: ModelIR, config: Config, context: Any) -> Any:
+def _self_windows(ir: ModelIR, config: DraftModelConfig, context: PassContext) -> Any:
     """The target's greedy continuations of built prompts, generated through ONNX Runtime
     on the lowered target (far faster than the torch reference)."""
-    from llmopt.passes import draft_data
-    from llmopt.passes.draft_choice import target_tokenizer
-    from llmopt.passes.draft_measure import PagedRunner
+    from llmopt.passes.draft import data as draft_data
+    from llmopt.passes.draft.choice import target_tokenizer
+    from llmopt.passes.draft.measure import PagedRunner
 
     recipe = context.recipe
     block_size = recipe.runtime.block_size
@@ -243,7 +140,7 @@ def _self_windows(ir: ModelIR, config: Config, context: Any) -> Any:
     return data
 
 
-def _frequency_ids(ir: ModelIR, config: Config, context: Any,
+def _frequency_ids(ir: ModelIR, config: DraftModelConfig, context: PassContext,
                    windows: torch.Tensor) -> torch.Tensor:
     """Token ids whose counts rank the LM head rows: the windows, and with self data the
     calibration text too (the continuations alone hold too few distinct tokens)."""
@@ -257,7 +154,7 @@ def _special_ids(ir: ModelIR) -> tuple[int, ...]:
     return tuple(i for i in ids if i is not None and i < ir.arch.vocab_size)
 
 
-def _tiny(ir: ModelIR, config: Config, windows: torch.Tensor) -> ModelIR:
+def _tiny(ir: ModelIR, config: TinyDraft, windows: torch.Tensor) -> ModelIR:
     arch, spec = ir.arch, ir.arch.layers[0]
     kv_heads = config.num_kv_heads or max(1, spec.num_kv_heads // 2)
     shape = dm.TinyShape(
@@ -293,9 +190,9 @@ def _draft_summary(draft: ModelIR, token_map: torch.Tensor | None) -> dict[str, 
 
 # --- measuring the pairing -------------------------------------------------------------
 def measure_pairing(ir: ModelIR, draft: ModelIR | None, token_map: torch.Tensor | None,
-                    config: Config, context: Any) -> dict[str, Any]:
+                    config: Config, context: PassContext) -> dict[str, Any]:
     """Lower target (and draft) into a temporary directory and measure them there."""
-    from llmopt.passes import draft_choice as m
+    from llmopt.passes.draft import choice as m
 
     recipe = context.recipe
     block_size = recipe.runtime.block_size
@@ -323,10 +220,9 @@ def measure_pairing(ir: ModelIR, draft: ModelIR | None, token_map: torch.Tensor 
         return m.measure(target, draft_exec, mapping, settings)
 
 
-def _executor(ir: ModelIR, recipe: Any, path: Path, num_blocks: int) -> Any:
-    from llmopt.compiler.lower import cache_tensors, lower_to_onnx
+def _executor(ir: ModelIR, recipe: Recipe, path: Path, num_blocks: int) -> Any:
+    from llmopt.compiler.lower import cache_tensors, lower_to_onnx, lowering_options
     from llmopt.compiler.onnx_graph import save_with_external_data
-    from llmopt.compiler.pipeline import lowering_options
     from llmopt.runtime.executor import OrtExecutor
     from llmopt.runtime.manifest import KVCacheSpec
 

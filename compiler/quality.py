@@ -11,6 +11,7 @@ import torch
 
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.reference import ReferenceModel
+from llmopt.runtime.evaluate import windows_of
 
 
 @dataclass(frozen=True)
@@ -20,15 +21,8 @@ class QualityProbe:
     @classmethod
     def from_text(cls, ir: ModelIR, text_file: str | Path, windows: int,
                   seq_len: int) -> QualityProbe:
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_str(ir.tokenizer_files["tokenizer.json"].decode())
-        ids = tokenizer.encode(Path(text_file).read_text(encoding="utf-8"),
-                               add_special_tokens=False).ids
-        count = min(windows, len(ids) // seq_len)
-        if count == 0:
-            raise ValueError(f"{text_file} has fewer than {seq_len} tokens: no quality window")
-        return cls([ids[i * seq_len:(i + 1) * seq_len] for i in range(count)])
+        return cls(windows_of(ir.text_token_ids(text_file), seq_len, windows,
+                              source=f"quality.eval_text {text_file}"))
 
     @torch.no_grad()
     def compare(self, before: ModelIR, after: ModelIR) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Measuring a draft: the speedup formula, greedy acceptance on the target's own greedy
+"""Measuring a draft: greedy acceptance on the target's own greedy
 continuations (and a simulation of n-gram lookup along them), and step costs of the
 lowered graphs under ONNX Runtime.
 
@@ -15,34 +15,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llmopt.runtime.drafter import ngram_lookup  # the simulation proposes what the runtime will
 from llmopt.runtime.executor import OrtExecutor
-from llmopt.runtime.kv_cache_manager import cdiv
-from llmopt.runtime.step_batch import StepBatch
-
-
-# --- the formula ------------------------------------------------------------------------
-def expected_tokens(alphas: Sequence[float], gamma: int) -> float:
-    """Tokens per target step with γ drafts: 1 + Σ_{i≤γ} Π_{j≤i} α_j (the bonus/correction
-    token, plus each draft token accepted only if all before it were)."""
-    total, survive = 1.0, 1.0
-    for alpha in alphas[:gamma]:
-        survive *= alpha
-        total += survive
-    return total
-
-
-def best_gamma(tokens_per_step: Sequence[float], cost_per_step: Sequence[float]
-               ) -> tuple[int, float]:
-    """(γ, speedup) maximising tokens/cost; entry γ-1 is γ's (costs in target steps)."""
-    speedups = [t / c for t, c in zip(tokens_per_step, cost_per_step, strict=True)]
-    best = max(range(len(speedups)), key=lambda i: speedups[i])
-    return best + 1, speedups[best]
-
-
-def model_step_cost(gamma: int, draft: float, verify: float) -> float:
-    """One speculative step in target steps: γ draft steps plus a (γ+1)-token verify."""
-    return gamma * draft + verify
+from llmopt.runtime.paging import cdiv
+from llmopt.runtime.spec.drafter import (
+    ngram_lookup,  # the simulation proposes what the runtime will
+)
+from llmopt.runtime.step_batch import SequenceStep, make_step_batch
 
 
 # --- acceptance ---------------------------------------------------------------------------
@@ -122,7 +100,8 @@ def simulate(trajectories: list[Trajectory], gamma: int,
 
 # --- running the lowered graphs ----------------------------------------------------------
 class PagedRunner:
-    """Drives an OrtExecutor over disjoint per-sequence block ranges (no block manager)."""
+    """Drives an OrtExecutor over disjoint per-sequence block ranges (no block manager:
+    measurement sequences never share or free blocks)."""
 
     def __init__(self, executor: OrtExecutor, block_size: int, blocks_per_seq: int):
         self.executor, self.block_size, self.blocks_per_seq = executor, block_size, blocks_per_seq
@@ -132,23 +111,14 @@ class PagedRunner:
         """Feed queries[b] at positions starts[b].. of sequence seqs[b] (default b); logits
         of each query's last row, or of every row."""
         seqs = list(range(len(queries))) if seqs is None else seqs
-        tables = [self._table(s) for s in seqs]
-        slots = [self._slots(table, start, len(q))
-                 for table, start, q in zip(tables, starts, queries, strict=True)]
-        ends = np.cumsum([len(q) for q in queries])
-        rows = np.arange(ends[-1]) if all_logits else ends - 1
-        batch = StepBatch(queries, list(starts), tables, np.concatenate(slots),
-                          rows.astype(np.int64))
-        return self.executor.execute(batch)
+        sequences = [
+            SequenceStep(q, start, self._table(s), range(len(q)) if all_logits else [len(q) - 1])
+            for q, start, s in zip(queries, starts, seqs, strict=True)]
+        return self.executor.execute(make_step_batch(sequences, self.block_size))
 
     def _table(self, seq: int) -> list[int]:
         first = 1 + seq * self.blocks_per_seq  # block 0 is the null block
         return list(range(first, first + self.blocks_per_seq))
-
-    def _slots(self, table: list[int], start: int, n: int) -> np.ndarray:
-        positions = np.arange(start, start + n)
-        return np.asarray(table)[positions // self.block_size] * self.block_size + (
-            positions % self.block_size)
 
 
 def greedy_trajectories(runner: PagedRunner, prompts: list[list[int]], new_tokens: int,

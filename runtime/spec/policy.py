@@ -1,18 +1,19 @@
 """How many draft tokens a sequence gets this step: only as many as pay for themselves.
 
-A speculative step with k drafts costs `verify_cost[k] + k * draft_cost` target steps
-(a (k+1)-token verification plus k draft steps) and emits, when each draft is accepted
-with probability α, (1 - α^(k+1)) / (1 - α) tokens in expectation. The policy picks the
-k in 0..γ with the most tokens per unit of cost; k = 0 is a plain step (1 token, cost
-1). The costs come from the compiler's measurements (the manifest); α is estimated per
-sequence and per draft source from its own recent verifications, starting from the
-compile-time acceptance. Sources differ a lot: a 4-token n-gram match is accepted far
-more often than a 1-token one (`Proposal.source`), so each is priced on its own record.
+A speculative step with k drafts costs `verify_cost[k] + k * draft_cost` target steps (a
+(k+1)-token verification plus k draft steps) and emits, when each draft is accepted with
+probability α, (1 - α^(k+1)) / (1 - α) tokens in expectation (`cost_model`). The policy
+picks the k in 0..γ with the most tokens per unit of cost; k = 0 is a plain step (1
+token, cost 1). The costs come from the compiler's measurements (the manifest); α is
+estimated per sequence and per draft source from its own recent verifications, starting
+from the compile-time acceptance. Sources differ a lot: a 4-token n-gram match is
+accepted far more often than a 1-token one (`Proposal.source`), so each is priced on its
+own record.
 
 The estimate forgets at rate `decay` per decode step, speculating or not, so a sequence
 whose drafts stopped paying drifts back towards the prior and is probed again later
 rather than switched off for good. The costs can be re-priced per step (`set_prices`)
-from what the engine measures on the machine it runs on (`speculation_governor`).
+from what the engine measures on the machine it runs on (`governor`).
 """
 
 from __future__ import annotations
@@ -20,15 +21,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from llmopt.runtime.request import Request
+from llmopt.runtime.spec.cost_model import expected_tokens, step_cost
 
 POOLED = "*"  # the record of every source of a sequence together
-
-
-def expected_tokens(alpha: float, num_drafts: int) -> float:
-    """Tokens a step emits with `num_drafts` drafts, each accepted with probability α."""
-    if alpha >= 1.0:
-        return num_drafts + 1.0
-    return (1.0 - alpha ** (num_drafts + 1)) / (1.0 - alpha)
 
 
 class SpeculationPolicy:
@@ -62,7 +57,7 @@ class SpeculationPolicy:
         Hierarchical: the sequence's pooled record (all sources) starts from the
         compile-time prior, and each source's record starts from the pooled estimate, so
         a source seen for the first time inherits what the sequence has shown so far."""
-        estimates = request.spec_accept_estimate
+        estimates = request.spec.accept_estimate
         pooled = self._estimate(estimates.get(POOLED, (0.0, 0.0)), self.prior_alpha)
         if source is None:
             return max([pooled, *(self._estimate(estimates[s], pooled)
@@ -78,8 +73,7 @@ class SpeculationPolicy:
 
     def cost(self, num_drafts: int) -> float:
         """A step with `num_drafts` drafts, in plain target steps."""
-        extra = self.verify_cost[num_drafts] - 1.0
-        return 1.0 + self.cost_scale * extra + num_drafts * self.draft_cost
+        return step_cost(num_drafts, self.verify_cost, self.draft_cost, self.cost_scale)
 
     def num_drafts(self, request: Request, source: str | None = None) -> int:
         alpha = self.alpha(request, source)
@@ -91,7 +85,7 @@ class SpeculationPolicy:
         """Record one decode step: the drafts' source, how many were verified and how many
         accepted (0, 0 for a plain step). A run of acceptances ended by a rejection is
         geometric evidence. Every source's evidence fades at each step."""
-        estimates = request.spec_accept_estimate
+        estimates = request.spec.accept_estimate
         for name, (accepted, rejected) in estimates.items():
             estimates[name] = (self.decay * accepted, self.decay * rejected)
         if num_drafts:

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmopt.runtime.rejection_sampler import verify_drafts
 from llmopt.runtime.sampling_params import SamplingParams
+from llmopt.runtime.spec.rejection_sampler import verify_drafts
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -1,4 +1,4 @@
-"""Choose γ for a draft pairing: run the measurements of `draft_measure` on the lowered
+"""Choose γ for a draft pairing: run the measurements of `measure` on the lowered
 graphs, then pick the γ that maximises the expected speedup at the first batch size,
 the largest batch size where speculation still pays, and the manifest's records.
 """
@@ -10,28 +10,29 @@ import time
 from dataclasses import dataclass, replace
 
 import numpy as np
-import tokenizers
 
 from llmopt.compiler.ir import ModelIR
-from llmopt.passes.draft_distill import text_windows
-from llmopt.passes.draft_measure import (
+from llmopt.passes.draft.distill import text_windows
+from llmopt.passes.draft.measure import (
     PagedRunner,
     SimulatedSteps,
     StepCosts,
     Trajectory,
-    best_gamma,
     draft_agreement,
-    expected_tokens,
     greedy_trajectories,
     measure_costs,
-    model_step_cost,
     position_acceptance,
     run_lengths,
     simulate,
 )
 from llmopt.runtime.executor import OrtExecutor
-from llmopt.runtime.kv_cache_manager import cdiv
 from llmopt.runtime.manifest import TokenizerSpec
+from llmopt.runtime.paging import cdiv
+from llmopt.runtime.spec.cost_model import (
+    best_gamma,
+    expected_tokens_per_position,
+    model_step_cost,
+)
 from llmopt.runtime.tokenizer import Tokenizer
 
 
@@ -132,7 +133,7 @@ def _acceptance(trajectories: list[Trajectory], sims: list[SimulatedSteps] | Non
                                for t in trajectories])
         alphas = position_acceptance(runs, settings.max_gamma)
         gammas = range(1, settings.max_gamma + 1)
-        return alphas, [expected_tokens(alphas, g) for g in gammas], {}
+        return alphas, [expected_tokens_per_position(alphas, g) for g in gammas], {}
     widest = sims[-1]
     extra = {"ngram_match_rate": round(widest.sources.count("ngram") / len(widest.sources), 4),
              "simulated_tokens_per_step": [round(s.tokens_per_step(), 4) for s in sims]}
@@ -229,5 +230,4 @@ def target_tokenizer(ir: ModelIR) -> Tokenizer:
     spec = ir.tokenizer_spec or TokenizerSpec(file="tokenizer.json",
                                               bos_token=tokens.get("bos_token"),
                                               eos_token=tokens.get("eos_token"))
-    return Tokenizer(
-        tokenizers.Tokenizer.from_str(ir.tokenizer_files["tokenizer.json"].decode()), spec)
+    return Tokenizer(ir.text_tokenizer(), spec)

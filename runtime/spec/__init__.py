@@ -1,0 +1,11 @@
+"""Speculative decoding at run time: one home.
+
+- `drafter`: what proposes draft tokens (n-gram lookup, the artifact's draft graph);
+- `rejection_sampler`: the exact acceptance rule;
+- `cost_model`: what a speculative step costs and emits (shared with the compiler's
+  draft pass, which chooses γ with the same formulas);
+- `policy`: how many drafts each sequence takes, from its acceptance and their price;
+- `governor`: prices drafts from the engine's own step timings;
+- `state`: a request's speculation state (one object per request);
+- `speculator`: ties them together for the engine's step.
+"""

@@ -1,0 +1,189 @@
+"""Speculator: what the engine's step asks of speculative decoding, in one object.
+
+Per step: `max_drafts` gives the scheduler each sequence's draft budget (None: no
+speculation this step — above the batch-size limit, or a plain probe step of the
+governor); `propose` fills the draft slots the scheduler reserved; `verify` applies the
+exact rule to a sequence's logits rows; `observe` and `record_step` feed the policy
+(acceptance per sequence and source) and the governor (step timings per batch size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from llmopt.runtime.kv_cache_manager import KVCacheManager
+from llmopt.runtime.manifest import KVCacheSpec, Manifest, SpeculativeSpec
+from llmopt.runtime.request import Request
+from llmopt.runtime.scheduler import ScheduledRequest
+from llmopt.runtime.spec.cost_model import equivalent_alpha
+from llmopt.runtime.spec.drafter import Drafter, FallbackDrafter, ModelDrafter, NgramDrafter
+from llmopt.runtime.spec.governor import SpeculationGovernor
+from llmopt.runtime.spec.policy import SpeculationPolicy
+from llmopt.runtime.spec.rejection_sampler import verify_drafts
+from llmopt.runtime.step_batch import Executor
+
+
+class Speculator:
+    def __init__(
+        self,
+        drafter: Drafter,
+        gamma: int,
+        max_batch_size: int | None = None,
+        policy: SpeculationPolicy | None = None,
+        governor: SpeculationGovernor | None = None,
+    ):
+        """γ drafts at most per sequence and step, none while more than `max_batch_size`
+        sequences run (None: any batch size). `policy` sizes each sequence's drafts from
+        its acceptance and their cost (None: always γ); `governor` prices drafts for it
+        from the engine's step timings (None: the manifest's prices)."""
+        if gamma < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {gamma}")
+        self.drafter = drafter
+        self.gamma = gamma
+        self.max_batch_size = max_batch_size
+        self.policy = policy
+        self.governor = governor
+        self.draft_seconds = 0.0  # the last step's drafting time
+
+    def max_drafts(self, batch_size: int) -> Callable[[Request], int] | None:
+        """This step's draft budget per sequence, for `batch_size` running sequences."""
+        limit = self.max_batch_size
+        if self.gamma == 0 or (limit is not None and batch_size > limit):
+            return None
+        if self.governor is not None:
+            if not self.governor.allows(batch_size):
+                return None
+            if self.policy is not None:
+                prices = self.governor.prices(batch_size)
+                self.policy.set_prices(prices.cost_scale, prices.draft_cost)
+        policy = self.policy
+        if policy is None:
+            return lambda request: self.gamma
+        return lambda request: min(self.gamma, policy.num_drafts(request))
+
+    def propose(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """Fill the draft slots the scheduler reserved; give back the ones left unused."""
+        started = time.perf_counter()
+        speculating = [i for i, item in enumerate(scheduled) if item.num_spec_tokens]
+        if not speculating:
+            self.draft_seconds = 0.0
+            return scheduled
+        requests = [scheduled[i].request for i in speculating]
+        policy = self.policy  # prices each source's drafts before they are made
+        proposals = self.drafter.propose(
+            requests, [scheduled[i].num_spec_tokens for i in speculating],
+            policy.num_drafts if policy is not None else None)
+        scheduled = list(scheduled)
+        for i, request, proposal in zip(speculating, requests, proposals, strict=True):
+            spec = request.spec
+            spec.token_ids, spec.source = list(proposal.token_ids), proposal.source
+            spec.probs = proposal.probs if proposal.token_ids else None
+            unused = scheduled[i].num_spec_tokens - len(proposal.token_ids)
+            scheduled[i] = dataclasses.replace(
+                scheduled[i], num_tokens=scheduled[i].num_tokens - unused,
+                num_spec_tokens=len(proposal.token_ids))
+        self.draft_seconds = time.perf_counter() - started
+        return scheduled
+
+    def verify(self, request: Request, logits: np.ndarray) -> list[int]:
+        """The tokens a sequence with drafts emits: its accepted drafts plus one."""
+        spec = request.spec
+        tokens = verify_drafts(logits, spec.token_ids, spec.probs, request.sampling_params,
+                               request.generator, request.all_token_ids)
+        spec.num_steps += 1
+        spec.num_draft_tokens += len(spec.token_ids)
+        spec.num_accepted_tokens += len(tokens) - 1
+        return tokens
+
+    def observe(self, request: Request, emitted: Sequence[int]) -> None:
+        """A decode step gave `request` these tokens: evidence for its acceptance record."""
+        if self.policy is not None:
+            num_drafts = len(request.spec.token_ids)
+            self.policy.observe(request, request.spec.source, num_drafts,
+                                min(len(emitted) - 1, num_drafts))
+
+    def record_step(self, scheduled: Sequence[ScheduledRequest], seconds: float) -> None:
+        """Time a pure decode step (every sequence one known token, plus its drafts) for
+        the governor, drafting time apart."""
+        pure_decode = all(not item.request.score_only and item.num_tokens
+                          - item.num_spec_tokens == 1 for item in scheduled)
+        if self.governor is not None and pure_decode:
+            self.governor.record([item.num_spec_tokens for item in scheduled],
+                                 seconds - self.draft_seconds, self.draft_seconds)
+
+
+# --- assembling an artifact's speculator ------------------------------------------------
+ExecutorFor = Callable[[str, KVCacheSpec, int], Executor]
+
+
+def build_speculator(
+    path: Path,
+    manifest: Manifest,
+    kv_cache_manager: KVCacheManager,
+    executor_for: ExecutorFor,
+    *,
+    enabled: bool = True,
+    gamma: int | None = None,
+    max_batch_size: int | None = None,
+    adaptive: bool = True,
+    drafts: str = "all",
+) -> Speculator | None:
+    """The artifact's speculator (None without a draft, when not `enabled`, or with
+    γ = 0). `gamma` and `max_batch_size` override the compiler's choices;
+    `adaptive=False`: always γ."""
+    spec = manifest.speculative if enabled else None
+    gamma = gamma if gamma is not None else (spec.gamma if spec else 0)
+    if gamma and spec is None:
+        raise ValueError("num_speculative_tokens > 0 needs an artifact compiled with a draft "
+                         "(a `draft` pass) and speculative=True")
+    if not gamma or spec is None:
+        return None
+    drafter = make_drafter(path, manifest, spec, kv_cache_manager, executor_for, drafts)
+    priced = adaptive and len(spec.verify_cost) >= gamma + 1  # the compiler measured costs
+    policy = governor = None
+    if priced:
+        prior = equivalent_alpha(spec.acceptance, gamma) if spec.acceptance else 0.5
+        policy = SpeculationPolicy(gamma, spec.verify_cost, spec.cost_ratio or 0.0, prior)
+        governor = SpeculationGovernor(spec.verify_cost, spec.cost_ratio or 0.0)
+    limit = max_batch_size if max_batch_size is not None else spec.max_batch_size
+    return Speculator(drafter, gamma, limit, policy, governor)
+
+
+def make_drafter(
+    path: Path,
+    manifest: Manifest,
+    spec: SpeculativeSpec,
+    kv_cache_manager: KVCacheManager,
+    executor_for: ExecutorFor,
+    drafts: str = "all",
+) -> Drafter:
+    """The artifact's drafter: n-gram lookup, its draft model, or n-gram falling back to it
+    (`drafts`: "all" of those it has, only "ngram" or only "model")."""
+    if drafts not in ("all", "ngram", "model"):
+        raise ValueError(f"drafts must be 'all', 'ngram' or 'model', got {drafts!r}")
+    if drafts != "all" and getattr(spec, drafts) is None:
+        raise ValueError(f"drafts={drafts!r}, but the artifact has no {drafts} draft")
+    model = None
+    if spec.model is not None and drafts != "ngram":
+        draft = spec.model
+        token_map = None
+        if draft.token_map is not None:
+            token_map = np.load(path / draft.token_map).astype(np.int64)
+            if token_map.shape != (draft.vocab_size,):
+                raise ValueError(f"the draft's token map {draft.token_map} has shape "
+                                 f"{token_map.shape}, expected ({draft.vocab_size},)")
+        executor = executor_for(draft.graph, draft.kv_cache, draft.max_position)
+        model = ModelDrafter(executor, kv_cache_manager, manifest.model.vocab_size, token_map)
+    ngram = spec.ngram and drafts != "model" and NgramDrafter(spec.ngram.min_n,
+                                                              spec.ngram.max_n)
+    if ngram and model:
+        return FallbackDrafter(ngram, model)
+    if ngram or model:
+        return ngram or model
+    raise ValueError("the manifest's speculative section names neither an n-gram nor a "
+                     "model draft")

@@ -1,0 +1,69 @@
+"""The compile pipeline: pass constraints checked before work, passes run in order, the
+quality budget enforced."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmopt.compiler.loader import load_checkpoint
+from llmopt.compiler.pipeline import (
+    QualityBudgetError,
+    apply_passes,
+    check_budget,
+    check_pass_order,
+    compile_recipe,
+)
+from llmopt.compiler.recipe import Recipe
+from llmopt.passes import registry
+from llmopt.passes.registry import PassContext, PassEntry
+
+
+@pytest.mark.parametrize(("passes", "message"), [
+    ([{"rtn": {}}, {"gptq": {}}], "passes 'rtn' and 'gptq' are both weight-quantization"),
+    ([{"draft": {"kind": "ngram"}}, {"awq": {}}], "'awq' comes after 'draft', which must be"),
+])
+def test_constraints_between_passes_fail_before_any_work(tmp_path, passes, message):
+    recipe = Recipe(model=str(tmp_path / "never-loaded"), passes=passes)
+    with pytest.raises(ValueError, match=message):
+        compile_recipe(recipe, tmp_path / "out", log=lambda _: None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_requirement_names_the_pass(monkeypatch):
+    monkeypatch.setitem(registry.PASSES, "needs_q",
+                        PassEntry("llmopt.passes.rtn", requires=("quantized_weights",)))
+    with pytest.raises(ValueError, match="pass 'needs_q' needs quantized_weights"):
+        registry.check_order(["needs_q", "rtn"])
+    registry.check_order(["rtn", "needs_q"])
+
+
+def test_a_draft_cannot_pair_a_draft():
+    with pytest.raises(ValueError, match="unknown draft pass 'draft'"):
+        Recipe(model="m", passes=[{"draft": {"kind": "self", "passes": [{"draft": {}}]}}])
+
+
+def test_passes_run_in_order_and_report(tiny_checkpoints):
+    ir = load_checkpoint(str(tiny_checkpoints["llama"]))
+    recipe = Recipe(model="m", passes=[{"rtn": {"bits": 8, "group_size": 32}}])
+    check_pass_order(recipe)
+    out, reports = apply_passes(ir, recipe.passes, PassContext(recipe, lambda _: None))
+    assert [r["name"] for r in reports] == ["rtn"] and reports[0]["config"]["bits"] == 8
+    assert out.quantized and not ir.quantized  # the input IR is left intact
+
+
+def test_lossy_passes_are_measured_on_the_eval_text(tiny_checkpoints, word_text):
+    ir = load_checkpoint(str(tiny_checkpoints["llama"]))
+    recipe = Recipe(model="m", passes=[{"rtn": {"bits": 4, "group_size": 32}}],
+                    quality={"eval_text": str(word_text), "eval_windows": 2,
+                             "eval_seq_len": 64})
+    _, (report,) = apply_passes(ir, recipe.passes, PassContext(recipe, lambda _: None))
+    quality = report["quality"]
+    assert quality["tokens"] == 2 * 63 and quality["ppl_before"] > 0 and quality["kl"] > 0
+
+
+def test_the_quality_budget_fails_a_pass_that_costs_more():
+    report = {"quality": {"ppl_before": 10.0, "ppl_after": 10.6, "ppl_increase_pct": 6.0,
+                          "kl": 0.1, "top1_agreement": 0.9}}
+    check_budget("rtn", report, 6.0, lambda _: None)  # at the budget: allowed
+    with pytest.raises(QualityBudgetError, match="pass 'rtn' raised perplexity by 6.00 %"):
+        check_budget("rtn", report, 5.0, lambda _: None)

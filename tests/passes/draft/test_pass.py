@@ -1,0 +1,113 @@
+"""The draft pass end to end: its config, its place in the recipe, and the artifact's
+draft graph + manifest.speculative."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from draft_helpers import (
+    SUBSET_TOKENS,
+    TARGET_TOKENS,
+    compile_with_draft,
+    draft_logits,
+    truncated_logits,
+)
+
+from llmopt.compiler.pipeline import check_pass_order
+from llmopt.compiler.recipe import Recipe
+from llmopt.passes import draft
+from llmopt.passes.draft import model as dm
+from llmopt.runtime.artifact import load_manifest
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+
+def test_config_checks_keys_against_the_kind():
+    with pytest.raises(ValueError, match="layers does not apply to kind 'tiny'"):
+        draft.make_config(kind="tiny", layers=2)
+    with pytest.raises(ValueError, match="needs `model: PATH`"):
+        draft.make_config(kind="model")
+    with pytest.raises(ValueError, match="head_vocab does not apply to kind 'ngram'"):
+        draft.make_config(kind="ngram", head_vocab=10)
+    with pytest.raises(ValueError, match="gamma"):
+        draft.make_config(kind="self", gamma=9)
+    with pytest.raises(ValueError, match="unknown draft pass"):
+        draft.make_config(kind="self", passes=[{"draft": {}}])
+    assert draft.make_config(kind="self", ngram=True).ngram_options().max_n == 4
+    assert draft.make_config(kind="ngram").ngram_options().min_n == 1
+
+
+def test_draft_must_be_the_last_pass(target_dir):
+    recipe = Recipe(model=str(target_dir), passes=[{"draft": {"kind": "ngram"}}, {"rtn": {}}])
+    with pytest.raises(ValueError, match="must be the last pass"):
+        check_pass_order(recipe)
+
+
+def test_self_draft_artifact(target_dir, target, word_text, tmp_path):
+    out = compile_with_draft(target_dir, word_text, tmp_path / "a", kind="self", layers=2,
+                             gamma=3, passes=[{"rtn": {"bits": 8, "group_size": 32}}])
+    manifest = load_manifest(out)
+    spec = manifest.speculative
+    assert set(manifest.graphs) == {"target", "draft"} and spec.gamma == 3
+    assert spec.model.kind == "self" and spec.model.token_map is None and spec.ngram is None
+    assert len(spec.model.kv_cache.layers) == 2 and spec.model.vocab_size == 256
+    assert len(spec.acceptance) == 8 and spec.cost_ratio > 0
+    assert len(spec.verify_cost) == 9 and spec.verify_cost[0] == 1.0
+    assert len(spec.measured["predicted_speedup"]) == 2
+    report = manifest.passes[0]
+    assert report["name"] == "draft" and report["passes"][0]["name"] == "rtn"
+    assert manifest.ir["draft"]["arch"]["layers"] and "draft.onnx" in manifest.files
+    # The draft graph computes the 8-bit truncated target (its own rtn pass).
+    from llmopt.passes import rtn
+
+    quantized = rtn.run(dm.truncated(target, 2), rtn.Config(bits=8, group_size=32), None).ir
+    tokens = list(range(3, 33))
+    expected = truncated_logits(quantized, torch.tensor([tokens]), 2)[0].numpy()
+    np.testing.assert_allclose(draft_logits(out, tokens), expected, atol=1e-4)
+
+
+def test_subset_model_draft_artifact_with_ngram(target_dir, subset_dir, word_text, tmp_path):
+    out = compile_with_draft(target_dir, word_text, tmp_path / "b", kind="model",
+                             model=str(subset_dir), ngram={"max_n": 3})
+    manifest = load_manifest(out)
+    spec = manifest.speculative
+    assert spec.ngram.max_n == 3 and spec.model.kind == "model"
+    assert spec.model.vocab_size == len(SUBSET_TOKENS)
+    token_map = np.load(out / spec.model.token_map)
+    assert spec.model.token_map in manifest.files
+    assert token_map.tolist() == [TARGET_TOKENS.index(t) for t in SUBSET_TOKENS]
+    logits = draft_logits(out, list(range(3, 20)))
+    assert logits.shape == (17, len(SUBSET_TOKENS))
+    assert spec.measured["model_only"]["gamma"] >= 1 and "ngram_only" in spec.measured
+    assert "ngram_match_rate" in spec.measured and manifest.passes[0]["vocabulary"] == (
+        "mapped subset")
+
+
+def test_ngram_only_artifact(target_dir, word_text, tmp_path):
+    manifest = load_manifest(compile_with_draft(target_dir, word_text, tmp_path / "c",
+                                                kind="ngram"))
+    spec = manifest.speculative
+    assert set(manifest.graphs) == {"target"} and spec.model is None
+    assert spec.ngram.min_n == 1 and 1 <= spec.gamma <= 8 and spec.cost_ratio == 0.0
+
+
+def test_recipe_resolves_the_draft_model_path(target_dir, tmp_path):
+    from llmopt.compiler.recipe import load_recipe
+
+    (tmp_path / "drafts" / "small").mkdir(parents=True)
+    (tmp_path / "r.yaml").write_text(
+        f"model: {target_dir}\npasses:\n  - draft: {{kind: model, model: drafts/small}}\n")
+    (entry,) = load_recipe(tmp_path / "r.yaml").passes
+    assert entry.config.model == str(tmp_path / "drafts" / "small")
+
+
+def test_tiny_draft_distilled_on_its_own_continuations(target_dir, word_text, tmp_path):
+    manifest = load_manifest(compile_with_draft(
+        target_dir, word_text, tmp_path / "s", kind="tiny", num_layers=1, head_vocab=64,
+        distill_steps=3, distill_data="self", distill_prompts=4, distill_new_tokens=8))
+    report = manifest.passes[0]
+    assert report["distill_data"]["data"] == "self" and report["distill_data"]["prompts"] == 4
+    assert report["distill_data"]["generation_seconds"] >= 0
+    assert report["distillation"]["steps"] == 3 and report["distillation"]["seconds"] >= 0
+    assert manifest.speculative.model.kind == "tiny" and manifest.speculative.model.vocab_size == 64
