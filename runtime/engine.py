@@ -19,6 +19,7 @@ import numpy as np
 
 from llmopt.runtime.drafter import Drafter
 from llmopt.runtime.kv_cache_manager import KVCacheManager, cdiv
+from llmopt.runtime.logprobs import token_logprobs
 from llmopt.runtime.output import OutputText, RequestMetrics, RequestOutput, SpeculationMetrics
 from llmopt.runtime.rejection_sampler import verify_drafts
 from llmopt.runtime.request import Request
@@ -220,8 +221,9 @@ class LLMEngine:
                 [r.generator for r in to_sample],
                 [r.all_token_ids for r in to_sample],
             )
-            for request, token in zip(to_sample, token_ids, strict=True):
+            for request, token, row in zip(to_sample, token_ids, sample_rows, strict=True):
                 emitted[request.request_id] = [int(token)]
+                _record_logprobs(request, logits[row : row + 1], [int(token)])
         for request_id, tokens in emitted.items():
             request = self.requests[request_id]
             request.num_decode_steps += 1
@@ -238,6 +240,7 @@ class LLMEngine:
         request.num_spec_steps += 1
         request.num_draft_tokens += len(drafts)
         request.num_accepted_tokens += len(tokens) - 1
+        _record_logprobs(request, logits, tokens)  # row j of the verified rows gave token j
         return tokens
 
     def _hit_stop_string(self, request: Request) -> bool:
@@ -268,6 +271,8 @@ class LLMEngine:
                 ),
             ),
             prompt_logprobs=request.prompt_logprobs,
+            logprobs=(list(request.output_logprobs)
+                      if request.sampling_params.logprobs is not None else None),
         )
         if request.is_finished:
             self.requests.pop(request.request_id, None)
@@ -277,6 +282,12 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self.prompts.pop(request_id, None)
         self.texts.pop(request_id, None)
+
+
+def _record_logprobs(request: Request, logits: np.ndarray, tokens: list[int]) -> None:
+    """Logprobs of a request's emitted tokens, if it asked for them."""
+    if request.sampling_params.logprobs is not None:
+        request.output_logprobs += token_logprobs(logits, tokens, request.sampling_params.logprobs)
 
 
 def record_prompt_logprobs(item: ScheduledRequest, logits: np.ndarray) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmopt.runtime.block_pool import BlockHash
+from llmopt.runtime.logprobs import TokenLogprob
 from llmopt.runtime.sampling_params import SamplingParams
 
 
@@ -60,6 +61,8 @@ class Request:
     spec_accept_estimate: dict[str, tuple[float, float]] = field(init=False,
                                                                  default_factory=dict)
     spec_source: str = field(init=False, default="")
+    # With sampling_params.logprobs set: one entry per output token.
+    output_logprobs: list[TokenLogprob] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
