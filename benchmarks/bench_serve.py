@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -71,43 +72,58 @@ def bodies(workload: list[tuple[str, int]], model: str) -> list[dict[str, Any]]:
             for prompt, max_tokens in workload]
 
 
-def server_command(system: str, args: argparse.Namespace, gguf: Path | None) -> list[str]:
+def server_command(system: str, args: argparse.Namespace, gguf: Path | None,
+                   port: int) -> list[str]:
     threads = str(args.threads)
     llmopt = str(Path(sys.executable).with_name("llmopt"))
     if system in LLMOPT:
         spec = "--speculative" if system == "llmopt-int4-spec" else "--no-speculative"
-        return [llmopt, "serve", args.artifact, "--port", str(PORT), "--threads", threads,
+        return [llmopt, "serve", args.artifact, "--port", str(port), "--threads", threads,
                 "--served-model-name", system, "--max-num-seqs", str(args.parallel), spec]
     if system == "llama-server":
-        return [args.llama_server, "-m", str(gguf), "--port", str(PORT), "-t", threads, "-tb",
+        return [args.llama_server, "-m", str(gguf), "--port", str(port), "-t", threads, "-tb",
                 threads, "-np", str(args.parallel), "-c", str(args.parallel * 1024),
-                "--no-webui", "--log-disable"]
+                "--no-webui"]
     return [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port",
-            str(PORT), "--n_threads", threads, "--n_threads_batch", threads, "--n_ctx", "1024"]
+            str(port), "--n_threads", threads, "--n_threads_batch", threads, "--n_ctx", "1024",
+            "--interrupt_requests", "False"]  # its default cuts a stream when the next arrives
 
 
-def health_url(system: str) -> str:
+def health_url(system: str, port: int) -> str:
     path = "/v1/models" if system == "llama-cpp-python" else "/health"
-    return f"http://127.0.0.1:{PORT}{path}"
+    return f"http://127.0.0.1:{port}{path}"
 
 
-def run_system(system: str, args: argparse.Namespace, gguf: Path | None,
-               workload: list[tuple[str, int]]) -> list[dict[str, Any]]:
-    url = f"http://127.0.0.1:{PORT}/v1/completions"
+def run_all(systems: list[str], args: argparse.Namespace, gguf: Path | None,
+            workload: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """Every server up at once (idle ones cost nothing), each rate run on every system in
+    turn, so a change in machine load hits all systems alike."""
     env = {**os.environ, "LLAMA_CPP_LIB_PATH": args.llama_cpp_lib or ""}
-    log = RESULTS_DIR / f"bench_serve-{system}.log"
+    if not args.llama_cpp_lib:
+        env.pop("LLAMA_CPP_LIB_PATH")
+    ports = {system: PORT + i for i, system in enumerate(systems)}
     rows = []
-    with ServerProcess(server_command(system, args, gguf), health_url(system), log, env) as srv:
-        asyncio.run(open_loop(url, bodies(workload[:2], system), 100.0, 0))  # warm-up
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for system, port in ports.items():
+            command = server_command(system, args, gguf, port)
+            log = RESULTS_DIR / f"bench_serve-{system}.log"
+            servers[system] = stack.enter_context(
+                ServerProcess(command, health_url(system, port), log, env))
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            asyncio.run(open_loop(url, bodies(workload[:2], system), 100.0, 0))  # warm-up
         for rate in args.rates:
-            load_before = os.getloadavg()[0]
-            results, wall = asyncio.run(open_loop(url, bodies(workload, system), rate,
-                                                  args.seed))
-            row = {"system": system, "rate": rate, **summarize(results, wall),
-                   "rss_mib": round(srv.rss_mib(), 1), "load_before": round(load_before, 2),
-                   "load_after": round(os.getloadavg()[0], 2)}
-            print(progress(row), flush=True)
-            rows.append(row)
+            for system, port in ports.items():
+                url = f"http://127.0.0.1:{port}/v1/completions"
+                load_before = os.getloadavg()[0]
+                results, wall = asyncio.run(open_loop(url, bodies(workload, system), rate,
+                                                      args.seed))
+                row = {"system": system, "rate": rate, **summarize(results, wall),
+                       "rss_mib": round(servers[system].rss_mib(), 1),
+                       "load_before": round(load_before, 2),
+                       "load_after": round(os.getloadavg()[0], 2)}
+                print(progress(row), flush=True)
+                rows.append(row)
     return rows
 
 
@@ -168,9 +184,9 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
                  "--json"]
     vocab = json.loads((Path(args.artifact) / "manifest.json").read_text())["model"][
         "vocab_size"]
-    command = server_command("llmopt-int4", args, None)
+    command = server_command("llmopt-int4", args, None, PORT)
     offline, http = [], []
-    with ServerProcess(command, health_url("llmopt-int4"), RESULTS_DIR /
+    with ServerProcess(command, health_url("llmopt-int4", PORT), RESULTS_DIR /
                        "bench_serve-overhead.log"):
         for i in range(args.overhead_rounds):
             result = subprocess.run(bench_cmd, capture_output=True, text=True, check=True)
@@ -247,12 +263,11 @@ def main() -> None:
     needs_gguf = any(s in ANCHORS for s in args.systems)
     gguf = prepare_gguf(args) if needs_gguf else None
     machine = machine_info(("llama_cpp_python", "fastapi", "uvicorn"))
-    rows: list[dict[str, Any]] = []
-    for system in args.systems:
-        if system == "llama-server" and not args.llama_server:
-            print("llama-server: skipped (no --llama-server path)")
-            continue
-        rows += run_system(system, args, gguf, workload)
+    systems = list(args.systems)
+    if "llama-server" in systems and not args.llama_server:
+        print("llama-server: skipped (no --llama-server path)")
+        systems.remove("llama-server")
+    rows = run_all(systems, args, gguf, workload)
     report = {"machine": machine, "rows": rows, "targets": targets_check(rows),
               "workload": {"requests_per_rate": args.requests, "rates": args.rates,
                            "mean_prompt_tokens": float(np.mean([len(tokenizer.encode(p))

@@ -154,10 +154,12 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         if isinstance(prompt, str):
             prompt_ids = server.llm.tokenizer.encode(prompt)
         else:
-            try:
-                prompt_ids = server.llm._checked_token_ids(prompt)
-            except ValueError as exc:
-                raise APIError(400, str(exc), param="prompt") from exc
+            vocab_size = server.llm.manifest.model.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab_size]
+            if bad:
+                raise APIError(400, f"prompt: token ids {bad[:5]} are outside the vocabulary "
+                               f"[0, {vocab_size})", param="prompt")
+            prompt_ids = list(prompt)
         return await _generate(server, body, request, prompt_ids, chat=False)
 
 

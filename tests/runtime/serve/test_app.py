@@ -131,6 +131,9 @@ def test_unknown_model_is_404_and_garbage_is_400(server, client):
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="gpt-4", messages=MESSAGES[0])
     assert "gpt-4" in info.value.body["message"]
+    bad_tokens = httpx.post(f"{server[0]}/v1/completions", json={"model": MODEL,
+                                                                  "prompt": [3, 64]})
+    assert bad_tokens.status_code == 400 and "outside the vocabulary" in bad_tokens.text
     for body in (b"{not json", b'{"model": "toy"}', b'{"model": "toy", "messages": 3}'):
         response = httpx.post(f"{server[0]}/v1/chat/completions", content=body,
                               headers={"content-type": "application/json"})
