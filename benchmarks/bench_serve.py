@@ -79,7 +79,8 @@ def server_command(system: str, args: argparse.Namespace, gguf: Path | None,
     if system in LLMOPT:
         spec = "--speculative" if system == "llmopt-int4-spec" else "--no-speculative"
         return [llmopt, "serve", args.artifact, "--port", str(port), "--threads", threads,
-                "--served-model-name", system, "--max-num-seqs", str(args.parallel), spec]
+                "--served-model-name", system, "--max-num-seqs", str(args.parallel),
+                "--max-context", "1024", spec]  # the context of one llama-server slot
     if system == "llama-server":
         return [args.llama_server, "-m", str(gguf), "--port", str(port), "-t", threads, "-tb",
                 threads, "-np", str(args.parallel), "-c", str(args.parallel * 1024),

@@ -59,6 +59,7 @@ class Server:
         self.capacity = llm.engine.config.max_num_seqs + config.max_waiting
         self.in_flight = 0  # engine requests admitted and not yet finished
         self.draining = False  # set on SIGTERM: admit nothing new
+        reserve_kv_pool(llm)
 
     def admit(self, num_requests: int) -> None:
         if self.draining:
@@ -83,6 +84,18 @@ class Server:
         if model != self.config.served_model_name:
             raise APIError(404, f"the model '{model}' does not exist; this server serves "
                            f"'{self.config.served_model_name}'", "not_found_error", "model")
+
+
+def reserve_kv_pool(llm: LLM) -> None:
+    """Write every KV pool page once, so the server's memory is its steady state from the
+    start: a pool the machine cannot hold fails now, not mid-load, and RSS stays flat
+    instead of growing as the free queue cycles through blocks never touched before."""
+    drafter = llm.engine.drafter
+    drafters = [drafter, getattr(drafter, "first", None), getattr(drafter, "second", None)]
+    executors = [llm.engine.executor, *(getattr(d, "executor", None) for d in drafters)]
+    for executor in executors:
+        for pool in getattr(executor, "pools", {}).values():
+            pool.fill(0)
 
 
 def build_app(server: Server) -> FastAPI:
