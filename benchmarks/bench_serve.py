@@ -246,6 +246,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out-dir", default="out/serve-bench")
     parser.add_argument("--overhead-rounds", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--results-name", default="bench_serve",
+                        help="JSON file name under benchmarks/results/")
     args = parser.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
     args.systems = [s for s in args.systems.split(",") if s]
@@ -278,7 +280,7 @@ def main() -> None:
               list(os.getloadavg())}
     if args.overhead_rounds:
         report["overhead"] = overhead(args)
-    write_json(RESULTS_DIR / "bench_serve.json", report)
+    write_json(RESULTS_DIR / f"{args.results_name}.json", report)
     print(format_table(rows))
     for check in report["targets"]:
         print(f"target: {check}")
