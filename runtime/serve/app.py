@@ -243,7 +243,8 @@ async def _stream(server: Server, generation: Generation, builder: ResponseBuild
             new_logprobs = (output.logprobs[sent_logprobs[i]:]
                             if output.logprobs is not None else None)
             if delta or output.finished or new_logprobs:
-                yield sse(builder.chunk(i, delta, output.finish_reason, new_logprobs))
+                yield sse(builder.chunk(i, delta, output.finish_reason, new_logprobs,
+                                        text_offset=sent_text[i]))
             sent_text[i] = len(output.text)
             sent_logprobs[i] += len(new_logprobs or ())
             num_generated[i] = len(output.token_ids)

@@ -54,10 +54,11 @@ class ResponseBuilder:
         return body
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None,
-              logprobs: list[TokenLogprob] | None, first: bool = False) -> dict[str, Any]:
-        """One streamed delta of one choice."""
+              logprobs: list[TokenLogprob] | None, first: bool = False,
+              text_offset: int = 0) -> dict[str, Any]:
+        """One streamed delta of one choice; `text_offset`: the choice's text before it."""
         body: dict[str, Any] = {"index": index, "finish_reason": finish_reason,
-                                "logprobs": self.logprobs(logprobs)}
+                                "logprobs": self.logprobs(logprobs, text_offset)}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
@@ -72,13 +73,14 @@ class ResponseBuilder:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._envelope(obj, []), "usage": usage_}
 
-    def logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    def logprobs(self, entries: list[TokenLogprob] | None,
+                 text_offset: int = 0) -> dict[str, Any] | None:
         if entries is None:
             return None
         if self.chat:
             return {"content": [self._chat_logprob(e) for e in entries]}
         tokens = [self._token(e.token_id) for e in entries]
-        offsets, offset = [], 0
+        offsets, offset = [], text_offset
         for token in tokens:
             offsets.append(offset)
             offset += len(token)

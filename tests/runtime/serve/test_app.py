@@ -110,6 +110,20 @@ def test_sampling_fields_seed_n_stop_and_logprobs(client, offline):
         assert entry.top_logprobs[0].token == entry.token  # greedy took the best token
 
 
+def test_streamed_completion_logprobs_follow_the_text(client):
+    chunks = list(client.completions.create(model=MODEL, prompt="w5 w6", max_tokens=6,
+                                            temperature=0, logprobs=1, stream=True))
+    text, offsets, tokens = "", [], []
+    for chunk in chunks:
+        choice = chunk.choices[0]
+        text += choice.text
+        if choice.logprobs:
+            offsets += choice.logprobs.text_offset
+            tokens += choice.logprobs.tokens
+    assert offsets == sorted(offsets) and offsets[0] == 0 and len(tokens) == 6
+    assert all(text.find(t.strip(), o) >= o for t, o in zip(tokens, offsets, strict=True))
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"max_tokens": 0}, "max_tokens"), ({"max_completion_tokens": -3}, "max_completion_tokens"),
     ({"temperature": -0.5}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
