@@ -1,4 +1,4 @@
-"""The `llmopt` command line: compile, inspect, generate, eval, bench.
+"""The `llmopt` command line: compile, inspect, generate, eval, bench, serve.
 
 Only `compile` imports the compiler (torch, transformers); the other commands need
 the runtime alone. Errors in what the user gave are one line on stderr, exit code 1;
@@ -160,7 +160,8 @@ def inspect_command(artifact: Path, pool_mib: float, as_json: bool) -> None:
 
 
 def _speculation_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """--speculative/--no-speculative, --gamma and --spec-max-batch, for generate and bench."""
+    """--speculative/--no-speculative, --gamma and --spec-max-batch, for generate, bench and
+    serve."""
     options = [
         click.option("--speculative/--no-speculative", default=True, show_default=True,
                      help="Use the artifact's draft (when it has one)."),
@@ -303,6 +304,54 @@ def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: 
                        f"{result.decode_tok_s_per_stream:6.1f} tok/s/stream, aggregate "
                        f"{result.aggregate_tok_s:7.1f} tok/s, peak RSS "
                        f"{result.peak_rss_mib:.0f} MiB" + _speculation_line(result))
+
+
+@main.command("serve")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--served-model-name", default=None,
+              help="The model name clients send (default: the artifact directory's name).")
+@click.option("--api-key", default=None, envvar="LLMOPT_API_KEY",
+              help="Require 'Authorization: Bearer KEY' (or set LLMOPT_API_KEY).")
+@click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--max-num-seqs", type=int, default=None, help="Most sequences per step.")
+@click.option("--max-num-batched-tokens", type=int, default=None, help="Per-step token budget.")
+@click.option("--num-blocks", type=int, default=None, help="KV pool size in blocks.")
+@click.option("--max-context", type=int, default=None, help="Longest sequence, in tokens.")
+@click.option("--max-waiting", type=int, default=256, show_default=True,
+              help="Requests queued beyond the running batch; more get 503 + Retry-After.")
+@click.option("--no-prefix-caching", is_flag=True, help="Turn the prefix cache off.")
+@click.option("--grace-period", type=float, default=30.0, show_default=True,
+              help="Seconds in-flight requests get to finish after SIGTERM.")
+@_speculation_options
+@_one_line_errors
+def serve_command(artifact: Path, host: str, port: int, served_model_name: str | None,
+                  api_key: str | None, threads: int | None, max_num_seqs: int | None,
+                  max_num_batched_tokens: int | None, num_blocks: int | None,
+                  max_context: int | None, max_waiting: int, no_prefix_caching: bool,
+                  grace_period: float, speculative: bool, gamma: int | None,
+                  spec_max_batch: int | None, drafts: str) -> None:
+    """Serve ARTIFACT over an OpenAI-compatible HTTP API (needs the `serve` extra).
+
+    Engine limits left unset take the artifact's recipe defaults.
+    """
+    try:
+        from llmopt.runtime.serve.app import ServeConfig
+        from llmopt.runtime.serve.server import serve
+    except ImportError as exc:
+        raise click.ClickException(
+            f"{exc.name or exc} is missing: install the server with pip install 'llmopt[serve]'"
+        ) from exc
+    if max_waiting < 0:
+        raise click.BadParameter("must be >= 0", param_hint="--max-waiting")
+    config = ServeConfig(served_model_name or Path(artifact).resolve().name, api_key,
+                         max_waiting)
+    serve(artifact, config, host=host, port=port, grace_period_s=grace_period,
+          num_threads=threads, max_num_seqs=max_num_seqs,
+          max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks,
+          max_context=max_context, enable_prefix_caching=not no_prefix_caching,
+          **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))
 
 
 def _speculation_line(result: Any) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from llmopt.runtime.kv_cache_manager import KVCacheManager
+from llmopt.runtime.logprobs import token_logprobs
 from llmopt.runtime.output import OutputText, RequestMetrics, RequestOutput, SpeculationMetrics
 from llmopt.runtime.paging import cdiv
 from llmopt.runtime.request import Request
@@ -157,8 +158,9 @@ class LLMEngine:
             if request.score_only:
                 record_prompt_logprobs(item, logits[row : row + num_rows])
             elif request.spec.token_ids:
-                emitted[request.request_id] = self.speculator.verify(
-                    request, logits[row : row + num_rows])
+                rows = logits[row : row + num_rows]
+                emitted[request.request_id] = tokens = self.speculator.verify(request, rows)
+                _record_logprobs(request, rows, tokens)  # verified row j gave token j
             elif num_rows:
                 to_sample.append(request)
                 sample_rows.append(row)
@@ -170,8 +172,9 @@ class LLMEngine:
                 [r.generator for r in to_sample],
                 [r.all_token_ids for r in to_sample],
             )
-            for request, token in zip(to_sample, token_ids, strict=True):
+            for request, token, row in zip(to_sample, token_ids, sample_rows, strict=True):
                 emitted[request.request_id] = [int(token)]
+                _record_logprobs(request, logits[row : row + 1], [int(token)])
         for request_id, tokens in emitted.items():
             request = self.requests[request_id].request
             request.num_decode_steps += 1
@@ -224,7 +227,15 @@ def make_output(tracked: _Tracked) -> RequestOutput:
                                spec.num_draft_tokens, spec.num_accepted_tokens),
         ),
         prompt_logprobs=request.prompt_logprobs,
+        logprobs=(list(request.output_logprobs)
+                  if request.sampling_params.logprobs is not None else None),
     )
+
+
+def _record_logprobs(request: Request, logits: np.ndarray, tokens: list[int]) -> None:
+    """Logprobs of a request's emitted tokens, if it asked for them."""
+    if request.sampling_params.logprobs is not None:
+        request.output_logprobs += token_logprobs(logits, tokens, request.sampling_params.logprobs)
 
 
 def record_prompt_logprobs(item: ScheduledRequest, logits: np.ndarray) -> None:

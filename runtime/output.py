@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llmopt.runtime.logprobs import TokenLogprob
 from llmopt.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -73,6 +74,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort"; None while running
     metrics: RequestMetrics
     prompt_logprobs: np.ndarray | None = None  # scoring: logprob of token t+1 at t
+    logprobs: list[TokenLogprob] | None = None  # per output token, when the request asked
 
     @property
     def finished(self) -> bool:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmopt.runtime.block_pool import BlockHash
+from llmopt.runtime.logprobs import TokenLogprob
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.spec.state import SpecState
 
@@ -50,6 +51,8 @@ class Request:
     generator: np.random.Generator = field(init=False)
     num_decode_steps: int = field(init=False, default=0)  # steps that gave it tokens
     spec: SpecState = field(init=False, default_factory=SpecState)  # speculative decoding
+    # With sampling_params.logprobs set: one entry per output token.
+    output_logprobs: list[TokenLogprob] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

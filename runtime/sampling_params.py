@@ -20,6 +20,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings, excluded from the text
     stop_token_ids: list[int] = field(default_factory=list)  # kept in the output, like eos
     ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; k = each output token's logprob and k best
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise a single stop string to a list through object.__setattr__.
@@ -42,6 +43,8 @@ class SamplingParams:
         )
         _check(self.seed is None or self.seed >= 0, f"seed must be >= 0 or None, got {self.seed}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
+        _check(self.logprobs is None or self.logprobs >= 0,
+               f"logprobs must be >= 0 or None, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
