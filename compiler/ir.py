@@ -34,7 +34,7 @@ import torch
 from llmopt.compiler.quant_format import QuantizedLinear
 
 Activation = Literal["silu", "gelu_tanh"]
-KV_DTYPES = ("float32", "float16")
+KV_DTYPES = ("float32", "float16", "fp8_e4m3", "int8", "int4")  # see kv_cache_format
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,12 @@ class LayerSpec:
     sliding_window: int | None = None  # attend to at most this many previous positions
     rope: str = "global"  # key into ArchSpec.ropes
     kv_dtype: str = "float32"
+    # Quantized KV dtypes (the `kv_cache` pass): channels per dynamic per-token scale group
+    # (None: one group per head), and how each side is scaled: "token" (dynamic, computed
+    # at write time) or "channel" (static, calibrated: `layers.{i}.{key,value}_cache_scale`).
+    kv_group_size: int | None = None
+    kv_key_scales: str = "token"
+    kv_value_scales: str = "token"
 
 
 @dataclass(frozen=True)
