@@ -27,6 +27,8 @@ PASSES: dict[str, PassEntry] = {
     "gguf_weights": PassEntry("llmopt.passes.gguf_weights", provides=("quantized_weights",)),
     "awq": PassEntry("llmopt.passes.awq", provides=("quantized_weights",)),
     "gptq": PassEntry("llmopt.passes.gptq", provides=("quantized_weights",)),
+    # KV cache storage dtype (float16, fp8, int8, int4), per layer.
+    "kv_cache": PassEntry("llmopt.passes.kv_cache", provides=("kv_cache",)),
     # Speculative decoding: pair a draft with the (final) target; must come last.
     "draft": PassEntry("llmopt.passes.draft", provides=("draft",)),
 }
