@@ -34,13 +34,19 @@ class KVCacheSpec(_Strict):
     layers: list[CacheLayer]
 
     def bytes_per_token(self) -> int:
-        import numpy as np
+        """Pool bytes one token takes, codes and scales of every layer included."""
+        return sum(layer_bytes_per_token(layer) for layer in self.layers)
 
-        total = 0
-        for layer in self.layers:
-            for t in layer.tensors:
-                total += int(np.prod(t.slot_shape)) * np.dtype(t.dtype).itemsize
-        return total
+    def sequences_in_pool(self, pool_bytes: float, context: int, block_size: int) -> int:
+        """Sequences of `context` tokens a pool of `pool_bytes` holds (whole blocks each)."""
+        num_blocks = int(pool_bytes // (self.bytes_per_token() * block_size)) - 1  # null block
+        return max(num_blocks, 0) // -(-context // block_size)
+
+
+def layer_bytes_per_token(layer: CacheLayer) -> int:
+    import numpy as np
+
+    return sum(int(np.prod(t.slot_shape)) * np.dtype(t.dtype).itemsize for t in layer.tensors)
 
 
 class GraphSpec(_Strict):

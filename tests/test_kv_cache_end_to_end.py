@@ -16,7 +16,7 @@ from test_end_to_end import GREEDY, shared_prefix_requests
 from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.recipe import Recipe
 from llmopt.runtime import LLM
-from llmopt.runtime.inspect import describe
+from llmopt.runtime.inspect import describe, format_description
 
 QUICK_DRAFT = {"prompts": 2, "new_tokens": 12, "batch_sizes": [1, 2], "cost_repeats": 1}
 ARTIFACTS = {
@@ -74,7 +74,7 @@ def test_speculation_changes_no_greedy_output(name, artifacts):
 
 def test_pools_are_allocated_from_the_manifest(artifacts):
     llm = LLM(artifacts["gemma3-int4"], speculative=False)
-    info = describe(artifacts["gemma3-int4"])
+    info = describe(artifacts["gemma3-int4"], pool_mib=1)
     pools = llm.engine.executor.pools
     assert {p.dtype for p in pools.values()} == {np.dtype("uint8"), np.dtype("float16")}
     per_token = sum(p[0, 0].nbytes for p in pools.values())
@@ -83,3 +83,10 @@ def test_pools_are_allocated_from_the_manifest(artifacts):
     assert report["bytes_per_token"]["after"] == per_token
     # float32: 4 bytes a channel; int4 in groups of 8: half a byte + two float16 per 8.
     assert report["bytes_per_token"]["before"] == 4 * per_token
+    assert info["kv_float32_bytes_per_token"] == 4 * per_token
+    # 1 MiB of blocks of 4 tokens, less the null block, in whole blocks per sequence.
+    blocks = 2**20 // (4 * per_token) - 1
+    assert info["sequences_in_pool"]["128"] == blocks // 32
+    text = format_description(info)
+    assert "(4.00x smaller than float32)" in text
+    assert "key uint8[" in text and "key_scale float16[" in text and "key_min float16[" in text
