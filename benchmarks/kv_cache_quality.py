@@ -41,6 +41,10 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "int4-g16-smooth": {"dtype": "int4", "group_size": 16, "smooth_keys": 0.5},
     "int4-kchannel-g32": {"dtype": "int4", "group_size": 32, "key_scales": "channel"},
     "int8-kchannel": {"dtype": "int8", "key_scales": "channel"},
+    "int4-k16-v64": {"dtype": "int4", "group_size": 16, "value_group_size": 64},
+    "int4-k16-v32": {"dtype": "int4", "group_size": 16, "value_group_size": 32},
+    "int4-k32-v64": {"dtype": "int4", "group_size": 32, "value_group_size": 64},
+    "int4-k64-v16": {"dtype": "int4", "group_size": 64, "value_group_size": 16},
 }
 
 

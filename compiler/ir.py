@@ -64,9 +64,11 @@ class LayerSpec:
     rope: str = "global"  # key into ArchSpec.ropes
     kv_dtype: str = "float32"
     # Quantized KV dtypes (the `kv_cache` pass): channels per dynamic per-token scale group
-    # (None: one group per head), and how each side is scaled: "token" (dynamic, computed
-    # at write time) or "channel" (static, calibrated: `layers.{i}.{key,value}_cache_scale`).
+    # of keys (None: one group per head) and of values (None: as keys), and how each side
+    # is scaled: "token" (dynamic, computed at write time) or "channel" (static, calibrated:
+    # `layers.{i}.{key,value}_cache_scale`).
     kv_group_size: int | None = None
+    kv_value_group_size: int | None = None  # values' groups when they differ from keys'
     kv_key_scales: str = "token"
     kv_value_scales: str = "token"
 

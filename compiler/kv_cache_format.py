@@ -300,6 +300,7 @@ def _clip(g: GraphBuilder, x: str, low: float, high: float) -> str:
 def kv_sides(spec) -> tuple[KVSide, KVSide]:
     """The key and value sides of a `LayerSpec`."""
     width = spec.num_kv_heads * spec.head_dim
-    group = spec.kv_group_size or spec.head_dim
-    return (KVSide("key", spec.kv_dtype, width, group, spec.kv_key_scales),
-            KVSide("value", spec.kv_dtype, width, group, spec.kv_value_scales))
+    key_group = spec.kv_group_size or spec.head_dim
+    value_group = spec.kv_value_group_size or key_group
+    return (KVSide("key", spec.kv_dtype, width, key_group, spec.kv_key_scales),
+            KVSide("value", spec.kv_dtype, width, value_group, spec.kv_value_scales))

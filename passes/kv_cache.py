@@ -2,6 +2,7 @@
 
 Recipe: `- kv_cache: {dtype: int8}`; options:
   group_size     channels per dynamic scale group (divides head_dim; default: one per head)
+  value_group_size   values' group size when it differs (default: group_size)
   key_scales     "token": dynamic, computed in the graph at write time per token and group;
                  "channel": static per-channel scales calibrated on `calibration.text`
   value_scales   the same for values
@@ -34,6 +35,7 @@ class Config(BaseModel):
 
     dtype: Literal["float16", "fp8_e4m3", "int8", "int4"]
     group_size: int | None = Field(None, gt=0)
+    value_group_size: int | None = Field(None, gt=0)
     key_scales: Literal["token", "channel"] = "token"
     value_scales: Literal["token", "channel"] = "token"
     skip_layers: list[int] = Field(default_factory=list)
@@ -54,6 +56,7 @@ def run(ir: ModelIR, config: Config, context: Any) -> PassResult:
     for i in layers:
         out.arch = out.arch.replace_layer(
             i, kv_dtype=config.dtype, kv_group_size=config.group_size,
+            kv_value_group_size=config.value_group_size,
             kv_key_scales=config.key_scales, kv_value_scales=config.value_scales)
         if stats is not None and config.dtype != "float16":
             set_static_scales(out, i, stats[i], config)
@@ -66,12 +69,12 @@ def check_config(ir: ModelIR, config: Config) -> None:
         if not 0 <= i < ir.arch.num_layers:
             raise ValueError(f"kv_cache.skip_layers: layer {i} does not exist "
                              f"(the model has {ir.arch.num_layers})")
-    if config.group_size is not None:
-        for spec in ir.arch.layers:
-            if spec.head_dim % config.group_size or (config.dtype == "int4"
-                                                     and config.group_size % 2):
-                raise ValueError(f"kv_cache.group_size: {config.group_size} does not divide "
-                                 f"head_dim {spec.head_dim} into even groups")
+    for key in ("group_size", "value_group_size"):
+        size = getattr(config, key)
+        for spec in ir.arch.layers if size is not None else ():
+            if spec.head_dim % size or (config.dtype == "int4" and size % 2):
+                raise ValueError(f"kv_cache.{key}: {size} does not divide head_dim "
+                                 f"{spec.head_dim} into groups of whole bytes")
 
 
 def kv_statistics(ir: ModelIR, config: Config, context: Any) -> list[dict[str, torch.Tensor]]:
