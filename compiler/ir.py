@@ -70,6 +70,9 @@ class LayerSpec:
     kv_group_size: int | None = None
     kv_value_group_size: int | None = None  # values' groups when they differ from keys'
     kv_key_scales: str = "token"
+    # Queries and keys multiplied by a normalized Hadamard matrix per head after RoPE (q·k is
+    # unchanged): spreads key outliers over all channels before per-token quantization.
+    kv_rotate_keys: bool = False
     kv_value_scales: str = "token"
 
 

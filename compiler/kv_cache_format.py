@@ -96,6 +96,16 @@ def fp8_e4m3_table() -> np.ndarray:
 _FP8_THRESHOLDS = np.array([2.0 ** k for k in range(-5, 9)], dtype=np.float32)
 
 
+def hadamard(size: int) -> np.ndarray:
+    """The normalized Sylvester Hadamard matrix [size, size]: symmetric and orthogonal."""
+    if size < 1 or size & (size - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two size, got {size}")
+    matrix = np.ones((1, 1))
+    while matrix.shape[0] < size:
+        matrix = np.block([[matrix, matrix], [matrix, -matrix]])
+    return (matrix / np.sqrt(size)).astype(np.float32)
+
+
 # --- torch half (the reference model) --------------------------------------------------
 def fake_quantize(x: torch.Tensor, side: KVSide, static_scale: torch.Tensor | None) -> torch.Tensor:
     """What the cache returns for x [..., W]: decode(encode(x))."""
@@ -177,6 +187,11 @@ def _torch_fp8_codes(y: torch.Tensor) -> torch.Tensor:
     return code.to(torch.uint8)
 
 
+def rotate_heads(x: torch.Tensor) -> torch.Tensor:
+    """x [..., head_dim] times the Hadamard matrix (per head)."""
+    return x @ torch.from_numpy(hadamard(x.shape[-1]))
+
+
 # --- ONNX half (the lowering) ------------------------------------------------------------
 def emit_encode(g: GraphBuilder, x: str, side: KVSide, static_scale: str | None
                 ) -> dict[str, str]:
@@ -221,6 +236,14 @@ def emit_decode(g: GraphBuilder, stored: dict[str, str], side: KVSide,
     else:
         y4 = g.op("Mul", [y4, static_scale])
     return g.op("Reshape", [y4, g.const([0, 0, side.width])], name=f"{side.name}s_dequant")
+
+
+def emit_rotate_heads(g: GraphBuilder, x: str, heads: int, head_dim: int) -> str:
+    """x [B, S, heads*head_dim] times the Hadamard matrix per head."""
+    per_head = g.op("Reshape", [x, g.const([0, 0, heads, head_dim])])
+    matrix = g.weight(f"hadamard_{head_dim}", hadamard(head_dim))
+    rotated = g.op("MatMul", [per_head, matrix], name="rotate_heads")
+    return g.op("Reshape", [rotated, g.const([0, 0, heads * head_dim])])
 
 
 def static_scale_initializer(g: GraphBuilder, name: str, scale: torch.Tensor, side: KVSide) -> str:

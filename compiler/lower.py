@@ -20,6 +20,7 @@ from llmopt.compiler.kv_cache_format import (
     KVSide,
     emit_decode,
     emit_encode,
+    emit_rotate_heads,
     kv_sides,
     static_scale_initializer,
 )
@@ -215,6 +216,9 @@ class _DecoderLowering:
         table = f"rope.{spec.rope}"
         q = self.ops.rotary(q, heads, dim, table, C.POSITION_IDS)
         k = self.ops.rotary(k, kv_heads, dim, table, C.POSITION_IDS)
+        if spec.kv_rotate_keys:  # q·k is unchanged; the cache stores rotated keys
+            q = emit_rotate_heads(g, q, heads, dim)
+            k = emit_rotate_heads(g, k, kv_heads, dim)
         keys = self._cache_io(index, "key", k, spec)
         values = self._cache_io(index, "value", v, spec)
         mask = self._mask(spec.sliding_window)

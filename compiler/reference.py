@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from llmopt.compiler.ir import ArchSpec, LayerSpec, ModelIR
-from llmopt.compiler.kv_cache_format import fake_quantize, kv_sides
+from llmopt.compiler.kv_cache_format import fake_quantize, kv_sides, rotate_heads
 
 
 @dataclass
@@ -107,6 +107,8 @@ class ReferenceModel:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.kv_observer is not None:
             self.kv_observer(index, q, k, v)
+        if spec.kv_rotate_keys:
+            q, k = rotate_heads(q), rotate_heads(k)
         k, v = self._stored_kv(index, spec, k), self._stored_kv(index, spec, v, side=1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:

@@ -11,6 +11,9 @@ Recipe: `- kv_cache: {dtype: int8}`; options:
                  amax_c^α and queries multiplied by it, folded into the q/k projections
                  (or qk-norm weights), shared by each rotary pair: exact in real arithmetic,
                  it flattens the key outliers that per-token scales suffer from.
+  rotate         Hadamard rotation per head (QuaRot): of queries and keys in the graph
+                 after RoPE (q·k unchanged), of values folded into v_proj rows and o_proj
+                 columns (exact). Spreads outlier channels before per-token quantization.
 The storage formats live in `compiler/kv_cache_format.py`; the reference model simulates
 them, so the measured cost is the artifact's cost.
 """
@@ -25,7 +28,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmopt.compiler.ir import ModelIR
-from llmopt.compiler.kv_cache_format import CODE_MAX, kv_sides
+from llmopt.compiler.kv_cache_format import CODE_MAX, hadamard, kv_sides
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes.registry import PassResult
 
@@ -40,6 +43,7 @@ class Config(BaseModel):
     value_scales: Literal["token", "channel"] = "token"
     skip_layers: list[int] = Field(default_factory=list)
     smooth_keys: float | None = Field(None, gt=0, le=1)
+    rotate: bool = False
     calibration_samples: int = Field(16, gt=0)  # windows of calibration.text for statistics
 
 
@@ -53,9 +57,11 @@ def run(ir: ModelIR, config: Config, context: Any) -> PassResult:
     layers = [i for i in range(ir.arch.num_layers) if i not in config.skip_layers]
     if config.smooth_keys is not None and config.dtype != "float16":
         smooth_keys(out, stats, config.smooth_keys, layers)
+    if config.rotate:
+        rotate_values(out, layers)
     for i in layers:
         out.arch = out.arch.replace_layer(
-            i, kv_dtype=config.dtype, kv_group_size=config.group_size,
+            i, kv_dtype=config.dtype, kv_rotate_keys=config.rotate, kv_group_size=config.group_size,
             kv_value_group_size=config.value_group_size,
             kv_key_scales=config.key_scales, kv_value_scales=config.value_scales)
         if stats is not None and config.dtype != "float16":
@@ -69,12 +75,40 @@ def check_config(ir: ModelIR, config: Config) -> None:
         if not 0 <= i < ir.arch.num_layers:
             raise ValueError(f"kv_cache.skip_layers: layer {i} does not exist "
                              f"(the model has {ir.arch.num_layers})")
+    if config.rotate:
+        quantized = [n for n in ir.quantized if n.endswith((".v_proj", ".o_proj"))]
+        if quantized:
+            raise ValueError(f"kv_cache.rotate: {quantized[0]} is already quantized; put "
+                             "kv_cache before the weight-quantization pass")
+        if config.key_scales == "channel" or config.smooth_keys is not None:
+            raise ValueError("kv_cache.rotate: combine it with dynamic key scales only "
+                             "(no key_scales: channel, no smooth_keys)")
+        for spec in ir.arch.layers:
+            if spec.head_dim & (spec.head_dim - 1):
+                raise ValueError(f"kv_cache.rotate: head_dim {spec.head_dim} is not a power "
+                                 "of two")
     for key in ("group_size", "value_group_size"):
         size = getattr(config, key)
         for spec in ir.arch.layers if size is not None else ():
             if spec.head_dim % size or (config.dtype == "int4" and size % 2):
                 raise ValueError(f"kv_cache.{key}: {size} does not divide head_dim "
                                  f"{spec.head_dim} into groups of whole bytes")
+
+
+def rotate_values(ir: ModelIR, layers: list[int]) -> None:
+    """v' = H v per KV head (v_proj rows, bias) and o_proj's columns times H: exact."""
+    for i in layers:
+        spec = ir.arch.layers[i]
+        h = torch.from_numpy(hadamard(spec.head_dim))
+        w = ir.weights[f"layers.{i}.v_proj.weight"]
+        heads = w.reshape(spec.num_kv_heads, spec.head_dim, -1)
+        ir.weights[f"layers.{i}.v_proj.weight"] = (h @ heads).reshape(w.shape)
+        if f"layers.{i}.v_proj.bias" in ir.weights:
+            b = ir.weights[f"layers.{i}.v_proj.bias"].reshape(spec.num_kv_heads, -1)
+            ir.weights[f"layers.{i}.v_proj.bias"] = (b @ h).flatten()  # h is symmetric
+        o = ir.weights[f"layers.{i}.o_proj.weight"]
+        cols = o.reshape(o.shape[0], spec.num_heads, spec.head_dim)
+        ir.weights[f"layers.{i}.o_proj.weight"] = (cols @ h).reshape(o.shape)
 
 
 def kv_statistics(ir: ModelIR, config: Config, context: Any) -> list[dict[str, torch.Tensor]]:

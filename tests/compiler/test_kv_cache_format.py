@@ -18,7 +18,14 @@ from test_lower import (
 )
 
 from llmopt.compiler.ir import ModelIR
-from llmopt.compiler.kv_cache_format import KVSide, decode, encode, fake_quantize, kv_sides
+from llmopt.compiler.kv_cache_format import (
+    KVSide,
+    decode,
+    encode,
+    fake_quantize,
+    kv_sides,
+    rotate_heads,
+)
 from llmopt.compiler.reference import KVCache, ReferenceModel
 from llmopt.runtime import contract as C
 
@@ -127,6 +134,8 @@ def assert_codes_match(driver, ir: ModelIR, prompt: list[int]) -> None:
                             for b in driver.block_tables[0]])[: len(prompt)]
     for i, spec in enumerate(ir.arch.layers):
         for side, x in zip(kv_sides(spec), captured[i], strict=True):
+            if side.name == "key" and spec.kv_rotate_keys:  # observed before the rotation
+                x = rotate_heads(x)
             static = ir.weights.get(f"layers.{i}.{side.static_scale_weight}")
             expected = encode(x.reshape(len(prompt), -1), side, static)
             got = {name: torch.from_numpy(np.ascontiguousarray(driver.pools[C.past_name(
@@ -160,3 +169,13 @@ def test_static_channel_scales(load_ir, dtype, tmp_path, paged_driver):
     prompt = prompt_ids(21, seed=12)
     logits = paged_driver(session, qir.arch).step({0: prompt})[0]
     assert not np.allclose(logits, reference_logits(base, prompt), atol=1e-3)  # it quantizes
+
+
+@pytest.mark.parametrize("arch_name", ["llama", "qwen3"])
+def test_rotated_keys(load_ir, arch_name, operator_set, tmp_path, paged_driver):
+    """Keys (and queries) rotated per head after RoPE, in the graph as in the reference."""
+    qir = with_kv(load_ir(arch_name), "int4", kv_rotate_keys=True)
+    model, path = compile_graph(qir, tmp_path, operator_set=operator_set)
+    assert sum(node.name.startswith("rotate_heads") for node in model.graph.node) == (
+        2 * qir.arch.num_layers)
+    check_write_and_read(qir, open_session(path), paged_driver)

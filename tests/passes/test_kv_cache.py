@@ -95,3 +95,18 @@ def test_recipe_errors_name_the_key(tmp_path, entry, key):
     recipe.write_text(f"model: some/model\npasses:\n  - kv_cache: {entry}\n")
     with pytest.raises(RecipeError, match=key):
         load_recipe(recipe)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text"])  # plain, v bias, qk-norm
+def test_rotation_is_exact_before_quantization(load, arch):
+    ir = load(arch)
+    out = kv_cache.run(ir, kv_cache.Config(dtype="int4", rotate=True), None).ir
+    assert out.arch.layers[0].kv_rotate_keys
+    arch_float = out.arch
+    for i in range(arch_float.num_layers):
+        arch_float = arch_float.replace_layer(i, kv_dtype="float32")
+    unquantized = dataclasses.replace(out, arch=arch_float)
+    torch.testing.assert_close(ReferenceModel(unquantized).forward(IDS),
+                               ReferenceModel(ir).forward(IDS), rtol=0, atol=1e-4)
+    quantized = ReferenceModel(out).forward(IDS)
+    assert not torch.allclose(quantized, ReferenceModel(ir).forward(IDS), atol=1e-3)
