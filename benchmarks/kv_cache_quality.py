@@ -23,7 +23,7 @@ from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.pipeline import PassContext
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
-from llmopt.passes import kv_cache
+from llmopt.passes import kv_cache, rtn
 from llmopt.passes.quality import QualityProbe
 
 DATA = REPO_ROOT.parent / "shared" / "data"
@@ -45,6 +45,8 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "int4-g32-rot": {"dtype": "int4", "group_size": 32, "rotate": True},
     "int8-rot": {"dtype": "int8", "rotate": True},
     "fp8-rot": {"dtype": "fp8_e4m3", "rotate": True},
+    "int4-k16-v64-rot": {"dtype": "int4", "group_size": 16, "value_group_size": 64,
+                         "rotate": True},
     "int4-k16-v64": {"dtype": "int4", "group_size": 16, "value_group_size": 64},
     "int4-k16-v32": {"dtype": "int4", "group_size": 16, "value_group_size": 32},
     "int4-k32-v64": {"dtype": "int4", "group_size": 32, "value_group_size": 64},
@@ -73,9 +75,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--windows", type=int, default=64)
+    parser.add_argument("--rtn-weights", action="store_true",
+                        help="int4 weights first (rtn, group 64): the KV pass on top of them")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ir = load_checkpoint(MODEL)
+    if args.rtn_weights:
+        ir = rtn.run(ir, rtn.Config(bits=4, group_size=64), None).ir
     recipe = Recipe(model=MODEL, calibration={"text": str(DATA / "wikitext2-valid.tokens.txt"),
                                               "samples": 16, "seq_len": 512})
     context = PassContext(recipe=recipe, log=print)
@@ -99,7 +105,9 @@ def main() -> None:
         for r in rows:
             r["ppl_increase_pct"] = 100 * (r["ppl"] / fp32 - 1)
             print(f"{r['config']:<20} {r['ppl']:.3f} ({r['ppl_increase_pct']:+.2f} %)")
-    write_json(RESULTS_DIR / "kv_cache_quality.json", {"machine": machine_info(), "rows": rows})
+    name = "kv_cache_quality_rtn.json" if args.rtn_weights else "kv_cache_quality.json"
+    write_json(RESULTS_DIR / name, {"machine": machine_info(), "rows": rows,
+                                    "windows": args.windows, "rtn_weights": args.rtn_weights})
 
 
 if __name__ == "__main__":

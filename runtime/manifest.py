@@ -21,8 +21,8 @@ class _Strict(BaseModel):
 class CacheTensor(_Strict):
     """One pool tensor of one layer, indexed by slot on its leading axes."""
 
-    name: str  # "key", "value", later "key_scale", ...
-    dtype: str  # numpy dtype name: float32, float16, int8, uint8
+    name: str  # "key", "value", "key_scale", "key_min", ... (see compiler/kv_cache_format)
+    dtype: str  # numpy dtype name: float32, float16, int8, uint8 (int4 pairs, fp8 bits)
     slot_shape: list[int]  # shape of one slot's entry, e.g. [kv_heads * head_dim]
 
 

@@ -23,7 +23,7 @@ ARTIFACTS = {
     # name -> (architecture, kv_cache options, draft options)
     "llama-int8": ("llama", {"dtype": "int8"},
                    {"kind": "self", "layers": 1, "distill_steps": 5, "gamma": 3}),
-    "gemma3-int4": ("gemma3_text", {"dtype": "int4", "group_size": 8, "smooth_keys": 0.5},
+    "gemma3-int4": ("gemma3_text", {"dtype": "int4", "group_size": 8, "rotate": True},
                     {"kind": "ngram", "gamma": 3}),
     "qwen2-fp8": ("qwen2", {"dtype": "fp8_e4m3", "key_scales": "channel"}, None),
 }
