@@ -2,7 +2,8 @@
 KV pools are float32, float16, int8 and int4 (the `kv_cache` pass), side by side, 1 thread.
 
 For each context (128, 1024, 2048) and batch (1, 8), every artifact decodes `--gen-len`
-greedy tokens for `batch` sequences whose prompts share all but their last 8 tokens (the
+greedy tokens (ending at that context) for `batch` sequences whose prompts share all but
+their last 8 tokens (the
 prefix cache computes the long prefill once; each sequence still gathers its whole
 context every step, shared blocks included). Reported: decode tok/s summed over streams
 (per-stream speed after the first token, times batch) and the ratio to float32 KV.
@@ -43,9 +44,9 @@ def artifact(out_dir: Path, kv: str) -> Path:
 
 
 def decode_speed(llm: LLM, batch: int, context: int, gen_len: int) -> float:
-    """Aggregate decode tok/s of `batch` streams at `context` tokens of prompt."""
+    """Aggregate decode tok/s of `batch` streams that end at `context` tokens."""
     rng = np.random.default_rng(context)
-    prefix = rng.integers(1000, 40000, context - 8).tolist()
+    prefix = rng.integers(1000, 40000, context - gen_len - 8).tolist()
     prompts = [prefix + rng.integers(1000, 40000, 8).tolist() for _ in range(batch)]
     params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # cache prefix
@@ -72,7 +73,7 @@ def main() -> None:
             row: dict[str, Any] = {"context": context, "batch": batch}
             for kv, path in paths.items():  # side by side: one configuration at a time
                 llm = LLM(path, num_threads=1, max_num_seqs=batch,
-                          max_context=context + args.gen_len + 1, speculative=False)
+                          max_context=context, speculative=False)
                 row[kv] = decode_speed(llm, batch, context, args.gen_len)
                 del llm
             rows.append(row)
