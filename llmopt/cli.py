@@ -195,12 +195,14 @@ def eval_command(artifact: Path, text_file: Path, windows: int, seq_len: int,
 @click.option("--prompt-len", type=int, default=128, show_default=True)
 @click.option("--gen-len", type=int, default=128, show_default=True)
 @click.option("--threads", type=int, default=None)
+@click.option("--pool-mib", type=float, default=256.0, show_default=True,
+              help="KV pool size for the 'sequences that fit' line.")
 @click.option("--json", "as_json", is_flag=True)
 @_speculation_options
 @_one_line_errors
 def bench_command(artifact: Path, batch: str, prompt_len: int, gen_len: int,
-                  threads: int | None, as_json: bool, speculative: bool, gamma: int | None,
-                  spec_max_batch: int | None, drafts: str) -> None:
+                  threads: int | None, pool_mib: float, as_json: bool, speculative: bool,
+                  gamma: int | None, spec_max_batch: int | None, drafts: str) -> None:
     """TTFT, decode tok/s per stream, aggregate tok/s, peak RSS (random-token prompts;
     with a draft, also acceptance rate and tokens per target step)."""
     from llmopt.runtime import LLM
@@ -211,6 +213,11 @@ def bench_command(artifact: Path, batch: str, prompt_len: int, gen_len: int,
               max_context=prompt_len + gen_len + 1,
               **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))
     run_bench(llm, 1, min(prompt_len, 16), 4)  # warm-up: session init, first-run allocations
+    if not as_json:
+        kv, context = llm.manifest.kv_cache, prompt_len + gen_len
+        fits = kv.sequences_in_pool(pool_mib * 2**20, context, llm.manifest.runtime.block_size)
+        click.echo(f"KV cache: {kv.bytes_per_token()} bytes/token; {fits} sequences of "
+                   f"{context} tokens fit in {pool_mib:g} MiB")
     for size in batches:
         result = run_bench(llm, size, prompt_len, gen_len)
         if as_json:
