@@ -36,7 +36,7 @@ from llmopt.compiler.quant_format import QuantizedLinear
 from llmopt.runtime.tokenizer_spec import TokenizerSpec
 
 Activation = Literal["silu", "gelu_tanh"]
-KV_DTYPES = ("float32", "float16")
+KV_DTYPES = ("float32", "float16", "fp8_e4m3", "int8", "int4")  # see kv_cache_format
 
 if TYPE_CHECKING:
     import tokenizers
@@ -68,6 +68,17 @@ class LayerSpec:
     sliding_window: int | None = None  # attend to at most this many previous positions
     rope: str = "global"  # key into ArchSpec.ropes
     kv_dtype: str = "float32"
+    # Quantized KV dtypes (the `kv_cache` pass): channels per dynamic per-token scale group
+    # of keys (None: one group per head) and of values (None: as keys), and how each side
+    # is scaled: "token" (dynamic, computed at write time) or "channel" (static, calibrated:
+    # `layers.{i}.{key,value}_cache_scale`).
+    kv_group_size: int | None = None
+    kv_value_group_size: int | None = None  # values' groups when they differ from keys'
+    kv_key_scales: str = "token"
+    # Queries and keys multiplied by a normalized Hadamard matrix per head after RoPE (q·k is
+    # unchanged): spreads key outliers over all channels before per-token quantization.
+    kv_rotate_keys: bool = False
+    kv_value_scales: str = "token"
 
 
 @dataclass(frozen=True)

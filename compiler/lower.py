@@ -17,6 +17,14 @@ import torch
 from onnx import TensorProto
 
 from llmopt.compiler.ir import ArchSpec, LayerSpec, ModelIR
+from llmopt.compiler.kv_cache_format import (
+    KVSide,
+    emit_decode,
+    emit_encode,
+    emit_rotate_heads,
+    kv_sides,
+    static_scale_initializer,
+)
 from llmopt.compiler.lower_ops import OPERATOR_SETS, StandardOps
 from llmopt.compiler.onnx_graph import MS_DOMAIN, NP_TO_ONNX, GraphBuilder
 from llmopt.compiler.quant_format import (
@@ -66,13 +74,12 @@ def lower_to_onnx(ir: ModelIR, options: LoweringOptions) -> onnx.ModelProto:
 
 
 def cache_tensors(spec: LayerSpec) -> list[dict]:
-    """The manifest's description of one layer's pool tensors.
+    """The manifest's description of one layer's pool tensors (keys', then values').
 
-    A slot holds all KV heads of a token side by side, [kv_heads * head_dim]: the layout
-    the attention reads after the gather, so no reshapes sit between graph and pool.
+    A slot holds all KV heads of a token side by side, [kv_heads * head_dim] (packed for
+    int4, plus per-group scales for dynamically scaled dtypes; see kv_cache_format).
     """
-    shape = [spec.num_kv_heads * spec.head_dim]
-    return [{"name": t, "dtype": spec.kv_dtype, "slot_shape": shape} for t in ("key", "value")]
+    return [t for side in kv_sides(spec) for t in side.tensors()]
 
 
 class _DecoderLowering:
@@ -225,6 +232,9 @@ class _DecoderLowering:
         table = f"rope.{spec.rope}"
         q = self.ops.rotary(q, heads, dim, table, C.POSITION_IDS)
         k = self.ops.rotary(k, kv_heads, dim, table, C.POSITION_IDS)
+        if spec.kv_rotate_keys:  # q·k is unchanged; the cache stores rotated keys
+            q = emit_rotate_heads(g, q, heads, dim)
+            k = emit_rotate_heads(g, k, kv_heads, dim)
         keys = self._cache_io(index, "key", k, spec)
         values = self._cache_io(index, "value", v, spec)
         mask = self._mask(spec.sliding_window)
@@ -239,21 +249,34 @@ class _DecoderLowering:
         return g.op("Reshape", [normed, g.const([0, 0, heads * dim])])
 
     def _cache_io(self, index: int, tensor: str, new: str, spec: LayerSpec) -> str:
-        """Emit the step's entries (new [B, S, kv_heads*D]) as `new.{i}.{t}`; return
-        past + new as [B, L, kv_heads * D]."""
+        """Store the step's keys or values (new [B, S, kv_heads*D]) as the `new.{i}.*`
+        outputs; return what attention reads, past + new, float32 [B, L, kv_heads * D].
+
+        The step's own entries are read back through the same storage round trip as the
+        past ones, so a token's key is the same whichever step computes its query.
+        """
+        side = kv_sides(spec)[0 if tensor == "key" else 1]
+        static = self._static_kv_scale(index, side)
+        stored = emit_encode(self.g, new, side, static)
+        combined = {}
+        for t in side.tensors():
+            name = t["name"]
+            value = self.g.rename(stored[name], C.new_name(index, name))
+            past = self._gathered(index, name, t["slot_shape"])
+            combined[name] = self.g.op("Concat", [past, value], axis=1, name=f"{name}s")
+        return emit_decode(self.g, combined, side, static)
+
+    def _gathered(self, index: int, name: str, slot_shape: list[int]) -> str:
+        """Pool tensor `name` of layer `index` at the step's block tables, [B, M*bs, slot]."""
         g = self.g
-        width = spec.num_kv_heads * spec.head_dim
-        narrow = spec.kv_dtype != "float32"
-        if narrow:
-            elem = NP_TO_ONNX[np.dtype(spec.kv_dtype)]
-            g.op_into("Cast", [new], [C.new_name(index, tensor)], to=elem)
-        else:  # the step's keys/values are the output itself: no copy node
-            new = g.rename(new, C.new_name(index, tensor))
-        blocks = g.op("Gather", [C.past_name(index, tensor), C.BLOCK_TABLES], axis=0)
-        past = g.op("Reshape", [blocks, g.const([0, -1, width])])
-        if narrow:
-            past = g.op("Cast", [past], to=TensorProto.FLOAT)
-        return g.op("Concat", [past, new], axis=1, name=f"{tensor}s")
+        blocks = g.op("Gather", [C.past_name(index, name), C.BLOCK_TABLES], axis=0)
+        return g.op("Reshape", [blocks, g.const([0, -1, *slot_shape])])
+
+    def _static_kv_scale(self, index: int, side: KVSide) -> str | None:
+        if not side.quantized or side.dynamic:
+            return None
+        name = f"layers.{index}.{side.static_scale_weight}"
+        return static_scale_initializer(self.g, name, self.ir.weights[name], side)
 
     def _mask(self, window: int | None) -> str:
         """Additive mask [B, 1, S, L], built once per window size and shared by layers."""

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from llmopt.compiler.ir import ArchSpec, LayerSpec, ModelIR
+from llmopt.compiler.kv_cache_format import fake_quantize, kv_sides, rotate_heads
 
 
 @dataclass
@@ -44,6 +45,9 @@ class ReferenceModel:
         self.arch = ir.arch
         # Called with (layer index, linear name, input) before every decoder linear.
         self.observer: Callable[[int, str, torch.Tensor], None] | None = None
+        # Called with (layer index, q, k, v) after RoPE, before the KV cache stores k and v.
+        self.kv_observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = (
+            None)
         positions = max_position or self.arch.max_position
         self.rope_tables = {name: r.tables(positions) for name, r in self.arch.ropes.items()}
 
@@ -101,11 +105,27 @@ class ReferenceModel:
             k = rms_norm(k, w["k_norm"], self.arch.norm_eps)
         cos, sin = (t[positions] for t in self.rope_tables[spec.rope])
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_observer is not None:
+            self.kv_observer(index, q, k, v)
+        if spec.kv_rotate_keys:
+            q, k = rotate_heads(q), rotate_heads(k)
+        k, v = self._stored_kv(index, spec, k), self._stored_kv(index, spec, v, side=1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:
             k, v = cache.append(index, k, v)
         out = self._attend(spec, q, k, v, positions)
         return self.linear(index, out.transpose(1, 2).reshape(batch, seq, -1), "o_proj")
+
+    def _stored_kv(self, index: int, spec: LayerSpec, x: torch.Tensor, side: int = 0
+                   ) -> torch.Tensor:
+        """What the KV cache holds for x [batch, seq, kv_heads, head_dim]: the layer's
+        KV dtype round trip, exactly as the graph stores it (every query reads it so)."""
+        if spec.kv_dtype == "float32":
+            return x
+        kv_side = kv_sides(spec)[side]
+        static = self.ir.weights.get(f"layers.{index}.{kv_side.static_scale_weight}")
+        flat = x.reshape(*x.shape[:2], -1)
+        return fake_quantize(flat, kv_side, static).reshape(x.shape)
 
     def _attend(
         self, spec: LayerSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

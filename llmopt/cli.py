@@ -280,12 +280,14 @@ def eval_command(artifact: Path, text_file: Path, windows: int, seq_len: int,
 @click.option("--gen-len", type=POSITIVE, default=128, show_default=True,
               help="New tokens per sequence.")
 @THREADS
+@click.option("--pool-mib", type=click.FloatRange(min=0, min_open=True), default=256.0,
+              show_default=True, help="KV pool size for the 'sequences that fit' line.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per batch size.")
 @_speculation_options
 @_one_line_errors
 def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: int,
-                  threads: int | None, as_json: bool, speculative: bool, gamma: int | None,
-                  spec_max_batch: int | None, drafts: str) -> None:
+                  threads: int | None, pool_mib: float, as_json: bool, speculative: bool,
+                  gamma: int | None, spec_max_batch: int | None, drafts: str) -> None:
     """TTFT, decode tok/s per stream, aggregate tok/s, peak RSS (random-token prompts;
     with a draft, also acceptance rate and tokens per target step)."""
     from llmopt.runtime import LLM
@@ -295,6 +297,11 @@ def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: 
               max_context=prompt_len + gen_len + 1,
               **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))
     run_bench(llm, 1, min(prompt_len, 16), 4)  # warm-up: session init, first-run allocations
+    if not as_json:
+        kv, context = llm.manifest.kv_cache, prompt_len + gen_len
+        fits = kv.sequences_in_pool(pool_mib * 2**20, context, llm.manifest.runtime.block_size)
+        click.echo(f"KV cache: {kv.bytes_per_token()} bytes/token; {fits} sequences of "
+                   f"{context} tokens fit in {pool_mib:g} MiB")
     for size in batches:
         result = run_bench(llm, size, prompt_len, gen_len)
         if as_json:
@@ -314,12 +321,13 @@ def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: 
               help="The model name clients send (default: the artifact directory's name).")
 @click.option("--api-key", default=None, envvar="LLMOPT_API_KEY",
               help="Require 'Authorization: Bearer KEY' (or set LLMOPT_API_KEY).")
-@click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads.")
-@click.option("--max-num-seqs", type=int, default=None, help="Most sequences per step.")
-@click.option("--max-num-batched-tokens", type=int, default=None, help="Per-step token budget.")
-@click.option("--num-blocks", type=int, default=None, help="KV pool size in blocks.")
-@click.option("--max-context", type=int, default=None, help="Longest sequence, in tokens.")
-@click.option("--max-waiting", type=int, default=256, show_default=True,
+@THREADS
+@click.option("--max-num-seqs", type=POSITIVE, default=None, help="Most sequences per step.")
+@click.option("--max-num-batched-tokens", type=POSITIVE, default=None,
+              help="Per-step token budget.")
+@click.option("--num-blocks", type=POSITIVE, default=None, help="KV pool size in blocks.")
+@click.option("--max-context", type=POSITIVE, default=None, help="Longest sequence, in tokens.")
+@click.option("--max-waiting", type=click.IntRange(min=0), default=256, show_default=True,
               help="Requests queued beyond the running batch; more get 503 + Retry-After.")
 @click.option("--no-prefix-caching", is_flag=True, help="Turn the prefix cache off.")
 @click.option("--grace-period", type=float, default=30.0, show_default=True,
@@ -343,8 +351,6 @@ def serve_command(artifact: Path, host: str, port: int, served_model_name: str |
         raise click.ClickException(
             f"{exc.name or exc} is missing: install the server with pip install 'llmopt[serve]'"
         ) from exc
-    if max_waiting < 0:
-        raise click.BadParameter("must be >= 0", param_hint="--max-waiting")
     config = ServeConfig(served_model_name or Path(artifact).resolve().name, api_key,
                          max_waiting)
     serve(artifact, config, host=host, port=port, grace_period_s=grace_period,

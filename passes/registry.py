@@ -44,13 +44,16 @@ PASSES: dict[str, PassEntry] = {
     "gguf_weights": PassEntry("llmopt.passes.gguf_weights", provides=("quantized_weights",)),
     "awq": PassEntry("llmopt.passes.awq", provides=("quantized_weights",)),
     "gptq": PassEntry("llmopt.passes.gptq", provides=("quantized_weights",)),
+    # KV cache storage dtype (float16, fp8, int8, int4), per layer.
+    "kv_cache": PassEntry("llmopt.passes.kv_cache", provides=("kv_cache",)),
     # Speculative decoding: pair a draft with the final target (it measures against it).
     "draft": PassEntry("llmopt.passes.draft", provides=("draft",), last=True,
                        path_keys=("model",)),
 }
 
 # Facts that at most one pass of a recipe may provide, and what they mean to a user.
-UNIQUE_FACTS = {"quantized_weights": "weight-quantization", "draft": "draft"}
+UNIQUE_FACTS = {"quantized_weights": "weight-quantization", "kv_cache": "KV-cache",
+                "draft": "draft"}
 
 
 class PassStep(NamedTuple):

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.runtime.artifact import load_manifest
-from llmopt.runtime.manifest import Manifest
+from llmopt.runtime.manifest import KVCacheSpec, Manifest, layer_bytes_per_token
 
 _MIB = 1024 * 1024
 
@@ -33,12 +33,33 @@ def describe(path: str | Path, pool_mib: float = 1024.0) -> dict[str, Any]:
         "kv_bytes_per_token": kv_bytes,
         "pool_mib": pool_mib,
         "tokens_in_pool": int(pool_mib * _MIB // kv_bytes),
+        "kv_layout": kv_layout(manifest.kv_cache),
+        # float32 keys and values of the same shapes (the compiler's IR record): the baseline.
+        "kv_float32_bytes_per_token": sum(8 * layer["num_kv_heads"] * layer["head_dim"]
+                                          for layer in arch.get("layers", [])) or None,
+        "sequences_in_pool": {
+            str(context): manifest.kv_cache.sequences_in_pool(
+                pool_mib * _MIB, context, manifest.runtime.block_size)
+            for context in sorted({2048, manifest.runtime.max_context})},
         "passes": manifest.passes,
         "tokenizer": _tokenizer_facts(manifest),
         "generation": manifest.generation,
         "runtime": manifest.runtime.model_dump(),
         "tools": manifest.tools,
     }
+
+
+def kv_layout(kv_cache: KVCacheSpec) -> dict[str, Any]:
+    """The pool tensors of runs of layers with the same layout, and float32's cost."""
+    groups: list[dict[str, Any]] = []
+    for index, layer in enumerate(kv_cache.layers):
+        tensors = " + ".join(f"{t.name} {t.dtype}{t.slot_shape}" for t in layer.tensors)
+        if groups and groups[-1]["tensors"] == tensors:
+            groups[-1]["layers"] = f"{groups[-1]['layers'].split('-')[0]}-{index}"
+            continue
+        groups.append({"layers": str(index), "tensors": tensors,
+                       "bytes_per_token": layer_bytes_per_token(layer)})
+    return {"groups": groups}
 
 
 def format_description(info: dict[str, Any]) -> str:
@@ -53,10 +74,16 @@ def format_description(info: dict[str, Any]) -> str:
         lines.append(f"graph {name:<7} {graph['file']} (opset {graph['opset']}, "
                      f"{graph['operator_set']} operators, {graph['nodes']} nodes, "
                      f"{graph['nodes_per_layer']} per layer)")
+    fp32 = info["kv_float32_bytes_per_token"]
+    ratio = f" ({fp32 / info['kv_bytes_per_token']:.2f}x smaller than float32)" if fp32 else ""
+    sequences = ", ".join(f"{n} at context {c}" for c, n in info["sequences_in_pool"].items())
     lines += [
-        f"KV cache      {', '.join(info['kv_dtypes'])}, {info['kv_bytes_per_token']} bytes/token;"
-        f" {info['tokens_in_pool']} tokens fit in {info['pool_mib']:g} MiB",
+        f"KV cache      {', '.join(info['kv_dtypes'])}, {info['kv_bytes_per_token']} bytes/token"
+        f"{ratio}; {info['tokens_in_pool']} tokens fit in "
+        f"{info['pool_mib']:g} MiB (sequences: {sequences})",
     ]
+    lines += [f"  layers {group['layers']}: {group['tensors']} ({group['bytes_per_token']} "
+              "bytes/token each)" for group in info["kv_layout"]["groups"]]
     lines += _tokenizer_lines(info["tokenizer"], info["generation"])
     lines.append(f"passes        {len(info['passes'])}")
     for report in info["passes"]:

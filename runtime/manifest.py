@@ -22,8 +22,8 @@ class _Strict(BaseModel):
 class CacheTensor(_Strict):
     """One pool tensor of one layer, indexed by slot on its leading axes."""
 
-    name: str  # "key", "value", later "key_scale", ...
-    dtype: str  # numpy dtype name: float32, float16, int8, uint8
+    name: str  # "key", "value", "key_scale", "key_min", ... (see compiler/kv_cache_format)
+    dtype: str  # numpy dtype name: float32, float16, int8, uint8 (int4 pairs, fp8 bits)
     slot_shape: list[int]  # shape of one slot's entry, e.g. [kv_heads * head_dim]
 
 
@@ -35,13 +35,19 @@ class KVCacheSpec(_Strict):
     layers: list[CacheLayer]
 
     def bytes_per_token(self) -> int:
-        import numpy as np
+        """Pool bytes one token takes, codes and scales of every layer included."""
+        return sum(layer_bytes_per_token(layer) for layer in self.layers)
 
-        total = 0
-        for layer in self.layers:
-            for t in layer.tensors:
-                total += int(np.prod(t.slot_shape)) * np.dtype(t.dtype).itemsize
-        return total
+    def sequences_in_pool(self, pool_bytes: float, context: int, block_size: int) -> int:
+        """Sequences of `context` tokens a pool of `pool_bytes` holds (whole blocks each)."""
+        num_blocks = int(pool_bytes // (self.bytes_per_token() * block_size)) - 1  # null block
+        return max(num_blocks, 0) // -(-context // block_size)
+
+
+def layer_bytes_per_token(layer: CacheLayer) -> int:
+    import numpy as np
+
+    return sum(int(np.prod(t.slot_shape)) * np.dtype(t.dtype).itemsize for t in layer.tensors)
 
 
 class GraphSpec(_Strict):

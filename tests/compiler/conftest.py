@@ -6,6 +6,7 @@ have a checkpoint for each, so adding a family without a tiny config fails loudl
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,9 @@ from llmopt.compiler.ir import ArchSpec, ModelIR
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.lower import cache_tensors
 from llmopt.runtime import contract as C
+
+# Test modules share helpers by name (`from test_lower import ...`) under importlib mode.
+sys.path.insert(0, str(Path(__file__).parent))
 
 ARCHS = sorted(FAMILIES)
 

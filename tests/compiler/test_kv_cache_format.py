@@ -1,0 +1,181 @@
+"""KV cache storage: the torch half of each quantizer, and the lowered graphs that store
+quantized KV, driven through the paged-KV contract, against the reference model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from test_lower import (
+    ATOL,
+    OPERATOR_SETS,
+    compile_graph,
+    open_session,
+    prompt_ids,
+    reference_logits,
+)
+
+from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.kv_cache_format import (
+    KVSide,
+    decode,
+    encode,
+    fake_quantize,
+    kv_sides,
+    rotate_heads,
+)
+from llmopt.compiler.reference import KVCache, ReferenceModel
+from llmopt.runtime import contract as C
+
+QUANTIZED = ("int8", "int4", "fp8_e4m3")
+
+
+def with_kv(ir: ModelIR, dtype: str, **layout) -> ModelIR:
+    arch = ir.arch
+    for i in range(arch.num_layers):
+        arch = arch.replace_layer(i, kv_dtype=dtype, **layout)
+    return dataclasses.replace(ir.copy(), arch=arch)  # a copy: tests add static scales
+
+
+def test_fp8_codes_are_the_float8_bit_patterns():
+    y = torch.cat([torch.randn(4000) * 30, torch.randn(1000) * 0.01,
+                   torch.tensor([0.0, 448.0, -448.0, 2.0 ** -9, 2.0 ** -10, 0.0029296875])])
+    side = KVSide("key", "fp8_e4m3", y.numel(), y.numel(), "channel")
+    codes = encode(y, side, torch.ones(y.numel()))["key"]
+    assert torch.equal(codes, y.to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(decode({"key": codes}, side, torch.ones(y.numel())),
+                       y.to(torch.float8_e4m3fn).float())
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_dynamic_round_trip_error_is_within_half_a_step(dtype):
+    x = torch.randn(5, 3, 64) * torch.linspace(0.1, 8, 64)
+    side = KVSide("value", dtype, 64, 16)
+    stored = encode(x, side, None)
+    assert {k: v.shape[-1] for k, v in stored.items()} == {
+        t["name"]: t["slot_shape"][0] for t in side.tensors()}
+    step = x.reshape(5, 3, 4, 16)
+    spread = (step.amax(-1) - step.amin(-1)) if dtype == "int4" else step.abs().amax(-1)
+    bound = {"int8": spread / 254, "int4": spread / 30, "fp8_e4m3": spread / 16}[dtype]
+    error = (fake_quantize(x, side, None) - x).abs().reshape(5, 3, 4, 16).amax(-1)
+    assert (error <= bound * 1.01 + 1e-6).all()
+
+
+def test_static_int4_packs_two_codes_per_byte():
+    side = KVSide("key", "int4", 4, 4, "channel")
+    stored = encode(torch.tensor([[-8.0, 7.0, 0.0, 1.0]]), side, torch.ones(4))
+    assert stored["key"].tolist() == [[0 + 16 * 15, 8 + 16 * 9]]
+
+
+@pytest.fixture(scope="module", params=OPERATOR_SETS)
+def operator_set(request) -> str:
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", ["float16", *QUANTIZED])
+def test_quantized_kv_graph_equals_reference(ir, operator_set, dtype, tmp_path, paged_driver):
+    """The graph writes what the reference stores, and reads it back as the reference does.
+
+    Writing: a prefill's pool entries equal the reference's encoding of its keys and values
+    (a code may differ by one step where float32 noise between torch and ONNX Runtime sits
+    on a rounding boundary). Reading: over non-contiguous blocks, after a chunked prefill,
+    each decode step's logits equal the reference model's with the pool's contents as its
+    cache, within 1e-4.
+    """
+    qir = with_kv(ir, dtype, kv_group_size=ir.arch.layers[0].head_dim // 2)
+    _, path = compile_graph(qir, tmp_path, operator_set=operator_set)
+    check_write_and_read(qir, open_session(path), paged_driver)
+
+
+def check_write_and_read(qir: ModelIR, session, paged_driver) -> None:
+    prompt = prompt_ids(23, seed=11)
+    written = paged_driver(session, qir.arch)
+    written.step({0: prompt})
+    assert_codes_match(written, qir, prompt)
+
+    driver = paged_driver(session, qir.arch)
+    second = driver.step({0: prompt[:9]}) and driver.step({0: prompt[9:]})[0]
+    token, model = int(second[-1].argmax()), ReferenceModel(qir)
+    for _ in range(4):
+        cache = pool_cache(driver, qir)
+        expected = model.forward(torch.tensor([[token]]), cache)[0].numpy()
+        logits = driver.step({0: [token]})[0]
+        np.testing.assert_allclose(logits, expected, rtol=0, atol=ATOL)
+        token = int(logits[-1].argmax())
+
+
+def pool_cache(driver, ir: ModelIR, seq: int = 0) -> KVCache:
+    """Sequence `seq`'s cached keys and values, decoded from the driver's pools."""
+    cache, length = KVCache(), driver.context_lens[seq]
+    table = np.array(driver.block_tables[seq])
+    positions = np.arange(length)
+    bs = driver.block_size
+    slots = table[positions // bs] * bs + positions % bs
+    for i, spec in enumerate(ir.arch.layers):
+        decoded = []
+        for side in kv_sides(spec):
+            stored = {t["name"]: torch.from_numpy(np.ascontiguousarray(
+                driver.pools[C.past_name(i, t["name"])].reshape(-1, *t["slot_shape"])[slots]))
+                for t in side.tensors()}
+            static = ir.weights.get(f"layers.{i}.{side.static_scale_weight}")
+            x = decode(stored, side, static).reshape(1, length, spec.num_kv_heads, spec.head_dim)
+            decoded.append(x.transpose(1, 2))
+        cache.append(i, *decoded)
+    return cache
+
+
+def assert_codes_match(driver, ir: ModelIR, prompt: list[int]) -> None:
+    model, captured = ReferenceModel(ir), {}
+    model.kv_observer = lambda i, q, k, v: captured.setdefault(i, (k, v))
+    model.forward(torch.tensor([prompt]))
+    slots = np.concatenate([np.arange(b * driver.block_size, (b + 1) * driver.block_size)
+                            for b in driver.block_tables[0]])[: len(prompt)]
+    for i, spec in enumerate(ir.arch.layers):
+        for side, x in zip(kv_sides(spec), captured[i], strict=True):
+            if side.name == "key" and spec.kv_rotate_keys:  # observed before the rotation
+                x = rotate_heads(x)
+            static = ir.weights.get(f"layers.{i}.{side.static_scale_weight}")
+            expected = encode(x.reshape(len(prompt), -1), side, static)
+            got = {name: torch.from_numpy(np.ascontiguousarray(driver.pools[C.past_name(
+                i, name)].reshape(-1, value.shape[-1])[slots])) for name, value in expected.items()}
+            differs = [name for name in expected if not torch.equal(got[name], expected[name])]
+            if not differs:
+                continue
+            # Only rounding flips (one step of the grid, in few elements) of float32 noise.
+            a, b = decode(got, side, static), decode(expected, side, static)
+            step = {"float16": 1e-3 * b.abs(), "fp8_e4m3": 0.13 * b.abs() + 0.01,
+                    "int8": 0.02 * b.abs().amax(-1, keepdim=True),
+                    "int4": 0.2 * (b.amax(-1, keepdim=True) - b.amin(-1, keepdim=True))}
+            assert ((a - b).abs() <= step[side.dtype] + 3e-4).all(), f"layer {i} {differs}"
+            assert ((a != b).float().mean()) < 0.1, f"layer {i} {differs}"
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_static_channel_scales(load_ir, dtype, tmp_path, paged_driver):
+    """Static per-channel scales: no scale tensors in the pool, constants in the graph."""
+    base = load_ir("qwen2")
+    qir = with_kv(base, dtype, kv_key_scales="channel", kv_value_scales="channel")
+    width = base.arch.layers[0].num_kv_heads * base.arch.layers[0].head_dim
+    for i in range(base.arch.num_layers):
+        for side in ("key", "value"):
+            qir.weights[f"layers.{i}.{side}_cache_scale"] = torch.rand(width) * 0.05 + 0.01
+    _, path = compile_graph(qir, tmp_path, operator_set="standard")
+    session = open_session(path)
+    assert sorted(o.name for o in session.get_outputs() if o.name.startswith("new.0.")) == [
+        C.new_name(0, "key"), C.new_name(0, "value")]
+    check_write_and_read(qir, session, paged_driver)
+    prompt = prompt_ids(21, seed=12)
+    logits = paged_driver(session, qir.arch).step({0: prompt})[0]
+    assert not np.allclose(logits, reference_logits(base, prompt), atol=1e-3)  # it quantizes
+
+
+@pytest.mark.parametrize("arch_name", ["llama", "qwen3"])
+def test_rotated_keys(load_ir, arch_name, operator_set, tmp_path, paged_driver):
+    """Keys (and queries) rotated per head after RoPE, in the graph as in the reference."""
+    qir = with_kv(load_ir(arch_name), "int4", kv_rotate_keys=True)
+    model, path = compile_graph(qir, tmp_path, operator_set=operator_set)
+    assert sum(node.name.startswith("rotate_heads") for node in model.graph.node) == (
+        2 * qir.arch.num_layers)
+    check_write_and_read(qir, open_session(path), paged_driver)
