@@ -39,7 +39,8 @@ def export_hf(ir: ModelIR, out: Path, fmt: str = "compressed-tensors") -> None:
     if "hf_config" not in ir.annotations:
         raise ValueError("export needs an IR loaded from a Hugging Face config")
     tensors, modules = hf_tensors(ir, fmt)
-    config = {**ir.annotations["hf_config"], "dtype": "float32"}
+    config = {**ir.annotations["hf_config"], "dtype": "float32",
+              "num_key_value_heads": _uniform_kv_heads(ir)}
     config.pop("torch_dtype", None)
     config.pop("quantization_config", None)
     if "lm_head" in ir.quantized and ir.arch.tie_word_embeddings:
@@ -70,6 +71,15 @@ def export_recipe(recipe: Recipe, out: Path, fmt: str,
     ir, _ = run_passes(ir, recipe, log)
     log(f"[3/3] writing a {fmt} Hugging Face checkpoint to {out}")
     export_hf(ir, out, fmt)
+
+
+def _uniform_kv_heads(ir: ModelIR) -> int:
+    """A Hugging Face config holds one KV head count for every layer."""
+    heads = sorted({layer.num_kv_heads for layer in ir.arch.layers})
+    if len(heads) != 1:
+        raise ValueError(f"cannot export layers with different KV head counts {heads} as a "
+                         "Hugging Face checkpoint (its config holds one)")
+    return heads[0]
 
 
 def check_format(fmt: str) -> None:

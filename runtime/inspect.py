@@ -30,12 +30,24 @@ def describe(path: str | Path, pool_mib: float = 1024.0) -> dict[str, Any]:
         "total_bytes": sum(sizes.values()),
         "kv_dtypes": sorted({t.dtype for layer in manifest.kv_cache.layers for t in layer.tensors}),
         "kv_bytes_per_token": kv_bytes,
+        "kv_heads_per_layer": [layer.get("num_kv_heads") for layer in arch.get("layers", [])],
         "pool_mib": pool_mib,
         "tokens_in_pool": int(pool_mib * _MIB // kv_bytes),
         "passes": manifest.passes,
         "runtime": manifest.runtime.model_dump(),
         "tools": manifest.tools,
     }
+
+
+def _runs(values: list) -> str:
+    """`3 x15, 1 x15`-style runs of equal consecutive values, in layer order."""
+    runs: list[list] = []
+    for value in values:
+        if runs and runs[-1][0] == value:
+            runs[-1][1] += 1
+        else:
+            runs.append([value, 1])
+    return ", ".join(f"{value} x{count}" for value, count in runs) or "unknown"
 
 
 def format_description(info: dict[str, Any]) -> str:
@@ -53,6 +65,7 @@ def format_description(info: dict[str, Any]) -> str:
     lines += [
         f"KV cache      {', '.join(info['kv_dtypes'])}, {info['kv_bytes_per_token']} bytes/token;"
         f" {info['tokens_in_pool']} tokens fit in {info['pool_mib']:g} MiB",
+        f"KV heads      {_runs(info['kv_heads_per_layer'])} (per layer)",
         f"passes        {len(info['passes'])}",
     ]
     for report in info["passes"]:
