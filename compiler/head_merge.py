@@ -87,12 +87,15 @@ def check_regroup(spec: LayerSpec, kv_heads: int, layer: int) -> None:
         raise ValueError(f"gqa_regroup: layer {layer} has odd head_dim {spec.head_dim}")
 
 
-def merge_heads(w: AttentionWeights, spec: LayerSpec, kv_heads: int, sigma: torch.Tensor,
-                method: Method) -> AttentionWeights:
-    """The layer's projections with `kv_heads` KV heads."""
+def merge_heads(w: AttentionWeights, spec: LayerSpec, kv_heads: int,
+                sigma: torch.Tensor | None, method: Method) -> AttentionWeights:
+    """The layer's projections with `kv_heads` KV heads (`sigma`: the input's second
+    moment, which mean pooling does not need)."""
     if method == "mean":
         return AttentionWeights(w.q, _mean_heads(w.k, spec, kv_heads),
                                 _mean_heads(w.v, spec, kv_heads), w.o)
+    if sigma is None:
+        raise ValueError("an aligned merge needs the input moments")
     q, k = _merge_keys(w.q, w.k, spec, kv_heads, sigma)
     v, o = _merge_values(w.v, w.o, spec, kv_heads, sigma)
     return AttentionWeights(q, k, v, o)

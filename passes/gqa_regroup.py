@@ -48,8 +48,9 @@ class Config(BaseModel):
     layers: Literal["auto"] | list[int] = "auto"
     method: Method = "aligned"
     fit_steps: int = Field(0, ge=0)  # Adam steps per merged layer; 0: no fit
-    fit_lr: float = Field(1e-4, gt=0)
-    sensitivity_windows: int = Field(4, gt=0)  # calibration windows for sensitivity and fit
+    fit_lr: float = Field(1e-3, gt=0)
+    fit_windows: int = Field(8, gt=0)  # calibration windows the fit draws from
+    sensitivity_windows: int = Field(2, gt=0)  # calibration windows each layer is measured on
     baseline: bool = True  # also measure mean pooling on the same layers
     max_ppl_increase_pct: float | None = Field(None, ge=0)  # this pass's own budget
 
@@ -67,21 +68,18 @@ class Config(BaseModel):
 def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     started = time.perf_counter()
     candidates = _candidates(ir, config)
-    windows = calibration_windows(ir, context.recipe.calibration)
-    moments, hidden = collect_statistics(ir, windows, config.sensitivity_windows)
-    sigmas = {i: moments[i].matrix() for i in candidates}
-    stats_seconds = time.perf_counter() - started
-    context.log(f"      gqa_regroup: input moments of {len(candidates)} layers over "
-                f"{windows.numel()} tokens ({stats_seconds:.1f} s)")
+    sigmas, hidden, tokens = _statistics(ir, candidates, config, context)
     sensitivity: dict[int, float] = {}
     if config.layers == "auto":
-        sensitivity = measure_sensitivity(ir, hidden, sigmas, config, context)
+        sensitivity = measure_sensitivity(ir, [h[:config.sensitivity_windows] for h in hidden],
+                                          sigmas, config, context)
         chosen = choose_layers(ir, sensitivity, config)
     else:
         chosen = sorted(config.layers)
     merged = regroup(ir, chosen, config.kv_heads, sigmas, config.method)
     fit_errors: dict[str, list[float]] = {}
-    fitted = (fit_layers(ir, merged, chosen, hidden, config, context, fit_errors)
+    fitted = (fit_layers(ir, merged, chosen, [h[:config.fit_windows] for h in hidden], config,
+                         context, fit_errors)
               if config.fit_steps else None)
     result = fitted or merged
     report = _report(ir, result, merged if fitted else None, chosen, sensitivity, sigmas,
@@ -89,7 +87,7 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     if fitted:
         report["fit_relative_error"] = fit_errors  # layer -> [first step, last step]
     report["pass_seconds"] = round(time.perf_counter() - started, 2)
-    report["calibration_tokens"] = int(windows.numel())
+    report["calibration_tokens"] = tokens
     report["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     return PassResult(result, report)
 
@@ -114,6 +112,21 @@ def _candidates(ir: ModelIR, config: Config) -> list[int]:
     for i in indices:
         check_regroup(ir.arch.layers[i], config.kv_heads, i)
     return indices
+
+
+def _statistics(ir: ModelIR, candidates: list[int], config: Config, context: PassContext
+                ) -> tuple[dict[int, torch.Tensor], list[torch.Tensor], int]:
+    """Input moments of the candidate layers and the kept residual streams, from the
+    calibration text; none needed to mean-pool a given set of layers without a fit."""
+    if config.method == "mean" and config.layers != "auto" and not config.fit_steps:
+        return {}, [], 0
+    started = time.perf_counter()
+    windows = calibration_windows(ir, context.recipe.calibration)
+    keep = max(config.sensitivity_windows, config.fit_windows if config.fit_steps else 0)
+    moments, hidden = collect_statistics(ir, windows, keep)
+    context.log(f"      gqa_regroup: input moments of {len(candidates)} layers over "
+                f"{windows.numel()} tokens ({time.perf_counter() - started:.1f} s)")
+    return {i: moments[i].matrix() for i in candidates}, hidden, int(windows.numel())
 
 
 @torch.no_grad()
@@ -153,7 +166,7 @@ def regroup(ir: ModelIR, layers: list[int], kv_heads: int, sigmas: dict[int, tor
         if spec.num_kv_heads == kv_heads:
             continue  # nothing to merge: the layer stays exactly as it was
         weights = AttentionWeights.of_layer(ir.weights, i)
-        merge_heads(weights, spec, kv_heads, sigmas[i], method).write(out.weights, i)
+        merge_heads(weights, spec, kv_heads, sigmas.get(i), method).write(out.weights, i)
         out.arch = out.arch.replace_layer(i, num_kv_heads=kv_heads)
     return out
 
