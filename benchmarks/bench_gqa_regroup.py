@@ -57,6 +57,8 @@ def main() -> None:
     parser.add_argument("--reduction", type=float, default=0.33)
     parser.add_argument("--curve", default="5,10,15,20,25,30")
     parser.add_argument("--curve-windows", type=int, default=8)
+    parser.add_argument("--fit-steps", type=int, default=60)
+    parser.add_argument("--eval-windows", type=int, default=64)
     parser.add_argument("--artifacts", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=RESULTS_DIR / "gqa_artifacts")
@@ -64,10 +66,10 @@ def main() -> None:
     results: dict[str, Any] = {"machine": machine_info(), "args": {
         k: str(v) for k, v in vars(args).items()}}
     ir = load_checkpoint(MODEL)
-    results["pass"], sigmas = run_pass(ir, args)
+    results["pass"], sigmas, fitted = run_pass(ir, args)
     order = sorted(results["pass"]["sensitivity_kl"],
                    key=results["pass"]["sensitivity_kl"].get)
-    results["curve"] = curve(ir, sigmas, [int(i) for i in order],
+    results["curve"] = curve(ir, sigmas, fitted, [int(i) for i in order],
                              [int(n) for n in args.curve.split(",")], args.curve_windows)
     if args.artifacts:
         results["artifacts"] = artifacts(args, results["pass"]["layers_merged"])
@@ -80,7 +82,8 @@ def main() -> None:
 def run_pass(ir: ModelIR, args: argparse.Namespace) -> tuple[dict[str, Any], dict]:
     recipe = Recipe(model=MODEL, calibration={"text": str(VALID), "samples": args.calib_samples,
                                               "seq_len": 512}, quality={"measure": False})
-    config = gqa_regroup.Config(kv_heads=1, kv_cache_reduction=args.reduction)
+    config = gqa_regroup.Config(kv_heads=1, kv_cache_reduction=args.reduction,
+                                fit_steps=args.fit_steps)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     started = time.perf_counter()
     report = gqa_regroup.run(ir, config, PassContext(recipe, print)).report
@@ -89,11 +92,16 @@ def run_pass(ir: ModelIR, args: argparse.Namespace) -> tuple[dict[str, Any], dic
     print(f"\npass: {seconds:.0f} s, peak RSS {report['peak_rss_mib']} MiB "
           f"(+{growth:.0f} MiB over the loaded model), layers {report['layers_merged']}, "
           f"KV cut {report['kv_cache_reduction']:.3f}")
-    # The curve reuses the pass's statistics: recompute them once here (same windows).
+    # The curve: the same statistics, every layer merged and fitted once (a layer's fit
+    # reads only the original model's activations, so it does not depend on the others).
     windows = calibration_windows(ir, recipe.calibration)
-    moments, _ = gqa_regroup.collect_statistics(ir, windows, 1)
+    moments, hidden = gqa_regroup.collect_statistics(ir, windows, config.fit_windows)
     sigmas = {i: m.matrix() for i, m in enumerate(moments)}
-    return {**report, "wall_s": round(seconds, 1), "rss_growth_mib": round(growth)}, sigmas
+    every = list(range(ir.arch.num_layers))
+    fitted = gqa_regroup.fit_layers(ir, gqa_regroup.regroup(ir, every, 1, sigmas, "aligned"),
+                                    every, hidden, config, PassContext(recipe, print), {})
+    return ({**report, "wall_s": round(seconds, 1), "rss_growth_mib": round(growth)}, sigmas,
+            fitted)
 
 
 @torch.no_grad()
@@ -107,25 +115,38 @@ def mean_nll(ir: ModelIR, windows: list[list[int]]) -> float:
     return total / (len(windows) * (len(windows[0]) - 1))
 
 
-def curve(ir: ModelIR, sigmas: dict, order: list[int], counts: list[int],
+def with_layers_of(ir: ModelIR, merged: ModelIR, layers: list[int]) -> ModelIR:
+    """`ir` with `layers` (weights and KV heads) taken from `merged`."""
+    out = ir.copy()
+    for i in layers:
+        prefix = f"layers.{i}."
+        out.weights.update({n: t for n, t in merged.weights.items() if n.startswith(prefix)})
+        out.arch = out.arch.replace_layer(i, num_kv_heads=merged.arch.layers[i].num_kv_heads)
+    return out
+
+
+def curve(ir: ModelIR, sigmas: dict, fitted: ModelIR, order: list[int], counts: list[int],
           n_windows: int) -> list[dict[str, Any]]:
     windows = windows_of(ir.text_token_ids(TEST), 512, n_windows)
     base = math.exp(mean_nll(ir, windows))
     rows = []
     print(f"\nperplexity vs layers merged 3->1 (first {n_windows} x 512 of WikiText-2 test; "
           f"unmerged {base:.2f})")
-    print("| layers | KV cut | aligned ppl | Δ | mean-pooled ppl | Δ |\n|---|---|---|---|---|---|")
+    print("| layers | KV cut | aligned+fit ppl | Δ | aligned ppl | Δ | mean-pooled ppl | Δ |\n"
+          "|---|---|---|---|---|---|---|---|")
     for n in counts:
         layers = sorted(order[:n])
         row: dict[str, Any] = {"layers": n, "indices": layers, "kv_cut": round(n / 30 * 2 / 3, 3),
                                "unmerged_ppl": round(base, 3)}
+        row["fitted_ppl"] = round(math.exp(mean_nll(with_layers_of(ir, fitted, layers),
+                                                    windows)), 3)
         for method in ("aligned", "mean"):
             merged = gqa_regroup.regroup(ir, layers, 1, sigmas, method)
             row[f"{method}_ppl"] = round(math.exp(mean_nll(merged, windows)), 3)
         rows.append(row)
-        print(f"| {n} | {row['kv_cut']:.3f} | {row['aligned_ppl']:.2f} | "
-              f"{100 * (row['aligned_ppl'] / base - 1):+.1f} % | {row['mean_ppl']:.2f} | "
-              f"{100 * (row['mean_ppl'] / base - 1):+.1f} % |", flush=True)
+        cells = [f"{row[k]:.2f} | {100 * (row[k] / base - 1):+.1f} %"
+                 for k in ("fitted_ppl", "aligned_ppl", "mean_ppl")]
+        print(f"| {n} | {row['kv_cut']:.3f} | {' | '.join(cells)} |", flush=True)
     return rows
 
 
@@ -134,7 +155,7 @@ def artifacts(args: argparse.Namespace, layers: list[int]) -> dict[str, Any]:
     recipes = {
         "fp32": {"model": MODEL, "passes": []},
         "aligned": {"model": MODEL, "calibration": calibration, "quality": {"measure": False},
-                    "passes": [{"gqa_regroup": {"kv_heads": 1,
+                    "passes": [{"gqa_regroup": {"kv_heads": 1, "fit_steps": args.fit_steps,
                                                 "kv_cache_reduction": args.reduction}}]},
         "mean": {"model": MODEL, "calibration": calibration, "quality": {"measure": False},
                  "passes": [{"gqa_regroup": {"kv_heads": 1, "layers": layers,
@@ -148,9 +169,11 @@ def artifacts(args: argparse.Namespace, layers: list[int]) -> dict[str, Any]:
             recipe_file.parent.mkdir(parents=True, exist_ok=True)
             recipe_file.write_text(yaml.safe_dump(recipe))
             _cli("compile", str(recipe_file), "-o", str(path))
-        out[name] = {"eval": json.loads(_cli("eval", str(path), "--text", str(TEST),
-                                             "--windows", "64", "--seq-len", "512", "--json"))}
-        print(f"{name}: shared-protocol ppl {out[name]['eval']['ppl']:.3f}", flush=True)
+        out[name] = {"eval": json.loads(_cli(
+            "eval", str(path), "--text", str(TEST), "--windows", str(args.eval_windows),
+            "--seq-len", "512", "--json")) if args.eval_windows else {"ppl": float("nan")}}
+        print(f"{name}: ppl {out[name]['eval']['ppl']:.3f} ({args.eval_windows} x 512)",
+              flush=True)
     decode = decode_speed({n: args.workdir / n for n in recipes}, args.rounds)
     for name, tok_s in decode.items():
         out[name]["decode_tok_s_batch8_ctx2048"] = tok_s
