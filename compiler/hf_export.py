@@ -41,8 +41,9 @@ def export_hf(ir: ModelIR, out: Path, fmt: str = "compressed-tensors") -> None:
     tensors, modules = hf_tensors(ir, fmt)
     config = {**ir.annotations["hf_config"], "dtype": "float32",
               "num_key_value_heads": _uniform_kv_heads(ir)}
-    config.pop("torch_dtype", None)
-    config.pop("quantization_config", None)
+    for build_only in ("torch_dtype", "quantization_config", "_name_or_path"):
+        config.pop(build_only, None)  # _name_or_path: a path on the build machine
+    config["architectures"] = config.get("architectures") or [_causal_lm_class(config)]
     if "lm_head" in ir.quantized and ir.arch.tie_word_embeddings:
         config["tie_word_embeddings"] = False  # embed_tokens holds the dequantized head
     if modules:
@@ -55,6 +56,8 @@ def export_hf(ir: ModelIR, out: Path, fmt: str = "compressed-tensors") -> None:
         _write_json(staging / "config.json", config)
         _write_json(staging / "generation_config.json", _generation_config(ir))
         _write_tokenizer(ir, staging)
+        for file in staging.iterdir():
+            file.chmod(0o644)  # a checkpoint is meant to be shared, whatever wrote it
 
 
 def export_recipe(recipe: Recipe, out: Path, fmt: str,
@@ -80,6 +83,13 @@ def _uniform_kv_heads(ir: ModelIR) -> int:
         raise ValueError(f"cannot export layers with different KV head counts {heads} as a "
                          "Hugging Face checkpoint (its config holds one)")
     return heads[0]
+
+
+def _causal_lm_class(config: dict[str, Any]) -> str:
+    """transformers' causal-LM class for the config (vLLM dispatches on `architectures`)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]
 
 
 def check_format(fmt: str) -> None:

@@ -175,14 +175,20 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
         raise RecipeError(f"--set expects key.path=value, got {override!r}")
     node: Any = raw
     parts = key.split(".")
-    for part in parts[:-1]:
-        node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
-    leaf = parts[-1]
-    parsed = yaml.safe_load(value)
-    if isinstance(node, list):
-        node[int(leaf)] = parsed
-    else:
-        node[leaf] = parsed
+    for depth, part in enumerate(parts):
+        where = ".".join(parts[: depth + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise RecipeError(f"--set {key}: {where} is not an index of a "
+                                  f"{len(node)}-item list")
+            part = int(part)
+        elif not isinstance(node, dict):
+            raise RecipeError(f"--set {key}: {'.'.join(parts[:depth])} is a "
+                              f"{type(node).__name__}, not a section with keys")
+        if depth == len(parts) - 1:
+            node[part] = yaml.safe_load(value)
+        else:
+            node = node[part] if isinstance(node, list) else node.setdefault(part, {})
 
 
 FILE_KEYS = (("calibration", "text"), ("quality", "eval_text"))  # text files a recipe names

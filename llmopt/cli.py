@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,9 @@ def _one_line_errors(command: Callable[..., Any]) -> Callable[..., Any]:
             raise
         except KeyboardInterrupt:
             sys.exit(130)
+        except BrokenPipeError:  # `llmopt generate ... | head`: the reader left; so do we
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(141)
         except Exception as exc:  # noqa: BLE001 - the CLI's boundary: report, do not crash
             if os.environ.get("LLMOPT_DEBUG"):
                 raise
@@ -89,6 +93,11 @@ class _Commands(click.Group):
             raise _OneLineUsageError(exc.format_message()) from None
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so a half-written artifact's staging folder is removed."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 @click.group(cls=_Commands)
 @click.version_option(package_name="llmopt")
 def main() -> None:
@@ -106,6 +115,7 @@ def compile_command(recipe: Path, out: Path, overrides: tuple[str, ...]) -> None
     """Compile RECIPE (YAML) into an artifact directory."""
     import yaml
 
+    _exit_on_sigterm()
     from llmopt.compiler.recipe import load_recipe, resolved_dict
 
     resolved = load_recipe(recipe, list(overrides))  # before torch loads: errors in < 1 s
@@ -127,6 +137,7 @@ def compile_command(recipe: Path, out: Path, overrides: tuple[str, ...]) -> None
 @_one_line_errors
 def export_hf_command(recipe: Path, out: Path, fmt: str, overrides: tuple[str, ...]) -> None:
     """Run RECIPE's passes and write the model as a quantized Hugging Face checkpoint."""
+    _exit_on_sigterm()
     from llmopt.compiler.hf_export import export_recipe
     from llmopt.compiler.recipe import load_recipe
 
@@ -202,6 +213,11 @@ def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_t
     """Generate a continuation of each PROMPT, batched together."""
     from llmopt.runtime import LLM, SamplingParams
 
+    for number, prompt in enumerate(prompts, 1):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:  # undecodable bytes in argv arrive as lone surrogates
+            raise ValueError(f"prompt {number} is not valid UTF-8 text") from None
     chosen = {"temperature": temperature if temperature is not None else 0.0, "top_p": top_p,
               "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty,
               "seed": seed}

@@ -117,6 +117,9 @@ class LLM:
         The sequence is prefilled in chunks of the step token budget with logits at every
         position, and each chunk is reduced to log-probs before the next one runs.
         """
+        if len(token_ids) < 2:
+            raise ValueError(f"score needs at least 2 token ids (the first has no "
+                             f"prediction), got {len(token_ids)}")
         request_id = self.engine.add_request(
             self._checked_token_ids(token_ids), SamplingParams(max_tokens=1), score_only=True
         )

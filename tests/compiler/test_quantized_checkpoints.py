@@ -251,3 +251,21 @@ def test_export_hf_command(tiny_checkpoints, tmp_path):
     unknown = CliRunner().invoke(main, ["export-hf", str(recipe), "-o", str(tmp_path / "o3"),
                                         "--format", "gguf"])
     assert unknown.exit_code == 1 and "unknown export format 'gguf'" in unknown.output
+
+
+def test_exported_metadata_is_what_serving_tools_read(load_ir, tmp_path):
+    """`architectures` names the class (vLLM dispatches on it), no build-machine path
+    leaks, and the files are readable by others."""
+    import json
+
+    from llmopt.compiler.hf_export import export_hf
+
+    ir = load_ir("llama").copy()  # as a GGUF source reads: no class, the build's path
+    ir.annotations["hf_config"] = {**ir.annotations["hf_config"], "architectures": None,
+                                   "_name_or_path": "/home/build/venv/lib/model"}
+    out = tmp_path / "out"
+    export_hf(ir, out, "compressed-tensors")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert "_name_or_path" not in config
+    assert all(file.stat().st_mode & 0o777 == 0o644 for file in out.iterdir())

@@ -173,3 +173,42 @@ def test_a_binary_text_file_is_named(artifact, tmp_path):
     result = CliRunner().invoke(main, ["eval", str(artifact), "--text", str(binary)])
     assert result.exit_code == 1
     assert f"error: {binary} is not UTF-8 text (byte 0 cannot be decoded)" in result.output
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("model.x=1", "error: --set model.x: model is a str, not a section with keys"),
+    ("passes.3.rtn.bits=8", "error: --set passes.3.rtn.bits: passes.3 is not an index of a "
+                            "1-item list"),
+])
+def test_set_paths_that_do_not_fit_are_named(tmp_path, override, message):
+    recipe = write_recipe(tmp_path, "model: m\npasses:\n  - rtn: {}\n")
+    code, _, err = run("compile", recipe, "-o", tmp_path / "out", "--set", override)
+    assert_one_line_error(code, err, message)
+
+
+def test_sigterm_during_the_write_leaves_no_staging_folder(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal\n"
+        "from pathlib import Path\n"
+        "from llmopt.cli import _exit_on_sigterm\n"
+        "from llmopt.compiler.artifact import staging_directory\n"
+        "_exit_on_sigterm()\n"
+        f"with staging_directory(Path({str(tmp_path / 'out')!r})) as staging:\n"
+        "    (staging / 'partial.onnx').write_bytes(b'x' * 1000)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True)
+    assert result.returncode == 128 + 15
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_prompts_are_named(artifact):
+    from llmopt.runtime import LLM
+
+    with pytest.raises(ValueError, match="score needs at least 2 token ids"):
+        LLM(artifact).score([])
+    code, _, err = run("generate", artifact, "ok", "\udcff\udcfe hello")
+    assert_one_line_error(code, err, "prompt 2 is not valid UTF-8 text")
