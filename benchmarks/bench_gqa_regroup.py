@@ -1,21 +1,24 @@
 """GQA regrouping on SmolLM2-135M-Instruct: quality against layers merged, the pass's cost,
 and decode speed before and after.
 
-1. The pass (`gqa_regroup`, kv_heads 1, layers auto, `--reduction`) runs in this process
-   on `--calib-samples` windows of WikiText-2 valid: its wall time, the process's peak-RSS
-   growth over the loaded model, each layer's measured sensitivity and the layers chosen.
-2. The curve: the N least sensitive layers merged (N in `--curve`), aligned and mean-pooled,
-   perplexity of the torch reference on the first `--curve-windows` windows of WikiText-2
-   test (512 tokens; fewer than the shared protocol's 64 when the machine is loaded: say so).
+1. The pass (`gqa_regroup`, kv_heads 1, layers auto, `--reduction`, `--fit-steps`) runs in
+   this process on `--calib-samples` windows of WikiText-2 valid: its wall time, the
+   process's peak-RSS growth over the loaded model, each layer's measured sensitivity and
+   the layers chosen. `--from-artifact DIR` takes that report from an artifact compiled
+   with the pass instead (on a loaded machine the pass is the slow part).
+2. The curve: the N least sensitive layers merged (N in `--curve`) — aligned and fitted,
+   aligned, and mean-pooled — perplexity of the torch reference on the first
+   `--curve-windows` windows of WikiText-2 test (512 tokens; fewer than the shared
+   protocol's 64 when the machine is loaded: say so).
 3. `--artifacts`: compile fp32, the `--reduction` merge and its mean-pooled twin through
-   `llmopt compile`, score each with `llmopt eval` on the shared protocol (64 x 512), and
-   time decode at batch 8 with a 2048-token context (a shared 1920-token prefix, 8 own
-   tokens, 120 new ones), the artifacts interleaved over `--rounds` rounds in one process,
-   median.
+   `llmopt compile`, score each with `llmopt eval` on `--eval-windows` windows (64: the
+   shared protocol; 0: skip), and time decode at batch 8 with a 2048-token context (a
+   shared 1920-token prefix, 8 own tokens, 120 new ones), the artifacts interleaved over
+   `--rounds` rounds in one process, median.
 
 Prints tables; writes benchmarks/results/bench_gqa_regroup.json.
 
-    python benchmarks/bench_gqa_regroup.py --calib-samples 32 --curve-windows 8 --artifacts
+    python benchmarks/bench_gqa_regroup.py --calib-samples 16 --curve-windows 8 --artifacts
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ def main() -> None:
     parser.add_argument("--curve-windows", type=int, default=8)
     parser.add_argument("--fit-steps", type=int, default=60)
     parser.add_argument("--eval-windows", type=int, default=64)
+    parser.add_argument("--from-artifact", type=Path, default=None,
+                        help="take the pass's report (sensitivity, cost) from this artifact's "
+                             "manifest instead of running the pass here")
     parser.add_argument("--artifacts", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=RESULTS_DIR / "gqa_artifacts")
@@ -66,7 +72,12 @@ def main() -> None:
     results: dict[str, Any] = {"machine": machine_info(), "args": {
         k: str(v) for k, v in vars(args).items()}}
     ir = load_checkpoint(MODEL)
-    results["pass"], sigmas, fitted = run_pass(ir, args)
+    if args.from_artifact:
+        manifest = json.loads((args.from_artifact / "manifest.json").read_text())
+        results["pass"] = next(r for r in manifest["passes"] if r["name"] == "gqa_regroup")
+    else:
+        results["pass"] = run_pass(ir, args)
+    sigmas, fitted = curve_inputs(ir, args)
     order = sorted(results["pass"]["sensitivity_kl"],
                    key=results["pass"]["sensitivity_kl"].get)
     results["curve"] = curve(ir, sigmas, fitted, [int(i) for i in order],
@@ -79,11 +90,15 @@ def main() -> None:
     print(f"wrote {RESULTS_DIR / 'bench_gqa_regroup.json'}")
 
 
-def run_pass(ir: ModelIR, args: argparse.Namespace) -> tuple[dict[str, Any], dict]:
+def pass_setup(args: argparse.Namespace) -> tuple[Recipe, gqa_regroup.Config]:
     recipe = Recipe(model=MODEL, calibration={"text": str(VALID), "samples": args.calib_samples,
                                               "seq_len": 512}, quality={"measure": False})
-    config = gqa_regroup.Config(kv_heads=1, kv_cache_reduction=args.reduction,
-                                fit_steps=args.fit_steps)
+    return recipe, gqa_regroup.Config(kv_heads=1, kv_cache_reduction=args.reduction,
+                                      fit_steps=args.fit_steps)
+
+
+def run_pass(ir: ModelIR, args: argparse.Namespace) -> dict[str, Any]:
+    recipe, config = pass_setup(args)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     started = time.perf_counter()
     report = gqa_regroup.run(ir, config, PassContext(recipe, print)).report
@@ -92,16 +107,20 @@ def run_pass(ir: ModelIR, args: argparse.Namespace) -> tuple[dict[str, Any], dic
     print(f"\npass: {seconds:.0f} s, peak RSS {report['peak_rss_mib']} MiB "
           f"(+{growth:.0f} MiB over the loaded model), layers {report['layers_merged']}, "
           f"KV cut {report['kv_cache_reduction']:.3f}")
-    # The curve: the same statistics, every layer merged and fitted once (a layer's fit
-    # reads only the original model's activations, so it does not depend on the others).
+    return {**report, "wall_s": round(seconds, 1), "rss_growth_mib": round(growth)}
+
+
+def curve_inputs(ir: ModelIR, args: argparse.Namespace) -> tuple[dict, ModelIR]:
+    """The pass's statistics, and every layer merged and fitted once (a layer's fit reads
+    only the original model's activations, so it does not depend on the others)."""
+    recipe, config = pass_setup(args)
     windows = calibration_windows(ir, recipe.calibration)
     moments, hidden = gqa_regroup.collect_statistics(ir, windows, config.fit_windows)
     sigmas = {i: m.matrix() for i, m in enumerate(moments)}
     every = list(range(ir.arch.num_layers))
     fitted = gqa_regroup.fit_layers(ir, gqa_regroup.regroup(ir, every, 1, sigmas, "aligned"),
                                     every, hidden, config, PassContext(recipe, print), {})
-    return ({**report, "wall_s": round(seconds, 1), "rss_growth_mib": round(growth)}, sigmas,
-            fitted)
+    return sigmas, fitted
 
 
 @torch.no_grad()
