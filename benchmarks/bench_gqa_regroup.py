@@ -72,12 +72,14 @@ def main() -> None:
     results: dict[str, Any] = {"machine": machine_info(), "args": {
         k: str(v) for k, v in vars(args).items()}}
     ir = load_checkpoint(MODEL)
-    if args.from_artifact:
-        manifest = json.loads((args.from_artifact / "manifest.json").read_text())
-        results["pass"] = next(r for r in manifest["passes"] if r["name"] == "gqa_regroup")
-    else:
-        results["pass"] = run_pass(ir, args)
+    results["pass"] = None if args.from_artifact else run_pass(ir, args)
     sigmas, fitted = curve_inputs(ir, args)
+    if args.from_artifact:  # read last: the artifact may still be compiling meanwhile
+        manifest = args.from_artifact / "manifest.json"
+        while not manifest.is_file():
+            time.sleep(10)
+        passes = json.loads(manifest.read_text())["passes"]
+        results["pass"] = next(r for r in passes if r["name"] == "gqa_regroup")
     order = sorted(results["pass"]["sensitivity_kl"],
                    key=results["pass"]["sensitivity_kl"].get)
     results["curve"] = curve(ir, sigmas, fitted, [int(i) for i in order],
