@@ -16,7 +16,8 @@ and decode speed before and after.
    shared 1920-token prefix, 8 own tokens, 120 new ones), the artifacts interleaved over
    `--rounds` rounds in one process, median.
 
-Prints tables; writes benchmarks/results/bench_gqa_regroup.json.
+`--decode fp32=DIR gqa=DIR` only times decode of existing artifacts (the same way).
+Prints tables; writes benchmarks/results/bench_gqa_regroup[_decode].json.
 
     python benchmarks/bench_gqa_regroup.py --calib-samples 16 --curve-windows 8 --artifacts
 """
@@ -66,11 +67,18 @@ def main() -> None:
                         help="take the pass's report (sensitivity, cost) from this artifact's "
                              "manifest instead of running the pass here")
     parser.add_argument("--artifacts", action="store_true")
+    parser.add_argument("--decode", nargs="+", metavar="NAME=DIR",
+                        help="only time decode (batch 8, context 2048) of these artifacts")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=RESULTS_DIR / "gqa_artifacts")
     args = parser.parse_args()
     results: dict[str, Any] = {"machine": machine_info(), "args": {
         k: str(v) for k, v in vars(args).items()}}
+    if args.decode:
+        paths = {n: Path(d) for n, d in (item.split("=", 1) for item in args.decode)}
+        results["decode_tok_s_batch8_ctx2048"] = decode_speed(paths, args.rounds)
+        print(results["decode_tok_s_batch8_ctx2048"])
+        return save(results, "bench_gqa_regroup_decode.json")
     ir = load_checkpoint(MODEL)
     results["pass"] = None if args.from_artifact else run_pass(ir, args)
     sigmas, fitted = curve_inputs(ir, args)
@@ -86,10 +94,14 @@ def main() -> None:
                              [int(n) for n in args.curve.split(",")], args.curve_windows)
     if args.artifacts:
         results["artifacts"] = artifacts(args, results["pass"]["layers_merged"])
+    save(results, "bench_gqa_regroup.json")
+
+
+def save(results: dict[str, Any], name: str) -> None:
     results["loadavg_at_end"] = list(os.getloadavg())
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    (RESULTS_DIR / "bench_gqa_regroup.json").write_text(json.dumps(results, indent=2))
-    print(f"wrote {RESULTS_DIR / 'bench_gqa_regroup.json'}")
+    (RESULTS_DIR / name).write_text(json.dumps(results, indent=2))
+    print(f"wrote {RESULTS_DIR / name}")
 
 
 def pass_setup(args: argparse.Namespace) -> tuple[Recipe, gqa_regroup.Config]:
