@@ -147,14 +147,11 @@ def _model_spec(ir: ModelIR, recipe: Recipe) -> dict[str, Any]:
 
 
 def _tokenizer_spec(ir: ModelIR) -> dict[str, Any]:
-    tokens = ir.annotations.get("tokens", {})
-    return {
-        "file": "tokenizer.json",
-        "chat_template": ir.chat_template,
-        "add_bos_token": ir.add_bos_token,
-        "bos_token": tokens.get("bos_token"),
-        "eos_token": tokens.get("eos_token"),
-    }
+    if ir.tokenizer_spec is not None:
+        return ir.tokenizer_spec.model_dump()
+    tokens = ir.annotations.get("tokens", {})  # an IR built without the loader
+    return {"file": "tokenizer.json", "bos_token": tokens.get("bos_token"),
+            "eos_token": tokens.get("eos_token")}
 
 
 def _ir_record(ir: ModelIR) -> dict[str, Any]:

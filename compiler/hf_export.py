@@ -207,6 +207,8 @@ def _write_tokenizer(ir: ModelIR, directory: Path) -> None:
         (directory / name).write_bytes(content)
     tokens = {k: v for k, v in ir.annotations.get("tokens", {}).items() if v is not None}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **tokens}
+    if spec := ir.tokenizer_spec:  # what transformers added around text on the source
+        config |= {"add_bos_token": spec.add_bos_token, "add_eos_token": spec.add_eos_token}
     if ir.chat_template:
         config["chat_template"] = ir.chat_template
     _write_json(directory / "tokenizer_config.json", config)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from llmopt.compiler.quant_format import QuantizedLinear
+from llmopt.runtime.tokenizer_spec import TokenizerSpec
 
 Activation = Literal["silu", "gelu_tanh"]
 KV_DTYPES = ("float32", "float16")
@@ -110,8 +111,8 @@ class ModelIR:
     weights: dict[str, torch.Tensor]
     source: str  # where the checkpoint came from
     tokenizer_files: dict[str, bytes] = field(default_factory=dict)  # name -> content
-    chat_template: str | None = None
-    add_bos_token: bool = False
+    # How the runtime tokenizes, as transformers does on the source (the manifest's section).
+    tokenizer_spec: TokenizerSpec | None = None
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     annotations: dict[str, Any] = field(default_factory=dict)  # pass records
     # Linear name ("layers.0.q_proj", "lm_head") -> its integer weights. The float weight
@@ -119,6 +120,14 @@ class ModelIR:
     # exactly what the quantized graph computes (fake quantization).
     quantized: dict[str, QuantizedLinear] = field(default_factory=dict)
     draft: DraftBundle | None = None  # set by the `draft` pass; lowered as graph "draft"
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.tokenizer_spec.chat_template if self.tokenizer_spec else None
+
+    @property
+    def add_bos_token(self) -> bool:
+        return self.tokenizer_spec.add_bos_token if self.tokenizer_spec else False
 
     def text_tokenizer(self) -> tokenizers.Tokenizer:
         """The source's tokenizer, as the artifact ships it (`tokenizer.json`)."""

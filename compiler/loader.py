@@ -24,6 +24,13 @@ from llmopt.compiler.architectures import (
 from llmopt.compiler.ir import ArchSpec, LayerSpec, ModelIR, RopeSpec
 from llmopt.compiler.quant_format import QuantizedLinear
 from llmopt.compiler.quantized_checkpoints import read_quantized_checkpoint
+from llmopt.compiler.source_tokenizer import (
+    TOKENIZER_FILE,
+    SourceTokenizer,
+    generation_notes,
+    read_source_tokenizer,
+)
+from llmopt.compiler.tokenizer_check import check_tokenizer
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -79,7 +86,7 @@ def package_file(model: str) -> Path:
 
 def load_checkpoint(model: str) -> ModelIR:
     """Read config, weights and tokenizer of `model` into a float32 ModelIR."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     ref = resolve_checkpoint(model)
     try:
@@ -91,27 +98,31 @@ def load_checkpoint(model: str) -> ModelIR:
         raise CheckpointNotFoundError(f"cannot read model config from {model}: {exc}") from exc
     arch = arch_from_config(config)
     family = family_for(config.model_type)
+    tokenizer = load_tokenizer(ref, config)  # before the weights: refusals come fast
     quantized: dict[str, QuantizedLinear] = {}
     if quantization := getattr(config, "quantization_config", None):
         # AutoModel would need each format's own kernels package: read the tensors ourselves.
         state_dict, quantized = read_quantized_checkpoint(ref.location, dict(quantization))
         generation_config = _generation_config(ref.location, config)
     else:
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            ref.location, dtype=torch.float32, **ref.kwargs()
-        )
+        try:
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                ref.location, dtype=torch.float32, **ref.kwargs()
+            )
+        except NotImplementedError as exc:  # e.g. a GGUF combination transformers lacks
+            raise UnsupportedModelError(f"transformers cannot load {model}: {exc}") from exc
         state_dict, generation_config = hf_model.state_dict(), hf_model.generation_config
     weights = map_weights(state_dict, family, arch)
     _check_eos(arch, generation_config)
-    tokenizer = AutoTokenizer.from_pretrained(ref.location, **ref.kwargs())
+    notes = generation_notes(tokenizer.hf, ref.location, ref.gguf_file, generation_config)
     ir = ModelIR(
         arch=_with_generation_eos(arch, generation_config),
         weights=weights,
         source=model,
-        tokenizer_files={"tokenizer.json": tokenizer.backend_tokenizer.to_str().encode()},
-        chat_template=getattr(tokenizer, "chat_template", None),
+        tokenizer_files=tokenizer.files,
+        tokenizer_spec=tokenizer.spec.model_copy(update={"notes": tokenizer.spec.notes + notes}),
         generation_defaults=generation_defaults(generation_config),
-        annotations={"tokens": _special_tokens(tokenizer), "hf_config": config.to_dict()},
+        annotations={"tokens": _special_tokens(tokenizer.hf), "hf_config": config.to_dict()},
     )
     for module, q in quantized.items():
         linear = _ir_name(f"{module}.weight", family).removesuffix(".weight")
@@ -120,6 +131,17 @@ def load_checkpoint(model: str) -> ModelIR:
                                         "tie_word_embeddings true")
         ir.set_quantized(linear, q)  # its float weight becomes the dequantized codes
     return ir
+
+
+def load_tokenizer(ref: CheckpointRef, config: Any) -> SourceTokenizer:
+    """The source's tokenizer as transformers takes it, its spec self-checked against it."""
+    from dataclasses import replace
+
+    tokenizer = read_source_tokenizer(ref.location, ref.gguf_file, config)
+    report = check_tokenizer(tokenizer.hf, tokenizer.files[TOKENIZER_FILE].decode(),
+                             tokenizer.spec)
+    spec = tokenizer.spec.model_copy(update={"self_check": report})
+    return replace(tokenizer, spec=spec)
 
 
 def _generation_config(location: str, config: Any) -> Any:
@@ -281,11 +303,35 @@ def _check_eos(arch: ArchSpec, generation_config: Any) -> None:
 
 
 def generation_defaults(generation_config: Any) -> dict[str, Any]:
-    """Sampling defaults the checkpoint ships, in SamplingParams' terms."""
-    if not getattr(generation_config, "do_sample", False):
-        return {"temperature": 0.0}
-    keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-    return {k: getattr(generation_config, k) for k in keys if getattr(generation_config, k, None)}
+    """What `generate()` in transformers samples with by default, in SamplingParams' terms:
+    the checkpoint's generation config, transformers' global defaults where it is silent
+    (top_k 50 when sampling), and only what applies (greedy ignores the warpers but not
+    the repetition penalty)."""
+    value = _generation_value(generation_config)
+    defaults: dict[str, Any] = {"repetition_penalty": float(value("repetition_penalty"))}
+    if not value("do_sample"):
+        return {"temperature": 0.0, **defaults}
+    defaults |= {"temperature": float(value("temperature")), "top_k": int(value("top_k") or 0),
+                 "top_p": float(value("top_p"))}
+    if value("min_p") is not None:
+        defaults["min_p"] = float(value("min_p"))
+    if getattr(generation_config, "max_new_tokens", None):
+        defaults["max_new_tokens"] = int(generation_config.max_new_tokens)
+    return defaults
+
+
+def _generation_value(generation_config: Any) -> Any:
+    """key -> the config's value, else transformers' global default for it."""
+    from transformers import GenerationConfig
+
+    global_defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+    fallback = global_defaults() if global_defaults else GenerationConfig().to_dict()
+
+    def value(key: str) -> Any:
+        own = getattr(generation_config, key, None)
+        return own if own is not None else fallback.get(key)
+
+    return value
 
 
 def _special_tokens(tokenizer: Any) -> dict[str, Any]:

@@ -30,6 +30,10 @@ def compile_recipe(recipe: Recipe, out: Path, log: Callable[[str], None] = print
     ir = load_checkpoint(recipe.model)
     log(f"      {spec_summary(ir.arch)}, {ir.num_parameters() / 1e6:.1f} M parameters "
         f"({time.perf_counter() - started:.1f} s)")
+    if ir.tokenizer_spec is not None:
+        log(f"      tokenizer: {ir.tokenizer_spec.summary()}")
+        for note in ir.tokenizer_spec.notes:  # where the source was ambiguous
+            log(f"      note: {note}")
     # Phase 2: rewrite and quantize, in recipe order.
     ir, reports = run_passes(ir, recipe, log)
     # Phase 3: lower to ONNX and write the artifact atomically.

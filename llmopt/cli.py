@@ -189,7 +189,9 @@ def _speculation_kwargs(speculative: bool, gamma: int | None, spec_max_batch: in
 @click.option("--chat", is_flag=True, help="Wrap each prompt in the chat template.")
 @click.option("--max-tokens", type=POSITIVE, default=128, show_default=True,
               help="Most new tokens per prompt.")
-@click.option("--temperature", type=float, default=None, help="0 = greedy (the default).")
+@click.option("--temperature", type=float, default=None,
+              help="0 = greedy. Unset sampling options take the checkpoint's generation "
+                   "config (greedy without one).")
 @click.option("--top-p", type=float, default=None, help="Nucleus sampling mass, in (0, 1].")
 @click.option("--top-k", type=int, default=None, help="Sample among the k likeliest (0: off).")
 @click.option("--min-p", type=float, default=None,
@@ -218,18 +220,20 @@ def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_t
             prompt.encode("utf-8")
         except UnicodeEncodeError:  # undecodable bytes in argv arrive as lone surrogates
             raise ValueError(f"prompt {number} is not valid UTF-8 text") from None
-    chosen = {"temperature": temperature if temperature is not None else 0.0, "top_p": top_p,
-              "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty,
-              "seed": seed}
-    params = SamplingParams(max_tokens=max_tokens, stop=list(stop),  # checked before loading
-                            **{k: v for k, v in chosen.items() if v is not None})
+    chosen = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+              "repetition_penalty": repetition_penalty, "seed": seed}
+    given = {k: v for k, v in chosen.items() if v is not None}
+    SamplingParams(max_tokens=max_tokens, stop=list(stop), **given)  # bad values: before loading
     llm = LLM(artifact, num_threads=threads, num_blocks=num_blocks, max_context=max_context,
               **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))
+    params = SamplingParams.from_generation_config(  # the manifest's: transformers' defaults
+        llm.manifest.generation, max_tokens=max_tokens, stop=list(stop), **given)
     for output in llm.generate(list(prompts), params, chat=chat):
         if as_json:
             record = {"prompt": output.prompt, "text": output.text,
                       "token_ids": output.token_ids, "finish_reason": output.finish_reason,
                       "prompt_tokens": len(output.prompt_token_ids),
+                      "prompt_token_ids": output.prompt_token_ids,
                       "ttft_ms": round(1000 * (output.metrics.ttft or 0.0), 3)}
             speculation = output.metrics.speculation
             if speculation is not None and speculation.num_spec_steps:

@@ -58,7 +58,7 @@ def read_text(text_file: str | Path) -> str:
 def perplexity(llm: LLM, text_file: str | Path, windows: int = 64,
                seq_len: int = 512) -> PerplexityResult:
     text = read_text(text_file)
-    token_ids = llm.tokenizer.encode(text, add_bos=False)
+    token_ids = llm.tokenizer.encode(text, add_bos=False, add_eos=False)  # plain text
     started = time.perf_counter()
     chunks = windows_of(token_ids, seq_len, windows)
     nll_sum, count = 0.0, 0

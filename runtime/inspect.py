@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.runtime.artifact import load_manifest
+from llmopt.runtime.manifest import Manifest
 
 _MIB = 1024 * 1024
 
@@ -34,6 +35,8 @@ def describe(path: str | Path, pool_mib: float = 1024.0) -> dict[str, Any]:
         "pool_mib": pool_mib,
         "tokens_in_pool": int(pool_mib * _MIB // kv_bytes),
         "passes": manifest.passes,
+        "tokenizer": _tokenizer_facts(manifest),
+        "generation": manifest.generation,
         "runtime": manifest.runtime.model_dump(),
         "tools": manifest.tools,
     }
@@ -66,8 +69,9 @@ def format_description(info: dict[str, Any]) -> str:
         f"KV cache      {', '.join(info['kv_dtypes'])}, {info['kv_bytes_per_token']} bytes/token;"
         f" {info['tokens_in_pool']} tokens fit in {info['pool_mib']:g} MiB",
         f"KV heads      {_runs(info['kv_heads_per_layer'])} (per layer)",
-        f"passes        {len(info['passes'])}",
     ]
+    lines += _tokenizer_lines(info["tokenizer"], info["generation"])
+    lines.append(f"passes        {len(info['passes'])}")
     for report in info["passes"]:
         summary = {k: v for k, v in report.items()
                    if k not in ("name", "config") and not isinstance(v, dict | list)}
@@ -76,3 +80,23 @@ def format_description(info: dict[str, Any]) -> str:
         if report.get("quality"):
             lines.append(f"    quality: {report['quality']}")
     return "\n".join(lines)
+
+
+def _tokenizer_facts(manifest: Manifest) -> dict[str, Any]:
+    spec = manifest.tokenizer
+    return {**spec.model_dump(exclude={"chat_template", "template_tokens"}),
+            "chat_template": spec.chat_template is not None,
+            "eos_token_ids": manifest.model.eos_token_ids, "summary": spec.summary()}
+
+
+def _tokenizer_lines(tokenizer: dict[str, Any], generation: dict[str, Any]) -> list[str]:
+    lines = [f"tokenizer     {tokenizer['summary']}"]
+    if tokenizer.get("kind"):
+        lines.append(f"  kind        {tokenizer['kind']}")
+    if tokenizer.get("source"):
+        lines.append(f"  source      {tokenizer['source']}")
+    lines.append(f"  stops at    EOS ids {tokenizer['eos_token_ids']}")
+    defaults = ", ".join(f"{k} {v}" for k, v in generation.items()) or "none"
+    lines.append(f"  defaults    {defaults}")
+    lines += [f"  note        {note}" for note in tokenizer.get("notes", [])]
+    return lines

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmopt.runtime.contract import FORMAT_VERSION
+from llmopt.runtime.tokenizer_spec import TokenizerSpec
 
 MANIFEST_FILE = "manifest.json"
 
@@ -72,14 +73,6 @@ class RuntimeDefaults(_Strict):
     max_num_seqs: int = Field(16, gt=0)
     max_num_batched_tokens: int = Field(512, gt=0)  # per-step token budget: chunked prefill
     num_blocks: int | None = Field(None, gt=0)  # None: enough for max_num_seqs * max_context
-
-
-class TokenizerSpec(_Strict):
-    file: str  # tokenizer.json, relative to the artifact directory
-    chat_template: str | None = None
-    add_bos_token: bool = False
-    bos_token: str | None = None
-    eos_token: str | None = None
 
 
 class NgramDraftSpec(_Strict):

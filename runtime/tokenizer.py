@@ -1,8 +1,10 @@
 """Tokenizer: text <-> token ids with the artifact's tokenizer.json, and its chat template.
 
-BOS handling comes from the manifest, not from the tokenizer's post-processor: text is
-encoded without special tokens and BOS is prepended when `add_bos_token` says so. A
-chat template writes its own special tokens, so chat prompts never get a second BOS.
+BOS/EOS handling comes from the manifest, not from the tokenizer's post-processor: text
+is encoded without special tokens, then BOS is prepended and EOS appended as
+`add_bos_token`/`add_eos_token` say (the compiler read both off transformers' tokenizer
+on the source). A chat template writes its own special tokens, so chat prompts get none
+added, as in transformers' `apply_chat_template`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from llmopt.runtime.manifest import TokenizerSpec
+from llmopt.runtime.tokenizer_spec import TokenizerSpec
 
 Message = dict[str, Any]
 
@@ -28,10 +30,12 @@ class Tokenizer:
     def __init__(self, tokenizer: tokenizers.Tokenizer, spec: TokenizerSpec):
         self.tokenizer = tokenizer
         self.spec = spec
-        self.bos_token_id = self._token_id(spec.bos_token)
-        self.eos_token_id = self._token_id(spec.eos_token)
+        self.bos_token_id = _first(spec.bos_token_id, self._token_id(spec.bos_token))
+        self.eos_token_id = _first(spec.eos_token_id, self._token_id(spec.eos_token))
         if spec.add_bos_token and self.bos_token_id is None:
             raise ValueError("the manifest asks for add_bos_token but names no known bos_token")
+        if spec.add_eos_token and self.eos_token_id is None:
+            raise ValueError("the manifest asks for add_eos_token but names no known eos_token")
 
     @classmethod
     def from_file(cls, path: str | Path, spec: TokenizerSpec) -> Tokenizer:
@@ -41,11 +45,15 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """Token ids of `text`, with BOS first when the manifest (or `add_bos`) asks for it."""
+    def encode(self, text: str, add_bos: bool | None = None,
+               add_eos: bool | None = None) -> list[int]:
+        """Token ids of `text`, with BOS first and EOS last when the manifest (or the
+        arguments) ask for them."""
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if self.spec.add_bos_token if add_bos is None else add_bos:
             ids = [self.bos_token_id, *ids]
+        if self.spec.add_eos_token if add_eos is None else add_eos:
+            ids = [*ids, self.eos_token_id]
         return ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -56,25 +64,41 @@ class Tokenizer:
     ) -> str:
         if self.spec.chat_template is None:
             raise ValueError("this artifact's tokenizer has no chat template")
+        tokens = self.spec.template_tokens or {  # older manifests: BOS and EOS only
+            "bos_token": self.spec.bos_token or "", "eos_token": self.spec.eos_token or ""}
         return render_chat_template(
             self.spec.chat_template,
             messages,
             add_generation_prompt=add_generation_prompt,
-            bos_token=self.spec.bos_token or "",
-            eos_token=self.spec.eos_token or "",
-            **kwargs,
+            **{**tokens, **kwargs},
         )
 
     def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        return self.encode(text, add_bos=False)  # the template wrote any BOS itself
+        return self.encode(text, add_bos=False, add_eos=False)  # the template wrote its own
+
+    @functools.cached_property
+    def byte_token_ids(self) -> frozenset[int]:
+        """Ids of byte-fallback tokens (<0x00>..<0xFF>); empty without byte fallback."""
+        if not getattr(self.tokenizer.model, "byte_fallback", False):
+            return frozenset()
+        ids = (self.tokenizer.token_to_id(f"<0x{b:02X}>") for b in range(256))
+        return frozenset(i for i in ids if i is not None)
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self.tokenizer.token_to_id(token)
 
 
+def _first(*values: int | None) -> int | None:
+    return next((v for v in values if v is not None), None)
+
+
 def render_chat_template(template: str, messages: list[Message], **variables: Any) -> str:
-    """Render an HF chat template the way transformers does (sandboxed jinja2)."""
+    """Render an HF chat template the way transformers does (sandboxed jinja2): keys
+    whose value is None are dropped from messages, and `tools`/`documents` are None
+    rather than undefined unless given."""
+    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    variables = {"tools": None, "documents": None, **variables}
     return _compile_template(template).render(messages=messages, **variables)
 
 
@@ -112,6 +136,9 @@ class IncrementalDetokenizer:
     the difference; a window that ends in U+FFFD is an incomplete UTF-8 character (a
     byte-level token split it) and waits for the next token. Decoding a window rather
     than single tokens keeps the spaces that tokenizers strip from a sequence's start.
+    A window that ends in a byte-fallback token waits too: the decoder turns a whole run
+    of byte tokens into U+FFFD when the run is not valid UTF-8, so text emitted from
+    inside a run could later change.
     """
 
     def __init__(self, tokenizer: Tokenizer):
@@ -125,7 +152,8 @@ class IncrementalDetokenizer:
         self.token_ids.extend(token_ids)
         prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset])
         new_text = self.tokenizer.decode(self.token_ids[self.prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        if (len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd")
+                or self.token_ids[-1] in self.tokenizer.byte_token_ids):
             return ""
         delta = new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)

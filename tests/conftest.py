@@ -13,7 +13,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tiny_checkpoints import TINY_CONFIGS, build_tiny_checkpoint  # noqa: E402
+from tiny_checkpoints import (  # noqa: E402
+    TINY_CONFIGS,
+    build_family_checkpoint,
+    build_tiny_checkpoint,
+)
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +25,14 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """arch name -> directory of a saved tiny random checkpoint (built once per session)."""
     root = tmp_path_factory.mktemp("tiny")
     return {arch: build_tiny_checkpoint(arch, root / arch) for arch in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def family_checkpoints(tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """arch -> {"hf": directory, "gguf": file}: the same tiny random weights with a
+    tokenizer of the family's real kind (specials, BOS rule, chat template), both forms."""
+    root = tmp_path_factory.mktemp("family")
+    return {arch: build_family_checkpoint(arch, root / arch) for arch in TINY_CONFIGS}
 
 
 @pytest.fixture(scope="session")

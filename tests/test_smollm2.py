@@ -78,3 +78,24 @@ def test_perplexity_equals_transformers(artifact, hf):
     assert result.tokens == 64 * 511
     assert abs(result.ppl - expected) / expected < 1e-3
     assert 29.0 < result.ppl < 30.0  # transformers fp32 gives about 29.53 on this protocol
+
+
+def test_prompt_ids_and_greedy_tokens_equal_transformers(artifact, hf):
+    """Source fidelity on the real GGUF: the plain-text prompt ids (SmolLM2 adds no BOS),
+    32 greedy tokens, the EOS ids, and a tokenizer spec the compiler checked."""
+    model, tokenizer = hf
+    llm = LLM(artifact)
+    spec = llm.manifest.tokenizer
+    assert not spec.add_bos_token and isinstance(spec.self_check.get("chat_tokens"), int)
+    prompt = "It is named after the engineer who"
+    output = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0,
+                                                   ignore_eos=True))[0]
+    ids = tokenizer(prompt)["input_ids"]
+    assert output.prompt_token_ids == ids
+    prompt_ids = torch.tensor([ids])
+    expected = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids),
+                              do_sample=False, max_new_tokens=32, min_new_tokens=32,
+                              eos_token_id=None)[0, len(ids):].tolist()
+    assert output.token_ids == expected
+    eos = model.generation_config.eos_token_id
+    assert llm.manifest.model.eos_token_ids == ([eos] if isinstance(eos, int) else list(eos))

@@ -119,3 +119,41 @@ def _save_tokenizer(directory: Path, vocab_size: int) -> None:
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
     fast.save_pretrained(directory)
+
+
+# transformers' GGUF loader reads no head_dim for Qwen3 and takes Qwen3Config's 128.
+_FAMILY_OVERRIDES: dict[str, dict] = {"qwen3": dict(head_dim=128)}
+
+
+def build_family_checkpoint(arch: str, directory: Path, seed: int = 0) -> dict[str, Path]:
+    """A tiny random checkpoint of `arch` with a tokenizer of its family's real kind, as
+    an HF directory ("hf") and as a GGUF file ("gguf") of the same weights."""
+    import json
+
+    import torch
+    from tiny_gguf import write_gguf
+    from tiny_tokenizers import (
+        FAMILY_TOKENIZERS,
+        generation_config,
+        hf_tokenizer,
+        train_vocabulary,
+    )
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    family = FAMILY_TOKENIZERS[arch]
+    vocab = train_vocabulary(family)
+    ids = vocab.ids
+    settings = {**_COMMON, **TINY_CONFIGS[arch], **_FAMILY_OVERRIDES.get(arch, {}),
+                "vocab_size": len(vocab.tokens), "bos_token_id": ids.get(family.bos or ""),
+                "eos_token_id": ids[family.eos], "pad_token_id": ids.get(family.pad or "")}
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**settings),
+                                             dtype=torch.float32)
+    _scale_random_weights(model)
+    hf_dir = directory / "hf"
+    model.save_pretrained(hf_dir)
+    hf_tokenizer(family, vocab).save_pretrained(hf_dir)
+    (hf_dir / "generation_config.json").write_text(
+        json.dumps(generation_config(family, vocab), indent=2))
+    gguf_path = write_gguf(hf_dir, family, vocab, directory / f"{arch}.F32.gguf")
+    return {"hf": hf_dir, "gguf": gguf_path}

@@ -227,8 +227,7 @@ def calibration_prompts(ir: ModelIR, count: int, text_file: str | None,
 def target_tokenizer(ir: ModelIR) -> Tokenizer:
     """The runtime's tokenizer for `ir`, chat template and BOS handling included."""
     tokens = ir.annotations.get("tokens", {})
-    return Tokenizer(
-        ir.text_tokenizer(),
-        TokenizerSpec(file="tokenizer.json", chat_template=ir.chat_template,
-                      add_bos_token=ir.add_bos_token, bos_token=tokens.get("bos_token"),
-                      eos_token=tokens.get("eos_token")))
+    spec = ir.tokenizer_spec or TokenizerSpec(file="tokenizer.json",
+                                              bos_token=tokens.get("bos_token"),
+                                              eos_token=tokens.get("eos_token"))
+    return Tokenizer(ir.text_tokenizer(), spec)

@@ -123,3 +123,51 @@ def test_chat_prompt_gets_no_second_bos():
     assert tokenizer.encode_chat([{"role": "user", "content": "w7 w8"}]) == [0, 7, 8]
     with pytest.raises(ValueError, match="no chat template"):
         make_word_tokenizer().apply_chat_template([])
+
+
+def test_spec_ids_and_eos_are_applied_as_written():
+    spec = TokenizerSpec(file="t.json", bos_token="<s>", eos_token="</s>", bos_token_id=1,
+                         eos_token_id=0, add_bos_token=True, add_eos_token=True)
+    tokenizer = make_word_tokenizer(spec)  # the spec's ids win over the vocabulary's
+    assert tokenizer.encode("w5 w6") == [1, 5, 6, 0]
+    assert tokenizer.encode("w5", add_bos=False, add_eos=False) == [5]
+    with pytest.raises(ValueError, match="add_eos_token"):
+        make_word_tokenizer(TokenizerSpec(file="t.json", add_eos_token=True))
+
+
+def test_template_sees_what_transformers_passes():
+    """The named special tokens, tools/documents as None (not undefined), and messages
+    without their None-valued keys."""
+    template = ("{{ pad_token }}{% if tools is not none %}TOOLS{% endif %}"
+                "{% for m in messages %}{{ m['role'] }}"
+                "{% if m['name'] is defined %}={{ m['name'] }}{% endif %}{% endfor %}")
+    spec = TokenizerSpec(file="t.json", chat_template=template,
+                         template_tokens={"pad_token": "w9", "bos_token": "<s>"})
+    tokenizer = make_word_tokenizer(spec)
+    messages = [{"role": "user", "content": "w5", "name": None}]
+    assert tokenizer.apply_chat_template(messages) == "w9user"
+    assert tokenizer.apply_chat_template(messages, tools=[{"name": "f"}]) == "w9TOOLSuser"
+
+
+def byte_fallback_tokenizer() -> Tokenizer:
+    """SentencePiece-style BPE with byte fallback: unknown characters become <0x..> tokens."""
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁a": 257, "a": 258}
+    tok = tokenizers.Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return Tokenizer(tok, TokenizerSpec(file="t.json"))
+
+
+def test_streamed_text_equals_decoding_an_invalid_byte_run():
+    """A run of byte tokens that is not UTF-8 decodes to U+FFFD per byte, valid ASCII
+    bytes included: text streamed from inside the run would differ from the decode."""
+    tokenizer = byte_fallback_tokenizer()
+    byte = {b: 1 + b for b in range(256)}
+    ids = [257, byte[0x43], byte[0xE2], byte[0x80], 258, byte[0xF0], 257]
+    assert tokenizer.decode(ids) == "a���a� a"
+    deltas = stream(tokenizer, ids)
+    assert "".join(deltas) == tokenizer.decode(ids)
+    assert deltas == ["a", "", "", "", "���a", "", "� a", ""]  # each run waits for its end
+    emoji = [258, byte[0xF0], byte[0x9F], byte[0x98], byte[0x80], 257]
+    assert stream(tokenizer, emoji) == ["a", "", "", "", "", "😀 a", ""]
