@@ -42,15 +42,11 @@ def describe(path: str | Path, pool_mib: float = 1024.0) -> dict[str, Any]:
     }
 
 
-def _runs(values: list) -> str:
-    """`3 x15, 1 x15`-style runs of equal consecutive values, in layer order."""
-    runs: list[list] = []
-    for value in values:
-        if runs and runs[-1][0] == value:
-            runs[-1][1] += 1
-        else:
-            runs.append([value, 1])
-    return ", ".join(f"{value} x{count}" for value, count in runs) or "unknown"
+def _per_layer(values: list) -> str:
+    """`3 (every layer)`, or each layer's value in layer order."""
+    if len(set(values)) == 1:
+        return f"{values[0]} (every layer)"
+    return " ".join(str(v) for v in values) + " (per layer)" if values else "unknown"
 
 
 def format_description(info: dict[str, Any]) -> str:
@@ -68,7 +64,7 @@ def format_description(info: dict[str, Any]) -> str:
     lines += [
         f"KV cache      {', '.join(info['kv_dtypes'])}, {info['kv_bytes_per_token']} bytes/token;"
         f" {info['tokens_in_pool']} tokens fit in {info['pool_mib']:g} MiB",
-        f"KV heads      {_runs(info['kv_heads_per_layer'])} (per layer)",
+        f"KV heads      {_per_layer(info['kv_heads_per_layer'])}",
     ]
     lines += _tokenizer_lines(info["tokenizer"], info["generation"])
     lines.append(f"passes        {len(info['passes'])}")
