@@ -39,7 +39,8 @@ def export_hf(ir: ModelIR, out: Path, fmt: str = "compressed-tensors") -> None:
     if "hf_config" not in ir.annotations:
         raise ValueError("export needs an IR loaded from a Hugging Face config")
     tensors, modules = hf_tensors(ir, fmt)
-    config = {**ir.annotations["hf_config"], "dtype": "float32"}
+    config = {**ir.annotations["hf_config"], "dtype": "float32",
+              "num_key_value_heads": _uniform_kv_heads(ir)}
     for build_only in ("torch_dtype", "quantization_config", "_name_or_path"):
         config.pop(build_only, None)  # _name_or_path: a path on the build machine
     config["architectures"] = config.get("architectures") or [_causal_lm_class(config)]
@@ -73,6 +74,15 @@ def export_recipe(recipe: Recipe, out: Path, fmt: str,
     ir, _ = run_passes(ir, recipe, log)
     log(f"[3/3] writing a {fmt} Hugging Face checkpoint to {out}")
     export_hf(ir, out, fmt)
+
+
+def _uniform_kv_heads(ir: ModelIR) -> int:
+    """A Hugging Face config holds one KV head count for every layer."""
+    heads = sorted({layer.num_kv_heads for layer in ir.arch.layers})
+    if len(heads) != 1:
+        raise ValueError(f"cannot export layers with different KV head counts {heads} as a "
+                         "Hugging Face checkpoint (its config holds one)")
+    return heads[0]
 
 
 def _causal_lm_class(config: dict[str, Any]) -> str:

@@ -71,8 +71,16 @@ def apply_passes(
         report = {"name": name, "config": config.model_dump(mode="json"),
                   "seconds": round(time.perf_counter() - started, 3), **result.report}
         reports.append(report)
-        check_budget(name, report, context.recipe.quality.max_ppl_increase_pct, context.log)
+        check_budget(name, report, pass_budget(config, context.recipe.quality.max_ppl_increase_pct),
+                     context.log)
     return ir, reports
+
+
+def pass_budget(config: Any, recipe_budget: float | None) -> float | None:
+    """The tighter of the recipe's budget and the pass's own `max_ppl_increase_pct`."""
+    budgets = [b for b in (recipe_budget, getattr(config, "max_ppl_increase_pct", None))
+               if b is not None]
+    return min(budgets, default=None)
 
 
 def check_budget(name: str, report: dict[str, Any], budget: float | None,

@@ -8,8 +8,8 @@ error, never a silent skip.
 
 What passes need of each other is data here, checked on the recipe's list of names
 before any pass runs (`check_order`): the facts a pass requires from earlier passes and
-provides to later ones, facts at most one pass may provide, and passes that must come
-last.
+provides to later ones, facts at most one pass may provide, passes that must come
+before the providers of some facts, and passes that must come last.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class PassEntry:
     requires: tuple[str, ...] = ()  # facts earlier passes must provide
     provides: tuple[str, ...] = ()
     last: bool = False  # must be the recipe's last pass
+    before: tuple[str, ...] = ()  # facts whose providers must come after this pass
     path_keys: tuple[str, ...] = ()  # config keys holding file paths (resolved by the recipe)
 
 
@@ -44,6 +45,9 @@ PASSES: dict[str, PassEntry] = {
     "gguf_weights": PassEntry("llmopt.passes.gguf_weights", provides=("quantized_weights",)),
     "awq": PassEntry("llmopt.passes.awq", provides=("quantized_weights",)),
     "gptq": PassEntry("llmopt.passes.gptq", provides=("quantized_weights",)),
+    # Structural rewrites: they change shapes that quantization and the draft then see.
+    "gqa_regroup": PassEntry("llmopt.passes.gqa_regroup",
+                             before=("quantized_weights", "kv_cache", "draft")),
     # KV cache storage dtype (float16, fp8, int8, int4), per layer.
     "kv_cache": PassEntry("llmopt.passes.kv_cache", provides=("kv_cache",)),
     # Speculative decoding: pair a draft with the final target (it measures against it).
@@ -118,7 +122,8 @@ def _config_adapter(name: str) -> TypeAdapter[Any]:
 
 def check_order(names: Sequence[str]) -> None:
     """Every pass's requirements come from a pass before it, a unique fact is provided
-    once, and a `last` pass is last: a one-line error naming both passes otherwise."""
+    once, a `before` pass precedes the providers of its facts, and a `last` pass is last:
+    a one-line error naming both passes otherwise."""
     provider: dict[str, str] = {}  # fact -> the pass that provided it
     for index, name in enumerate(names):
         entry = PASSES[name]
@@ -134,3 +139,6 @@ def check_order(names: Sequence[str]) -> None:
                 raise ValueError(f"passes {provider[fact]!r} and {name!r} are both "
                                  f"{UNIQUE_FACTS[fact]} passes; a recipe takes one")
             provider[fact] = name
+        late = next((provider[f] for f in entry.before if f in provider), None)
+        if late is not None:
+            raise ValueError(f"pass {name!r} must come before {late!r}")

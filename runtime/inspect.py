@@ -31,6 +31,7 @@ def describe(path: str | Path, pool_mib: float = 1024.0) -> dict[str, Any]:
         "total_bytes": sum(sizes.values()),
         "kv_dtypes": sorted({t.dtype for layer in manifest.kv_cache.layers for t in layer.tensors}),
         "kv_bytes_per_token": kv_bytes,
+        "kv_heads_per_layer": [layer.get("num_kv_heads") for layer in arch.get("layers", [])],
         "pool_mib": pool_mib,
         "tokens_in_pool": int(pool_mib * _MIB // kv_bytes),
         "kv_layout": kv_layout(manifest.kv_cache),
@@ -62,6 +63,13 @@ def kv_layout(kv_cache: KVCacheSpec) -> dict[str, Any]:
     return {"groups": groups}
 
 
+def _per_layer(values: list) -> str:
+    """`3 (every layer)`, or each layer's value in layer order."""
+    if len(set(values)) == 1:
+        return f"{values[0]} (every layer)"
+    return " ".join(str(v) for v in values) + " (per layer)" if values else "unknown"
+
+
 def format_description(info: dict[str, Any]) -> str:
     lines = [
         f"artifact      {info['path']} (format {info['format_version']})",
@@ -81,6 +89,7 @@ def format_description(info: dict[str, Any]) -> str:
         f"KV cache      {', '.join(info['kv_dtypes'])}, {info['kv_bytes_per_token']} bytes/token"
         f"{ratio}; {info['tokens_in_pool']} tokens fit in "
         f"{info['pool_mib']:g} MiB (sequences: {sequences})",
+        f"KV heads      {_per_layer(info['kv_heads_per_layer'])}",
     ]
     lines += [f"  layers {group['layers']}: {group['tensors']} ({group['bytes_per_token']} "
               "bytes/token each)" for group in info["kv_layout"]["groups"]]

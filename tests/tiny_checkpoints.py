@@ -62,12 +62,14 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 
-def build_tiny_checkpoint(arch: str, directory: Path, seed: int = 0) -> Path:
-    """Save a random HF checkpoint + a byte-level tokenizer of `arch` to `directory`."""
+def build_tiny_checkpoint(arch: str, directory: Path, seed: int = 0,
+                          overrides: dict | None = None) -> Path:
+    """Save a random HF checkpoint + a byte-level tokenizer of `arch` to `directory`
+    (`overrides`: config fields to change, e.g. head counts)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    settings = {**_COMMON, **TINY_CONFIGS[arch]}
+    settings = {**_COMMON, **TINY_CONFIGS[arch], **(overrides or {})}
     config = AutoConfig.for_model(**settings)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

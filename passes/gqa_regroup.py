@@ -1,0 +1,279 @@
+"""GQA head regrouping: fewer KV heads per layer, without retraining.
+
+Recipe: `- gqa_regroup: {kv_heads: 1, kv_cache_reduction: 0.33, layers: auto, method: aligned,
+fit_steps: 0, max_ppl_increase_pct: null}` with a `calibration:` block.
+
+Each chosen layer's KV heads are merged into `kv_heads` (MHA → GQA, or GQA → fewer), query
+heads keeping their order: new KV head j serves the query heads of old KV heads
+j*r .. j*r+r-1. `method: aligned` fits RoPE-exact complex key merges and o_proj-weighted value
+subspaces to the calibration activations (compiler/head_merge.py); `mean` mean-pools the
+K/V projections (the GQA paper's initialization), the baseline. With `layers: auto`, each
+layer's merge is measured alone (KL of the final logits on a few calibration windows) and
+the cheapest layers are merged until at least `kv_cache_reduction` of the KV bytes is saved.
+`fit_steps` > 0 then tunes each merged layer's q/k/v/o with Adam against the original
+layer's attention output on those windows. The result is a standard GQA checkpoint with
+per-layer KV head counts.
+
+Refused: qk-norm (Qwen3, Gemma 3) normalizes each key head between k_proj and RoPE, so a
+merged head cannot be folded into k_proj exactly.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from llmopt.compiler.calibration import calibration_windows
+from llmopt.compiler.head_merge import (
+    AttentionWeights,
+    InputMoments,
+    Method,
+    check_regroup,
+    merge_heads,
+)
+from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.reference import ReferenceModel, rms_norm
+from llmopt.passes.registry import PassContext, PassResult
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kv_heads: int = Field(gt=0)  # KV heads of every merged layer
+    kv_cache_reduction: float | None = Field(None, gt=0, lt=1)  # with layers: auto
+    layers: Literal["auto"] | list[int] = "auto"
+    method: Method = "aligned"
+    fit_steps: int = Field(0, ge=0)  # Adam steps per merged layer; 0: no fit
+    fit_lr: float = Field(1e-3, gt=0)
+    fit_windows: int = Field(8, gt=0)  # calibration windows the fit draws from
+    sensitivity_windows: int = Field(2, gt=0)  # calibration windows each layer is measured on
+    baseline: bool = True  # also measure mean pooling on the same layers
+    max_ppl_increase_pct: float | None = Field(None, ge=0)  # this pass's own budget
+
+    @model_validator(mode="after")
+    def _one_way_to_choose(self) -> Config:
+        if self.layers == "auto" and self.kv_cache_reduction is None:
+            raise ValueError("layers: auto needs kv_cache_reduction")
+        if self.layers != "auto" and self.kv_cache_reduction is not None:
+            raise ValueError("give either layers or kv_cache_reduction, not both")
+        if self.layers != "auto" and len(set(self.layers)) != len(self.layers):
+            raise ValueError("layers lists a layer twice")
+        return self
+
+
+def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
+    started = time.perf_counter()
+    candidates = _candidates(ir, config)
+    sigmas, hidden, tokens = _statistics(ir, candidates, config, context)
+    sensitivity: dict[int, float] = {}
+    if config.layers == "auto":
+        sensitivity = measure_sensitivity(ir, [h[:config.sensitivity_windows] for h in hidden],
+                                          sigmas, config, context)
+        chosen = choose_layers(ir, sensitivity, config)
+    else:
+        chosen = sorted(config.layers)
+    merged = regroup(ir, chosen, config.kv_heads, sigmas, config.method)
+    fit_errors: dict[str, list[float]] = {}
+    fitted = (fit_layers(ir, merged, chosen, [h[:config.fit_windows] for h in hidden], config,
+                         context, fit_errors)
+              if config.fit_steps else None)
+    result = fitted or merged
+    report = _report(ir, result, merged if fitted else None, chosen, sensitivity, sigmas,
+                     config, context)
+    if fitted:
+        report["fit_relative_error"] = fit_errors  # layer -> [first step, last step]
+    report["pass_seconds"] = round(time.perf_counter() - started, 2)
+    report["calibration_tokens"] = tokens
+    report["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return PassResult(result, report)
+
+
+def _candidates(ir: ModelIR, config: Config) -> list[int]:
+    """Layers that can be merged to `kv_heads`; a clear error for what cannot."""
+    if ir.arch.qk_norm:
+        raise ValueError(f"gqa_regroup: {ir.arch.family} normalizes each key head (qk-norm) "
+                         "between k_proj and RoPE, so merged key heads cannot be folded into "
+                         "k_proj exactly; not supported")
+    touched = [n for n in ir.quantized if n.startswith("layers.")]
+    if touched:
+        raise ValueError(f"gqa_regroup: {touched[0]} is already quantized; regroup first")
+    count = ir.arch.num_layers
+    if config.layers != "auto":
+        bad = [i for i in config.layers if not 0 <= i < count]
+        if bad:
+            raise ValueError(f"gqa_regroup: layer {bad[0]} out of range (0..{count - 1})")
+        indices = list(config.layers)
+    else:
+        indices = [i for i, s in enumerate(ir.arch.layers) if s.num_kv_heads > config.kv_heads]
+    for i in indices:
+        check_regroup(ir.arch.layers[i], config.kv_heads, i)
+    return indices
+
+
+def _statistics(ir: ModelIR, candidates: list[int], config: Config, context: PassContext
+                ) -> tuple[dict[int, torch.Tensor], list[torch.Tensor], int]:
+    """Input moments of the candidate layers and the kept residual streams, from the
+    calibration text; none needed to mean-pool a given set of layers without a fit."""
+    if config.method == "mean" and config.layers != "auto" and not config.fit_steps:
+        return {}, [], 0
+    started = time.perf_counter()
+    windows = calibration_windows(ir, context.recipe.calibration)
+    keep = max(config.sensitivity_windows, config.fit_windows if config.fit_steps else 0)
+    moments, hidden = collect_statistics(ir, windows, keep)
+    context.log(f"      gqa_regroup: input moments of {len(candidates)} layers over "
+                f"{windows.numel()} tokens ({time.perf_counter() - started:.1f} s)")
+    return {i: moments[i].matrix() for i in candidates}, hidden, int(windows.numel())
+
+
+@torch.no_grad()
+def collect_statistics(ir: ModelIR, windows: torch.Tensor, keep: int
+                       ) -> tuple[list[InputMoments], list[torch.Tensor]]:
+    """Each layer's attention-input moments over all windows, and the residual stream at
+    every layer's input (and after the last) for the first `keep` windows."""
+    model = ReferenceModel(ir, windows.shape[1])
+    moments = [InputMoments() for _ in range(ir.arch.num_layers)]
+
+    def observe(layer: int, name: str, x: torch.Tensor) -> None:
+        if name == "q_proj":
+            moments[layer].add(x)
+
+    model.observer = observe
+    positions = torch.arange(windows.shape[1])
+    kept: list[list[torch.Tensor]] = []
+    for start in range(0, windows.shape[0], 4):
+        h = model.embed(windows[start:start + 4])
+        states = [h]
+        for layer in range(ir.arch.num_layers):
+            h = model.layer_forward(layer, h, positions, None)
+            states.append(h)
+        if start < keep:
+            kept.append([s[:keep - start] for s in states])
+    hidden = [torch.cat(parts) for parts in zip(*kept, strict=True)]
+    return moments, hidden
+
+
+def regroup(ir: ModelIR, layers: list[int], kv_heads: int, sigmas: dict[int, torch.Tensor],
+            method: Method) -> ModelIR:
+    """A copy of `ir` with `layers` merged to `kv_heads` KV heads (a layer that has that
+    many already is left as it is)."""
+    out = ir.copy()
+    for i in layers:
+        spec = ir.arch.layers[i]
+        if spec.num_kv_heads == kv_heads:
+            continue  # nothing to merge: the layer stays exactly as it was
+        weights = AttentionWeights.of_layer(ir.weights, i)
+        merge_heads(weights, spec, kv_heads, sigmas.get(i), method).write(out.weights, i)
+        out.arch = out.arch.replace_layer(i, num_kv_heads=kv_heads)
+    return out
+
+
+@torch.no_grad()
+def measure_sensitivity(ir: ModelIR, hidden: list[torch.Tensor],
+                        sigmas: dict[int, torch.Tensor], config: Config,
+                        context: PassContext) -> dict[int, float]:
+    """KL(original || this layer alone merged) of the final logits, per layer."""
+    reference = ReferenceModel(ir, hidden[0].shape[1])
+    positions = torch.arange(hidden[0].shape[1])
+    target = [torch.log_softmax(reference.logits(h[None]), -1) for h in hidden[-1]]
+    sensitivity = {}
+    for i in sigmas:
+        started = time.perf_counter()
+        model = ReferenceModel(regroup(ir, [i], config.kv_heads, sigmas, config.method),
+                               hidden[0].shape[1])
+        kl = 0.0
+        for w, h in enumerate(hidden[i]):
+            h = h[None]
+            for layer in range(i, ir.arch.num_layers):
+                h = model.layer_forward(layer, h, positions, None)
+            logq = torch.log_softmax(model.logits(h), -1)
+            kl += float((target[w].exp() * (target[w] - logq)).sum(-1).mean())
+        sensitivity[i] = round(kl / len(hidden[i]), 6)
+        context.log(f"      gqa_regroup: layer {i} alone: KL {sensitivity[i]:.4g} "
+                    f"({time.perf_counter() - started:.1f} s)")
+    return sensitivity
+
+
+def kv_bytes(ir: ModelIR) -> list[int]:
+    """Bytes per token of each layer's K and V cache."""
+    return [2 * s.num_kv_heads * s.head_dim * torch.empty(0, dtype=getattr(torch, s.kv_dtype))
+            .element_size() for s in ir.arch.layers]
+
+
+def choose_layers(ir: ModelIR, sensitivity: dict[int, float], config: Config) -> list[int]:
+    """The least sensitive layers whose merge saves at least kv_cache_reduction of KV bytes."""
+    sizes = kv_bytes(ir)
+    needed, saved, chosen = config.kv_cache_reduction * sum(sizes), 0.0, []
+    for i in sorted(sensitivity, key=sensitivity.get):
+        if saved >= needed:
+            break
+        chosen.append(i)
+        saved += sizes[i] * (1 - config.kv_heads / ir.arch.layers[i].num_kv_heads)
+    if saved < needed:
+        raise ValueError(f"gqa_regroup: merging every eligible layer to {config.kv_heads} KV "
+                         f"heads saves {saved / sum(sizes):.3f} of the KV cache, less than "
+                         f"kv_cache_reduction {config.kv_cache_reduction}")
+    return sorted(chosen)
+
+
+def fit_layers(ir: ModelIR, merged: ModelIR, layers: list[int], hidden: list[torch.Tensor],
+               config: Config, context: PassContext, errors: dict[str, list[float]]
+               ) -> ModelIR:
+    """Adam on each merged layer's q/k/v/o against the original attention output
+    (relative squared error of each layer's first and last step into `errors`)."""
+    out = merged.copy()
+    seq = hidden[0].shape[1]
+    positions = torch.arange(seq)
+    reference = ReferenceModel(ir, seq)
+    for i in layers:
+        started = time.perf_counter()
+        x = rms_norm(hidden[i], ir.weights[f"layers.{i}.attn_norm"], ir.arch.norm_eps)
+        with torch.no_grad():
+            target = reference.attention(i, x, positions, None)
+        names = [n for n in out.weights if n.startswith(f"layers.{i}.")
+                 and n.split(".")[2] in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        params = {n: out.weights[n].clone().requires_grad_(True) for n in names}
+        trial = out.copy()
+        trial.weights.update(params)
+        model = ReferenceModel(trial, seq)
+        optimizer = torch.optim.Adam(params.values(), lr=config.fit_lr)
+        scale = float(target.pow(2).mean())
+        first = last = 0.0
+        for step in range(config.fit_steps):
+            sample = step % x.shape[0]
+            loss = (model.attention(i, x[sample:sample + 1], positions, None)
+                    - target[sample:sample + 1]).pow(2).mean() / scale
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            value = float(loss.detach())
+            first, last = (value if step == 0 else first), value
+        out.weights.update({n: p.detach() for n, p in params.items()})
+        errors[str(i)] = [round(first, 6), round(last, 6)]
+        context.log(f"      gqa_regroup: fit layer {i}: relative error {first:.4g} -> "
+                    f"{last:.4g} ({time.perf_counter() - started:.1f} s)")
+    return out
+
+
+def _report(ir: ModelIR, result: ModelIR, unfitted: ModelIR | None, chosen: list[int],
+            sensitivity: dict[int, float], sigmas: dict[int, torch.Tensor], config: Config,
+            context: PassContext) -> dict[str, Any]:
+    before, after = kv_bytes(ir), kv_bytes(result)
+    report: dict[str, Any] = {
+        "layers_merged": chosen,
+        "kv_heads": [s.num_kv_heads for s in result.arch.layers],
+        "sensitivity_kl": {str(i): v for i, v in sensitivity.items()},
+        "kv_bytes_per_token": {"before": sum(before), "after": sum(after)},
+        "kv_cache_reduction": round(1 - sum(after) / sum(before), 4),
+    }
+    probe = context.quality_probe(ir) if context is not None else None
+    report["quality"] = probe.compare(ir, result) if probe else None
+    if probe and unfitted is not None:
+        report["quality_before_fit"] = probe.compare(ir, unfitted)
+    if probe and config.baseline and config.method != "mean":
+        mean = regroup(ir, chosen, config.kv_heads, sigmas, "mean")
+        report["quality_mean_pooling"] = probe.compare(ir, mean)
+    return report
