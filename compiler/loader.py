@@ -65,8 +65,9 @@ def resolve_checkpoint(model: str) -> CheckpointRef:
             raise CheckpointNotFoundError(f"model directory has no config.json: {path}")
         return CheckpointRef(str(path.resolve()))
     looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
-    if looks_like_hub_id:
+    if looks_like_hub_id and not Path(model.split("/")[0]).is_dir():
         return CheckpointRef(model)
+    # `models/name` where ./models exists is a mistyped local path, not a hub id.
     raise CheckpointNotFoundError(f"model path not found: {model}")
 
 

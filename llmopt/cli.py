@@ -93,6 +93,14 @@ class _Commands(click.Group):
             raise _OneLineUsageError(exc.format_message()) from None
 
 
+def _quiet_third_party_progress() -> None:
+    """transformers' and the hub's progress bars would interleave with the compile log."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+
+
 def _exit_on_sigterm() -> None:
     """SIGTERM unwinds like Ctrl-C, so a half-written artifact's staging folder is removed."""
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -121,6 +129,7 @@ def compile_command(recipe: Path, out: Path, overrides: tuple[str, ...]) -> None
     resolved = load_recipe(recipe, list(overrides))  # before torch loads: errors in < 1 s
     click.echo("resolved recipe:")
     click.echo(yaml.safe_dump(resolved_dict(resolved), sort_keys=False).rstrip())
+    _quiet_third_party_progress()
     from llmopt.compiler.pipeline import compile_recipe
 
     compile_recipe(resolved, out, log=click.echo)
@@ -138,6 +147,7 @@ def compile_command(recipe: Path, out: Path, overrides: tuple[str, ...]) -> None
 def export_hf_command(recipe: Path, out: Path, fmt: str, overrides: tuple[str, ...]) -> None:
     """Run RECIPE's passes and write the model as a quantized Hugging Face checkpoint."""
     _exit_on_sigterm()
+    _quiet_third_party_progress()
     from llmopt.compiler.hf_export import export_recipe
     from llmopt.compiler.recipe import load_recipe
 
@@ -229,7 +239,10 @@ def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_t
               **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))
     params = SamplingParams.from_generation_config(  # the manifest's: transformers' defaults
         llm.manifest.generation, max_tokens=max_tokens, stop=list(stop), **given)
-    for output in llm.generate(list(prompts), params, chat=chat):
+    outputs = llm.generate(list(prompts), params, chat=chat)
+    for number, output in enumerate(outputs, 1):
+        if not as_json and len(outputs) > 1:  # several outputs: say where each one starts
+            click.echo(f"=== {number}/{len(outputs)} ===")
         if as_json:
             record = {"prompt": output.prompt, "text": output.text,
                       "token_ids": output.token_ids, "finish_reason": output.finish_reason,

@@ -220,3 +220,33 @@ def test_bad_prompts_are_named(artifact):
         LLM(artifact).score([])
     code, _, err = run("generate", artifact, "ok", "\udcff\udcfe hello")
     assert_one_line_error(code, err, "prompt 2 is not valid UTF-8 text")
+
+
+def test_plain_outputs_of_several_prompts_are_separated(artifact):
+    code, out, _ = run("generate", artifact, "hello", "abc", "--max-tokens", "3")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "=== 1/2 ===" and "=== 2/2 ===" in lines
+    code, out, _ = run("generate", artifact, "hello", "--max-tokens", "3")
+    assert code == 0 and "===" not in out
+
+
+def test_compile_log_has_no_third_party_progress_bars(tiny_checkpoints, tmp_path):
+    import subprocess
+    import sys
+
+    recipe = write_recipe(tmp_path, f"model: {tiny_checkpoints['llama']}\n")
+    result = subprocess.run([sys.executable, "-c", "from llmopt.cli import main; main()",
+                             "compile", str(recipe), "-o", str(tmp_path / "art")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "[3/3]" in result.stdout
+    assert "Loading weights" not in result.stderr and "%|" not in result.stderr
+
+
+def test_a_mistyped_local_path_is_not_taken_for_a_hub_id(tmp_path, monkeypatch):
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    recipe = write_recipe(tmp_path, "model: models/smollm2-typo\n")
+    code, _, err = run("compile", recipe, "-o", tmp_path / "out")
+    assert_one_line_error(code, err, "model path not found: models/smollm2-typo")
