@@ -48,17 +48,22 @@ def test_sets_each_layer_except_skipped(load):
         "after": 8 * width + per_layer * (ir.arch.num_layers - 1)}
 
 
+def with_float_kv(ir):
+    """The same rewritten weights with every layer's KV kept in float32: what the pass's
+    exact folds compute before any quantization."""
+    arch = ir.arch
+    for i in range(arch.num_layers):
+        arch = arch.replace_layer(i, kv_dtype="float32")
+    return dataclasses.replace(ir, arch=arch)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, q/k bias, qk-norm
 def test_key_smoothing_is_exact_before_quantization(load, context, arch):
     ir = load(arch)
     out = kv_cache.run(ir, kv_cache.Config(dtype="int4", smooth_keys=0.5), context).ir
     changed = "q_norm" if ir.arch.qk_norm else "q_proj.weight"
     assert not torch.equal(out.weights[f"layers.0.{changed}"], ir.weights[f"layers.0.{changed}"])
-    arch_float = out.arch
-    for i in range(arch_float.num_layers):
-        arch_float = arch_float.replace_layer(i, kv_dtype="float32")
-    unquantized = dataclasses.replace(out, arch=arch_float)
-    torch.testing.assert_close(ReferenceModel(unquantized).forward(IDS),
+    torch.testing.assert_close(ReferenceModel(with_float_kv(out)).forward(IDS),
                                ReferenceModel(ir).forward(IDS), rtol=0, atol=1e-4)
 
 
@@ -102,11 +107,7 @@ def test_rotation_is_exact_before_quantization(load, arch):
     ir = load(arch)
     out = kv_cache.run(ir, kv_cache.Config(dtype="int4", rotate=True), None).ir
     assert out.arch.layers[0].kv_rotate_keys
-    arch_float = out.arch
-    for i in range(arch_float.num_layers):
-        arch_float = arch_float.replace_layer(i, kv_dtype="float32")
-    unquantized = dataclasses.replace(out, arch=arch_float)
-    torch.testing.assert_close(ReferenceModel(unquantized).forward(IDS),
+    torch.testing.assert_close(ReferenceModel(with_float_kv(out)).forward(IDS),
                                ReferenceModel(ir).forward(IDS), rtol=0, atol=1e-4)
     quantized = ReferenceModel(out).forward(IDS)
     assert not torch.allclose(quantized, ReferenceModel(ir).forward(IDS), atol=1e-3)
