@@ -24,12 +24,23 @@ class WeightQuantConfig(BaseModel):
     symmetric: bool = False
     # The LM head (the tied embedding on SmolLM2: 21 % of its weights) stays float unless asked.
     include_lm_head: bool = False
+    # The LM head's own width when included (default: `bits`). An 8-bit head beside 4-bit
+    # decoder linears keeps most of the head's quality; a 4-bit one reads half the bytes.
+    lm_head_bits: Literal[4, 8] | None = None
     skip: list[str] = Field(default_factory=list)  # glob patterns of linear names
 
     @model_validator(mode="after")
     def _patterns_are_strings(self) -> WeightQuantConfig:
         if any(not p for p in self.skip):
             raise ValueError("skip patterns must be non-empty")
+        if self.lm_head_bits is not None and not self.include_lm_head:
+            raise ValueError("lm_head_bits needs include_lm_head: true")
+        return self
+
+    def for_linear(self, name: str) -> WeightQuantConfig:
+        """This config as it applies to linear `name` (the LM head may take its own bits)."""
+        if name == "lm_head" and self.lm_head_bits not in (None, self.bits):
+            return self.model_copy(update={"bits": self.lm_head_bits})
         return self
 
 

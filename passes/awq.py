@@ -136,8 +136,8 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
         stats = InputStats(sampler)
         for hidden in runner.hidden:
             stats.add(rms_norm(hidden, out.weights["final_norm"], out.arch.norm_eps))
-        errors["lm_head"], clips["lm_head"] = quantize_linear(out, "lm_head",
-                                                              stats.mean_gram(), config)
+        errors["lm_head"], clips["lm_head"] = quantize_linear(
+            out, "lm_head", stats.mean_gram(), config.for_linear("lm_head"))
     report = quantization_report(ir, out, errors, time.perf_counter() - started, context)
     report["awq"] = {"calibration_tokens": windows.numel(), "scales": scales,
                      "mean_clip": {n: round(c, 4) for n, c in clips.items()}}

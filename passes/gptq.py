@@ -123,7 +123,7 @@ class _InputSeen(Exception):
 
 def _quantize_linear(ir: ModelIR, out: ModelIR, name: str, hessian: torch.Tensor,
                      config: Config, errors: dict, losses: dict) -> None:
-    w = float_weight(ir, name).float()
+    w, config = float_weight(ir, name).float(), config.for_linear(name)
     q, loss = gptq_quantize(w, hessian, config.bits, config.group_size, config.symmetric,
                             config.act_order, config.damp, config.block_size)
     out.set_quantized(name, q)

@@ -1,7 +1,8 @@
 """RTN: round-to-nearest group-wise weight quantization — the baseline the calibrated
 methods (GPTQ, AWQ) must beat.
 
-Recipe: `- rtn: {bits: 4, group_size: 32, symmetric: false, include_lm_head: false}`.
+Recipe: `- rtn: {bits: 4, group_size: 32, symmetric: false, include_lm_head: false}`
+(`lm_head_bits: 8` keeps an included LM head at 8 bits).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     out = ir.copy()
     errors = {}
     for name in target_linears(ir, config):
-        w = float_weight(ir, name)
-        q = group_quantize(w, config.bits, config.group_size, config.symmetric)
+        w, own = float_weight(ir, name), config.for_linear(name)
+        q = group_quantize(w, own.bits, own.group_size, own.symmetric)
         out.set_quantized(name, q)
         errors[name] = relative_error(w, q.dequantize())
     report = quantization_report(ir, out, errors, time.perf_counter() - started, context)

@@ -106,3 +106,12 @@ def test_the_recipe_picks_the_quantized_matmul_form(tiny_checkpoints, word_text,
         assert ("MatMulNBits" in ops) == (form == "matmul_nbits")
         scores[form] = LLM(tmp_path / form).score(list(range(3, 43)))
     np.testing.assert_allclose(scores["matmul_nbits"], scores["dequantize_linear"], atol=1e-4)
+
+
+def test_lm_head_takes_its_own_bits(tiny_checkpoints):
+    ir = load_checkpoint(str(tiny_checkpoints["llama"]))
+    out = rtn.run(ir, rtn.Config(bits=4, group_size=32, include_lm_head=True, lm_head_bits=8),
+                  None).ir
+    assert out.quantized["lm_head"].bits == 8 and out.quantized["layers.0.q_proj"].bits == 4
+    with pytest.raises(ValueError, match="include_lm_head"):
+        rtn.Config(lm_head_bits=8)
