@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 
 from llmopt.compiler.ir import ModelIR
-from llmopt.compiler.lower import cache_tensors
+from llmopt.compiler.lower import kv_cache_spec, lowering_options
 from llmopt.compiler.onnx_graph import save_with_external_data
 from llmopt.compiler.recipe import Recipe, resolved_dict
 from llmopt.runtime.artifact import sha256_file
@@ -91,7 +91,7 @@ def write_artifact(
         format_version=FORMAT_VERSION,
         model=_model_spec(ir, recipe),
         graphs=graph_specs,
-        kv_cache={"layers": [{"tensors": cache_tensors(spec)} for spec in ir.arch.layers]},
+        kv_cache=kv_cache_spec(ir.arch, lowering_options(recipe, ir.arch).kv_layout),
         runtime=recipe.runtime.model_dump(),
         tokenizer=_tokenizer_spec(ir),
         generation=ir.generation_defaults,
@@ -121,7 +121,7 @@ def _speculative_spec(directory: Path, ir: ModelIR, recipe: Recipe) -> Speculati
         spec["model"] = {
             "kind": bundle.kind,
             "graph": "draft",
-            "kv_cache": {"layers": [{"tensors": cache_tensors(s)} for s in arch.layers]},
+            "kv_cache": kv_cache_spec(arch, lowering_options(recipe, arch).kv_layout),
             "vocab_size": arch.vocab_size,
             "max_position": min(arch.max_position, recipe.runtime.max_context),
             "token_map": token_map,

@@ -55,6 +55,10 @@ class LoweringOptions:
     # "matmul_nbits" (ONNX Runtime's int4/int8 kernel) or "dequantize_linear" (standard
     # ONNX; ONNX Runtime fuses it back into MatMulNBits); None: the operator set's choice.
     quantized_matmul: str | None = None
+    # How the KV pool is laid out (see llmopt.runtime.contract): "blocks" gathers a step's
+    # blocks and attends over the copy; "lanes" gives each sequence a contiguous lane that
+    # ONNX Runtime's GroupQueryAttention reads and appends to in place.
+    kv_layout: str = "blocks"
 
 
 def lowering_options(recipe: Recipe, arch: ArchSpec) -> LoweringOptions:
@@ -66,19 +70,56 @@ def lowering_options(recipe: Recipe, arch: ArchSpec) -> LoweringOptions:
         nbits_accuracy_level=recipe.target.nbits_accuracy_level,
         quantized_matmul=None if recipe.target.quantized_matmul == "auto"
         else recipe.target.quantized_matmul,
+        kv_layout=kv_layout_for(recipe.target.kv_layout, recipe.target.operator_set, arch),
     )
+
+
+def kv_layout_for(choice: str, operator_set: str, arch: ArchSpec) -> str:
+    """The KV layout a target gets: lanes wherever GroupQueryAttention can run the model
+    (`auto`), else blocks; asking for lanes where it cannot is an error naming why."""
+    reason = lanes_unsupported(operator_set, arch)
+    if choice == "auto":
+        return "blocks" if reason else "lanes"
+    if choice == "lanes" and reason:
+        raise ValueError(f"target.kv_layout: lanes {reason}")
+    return choice
+
+
+def lanes_unsupported(operator_set: str, arch: ArchSpec) -> str | None:
+    """Why GroupQueryAttention cannot run this model in place (None: it can)."""
+    if operator_set != "onnxruntime":
+        return "needs the onnxruntime operator set (GroupQueryAttention is a contrib operator)"
+    for index, spec in enumerate(arch.layers):
+        if spec.kv_dtype != "float32" or spec.kv_rotate_keys:
+            return f"needs a float32, unrotated KV cache (layer {index} stores {spec.kv_dtype})"
+        if spec.num_heads % spec.num_kv_heads:
+            return f"needs query heads in whole groups per KV head (layer {index})"
+        if spec.head_dim % 16:  # ONNX Runtime's CPU kernel refuses other sizes
+            return f"needs a head size that is a multiple of 16 (layer {index}: {spec.head_dim})"
+    return None
+
+
+def kv_cache_spec(arch: ArchSpec, layout: str) -> dict:
+    """The manifest's `kv_cache` section for a model lowered with `layout`."""
+    return {"layout": layout,
+            "layers": [{"tensors": cache_tensors(spec, layout)} for spec in arch.layers]}
 
 
 def lower_to_onnx(ir: ModelIR, options: LoweringOptions) -> onnx.ModelProto:
     return _DecoderLowering(ir, options).build()
 
 
-def cache_tensors(spec: LayerSpec) -> list[dict]:
+def cache_tensors(spec: LayerSpec, layout: str = "blocks") -> list[dict]:
     """The manifest's description of one layer's pool tensors (keys', then values').
 
-    A slot holds all KV heads of a token side by side, [kv_heads * head_dim] (packed for
-    int4, plus per-group scales for dynamically scaled dtypes; see kv_cache_format).
+    Blocks: a slot holds all KV heads of a token side by side, [kv_heads * head_dim]
+    (packed for int4, plus per-group scales for dynamically scaled dtypes; see
+    kv_cache_format). Lanes: float32 keys and values, [kv_heads, head_dim] per token.
     """
+    if layout == "lanes":
+        return [{"name": name, "dtype": "float32", "slot_shape": [spec.num_kv_heads,
+                                                                 spec.head_dim]}
+                for name in ("key", "value")]
     return [t for side in kv_sides(spec) for t in side.tensors()]
 
 
@@ -89,6 +130,7 @@ class _DecoderLowering:
         self.g = GraphBuilder("llmopt_decoder", ops_type.opset)
         self.ops: StandardOps = ops_type(self.g, self.arch.norm_eps)
         self._masks: dict[int | None, str] = {}
+        self.lanes = options.kv_layout == "lanes"
 
     def build(self) -> onnx.ModelProto:
         self._declare_io()
@@ -112,6 +154,9 @@ class _DecoderLowering:
 
     # --- graph interface --------------------------------------------------------------
     def _declare_io(self) -> None:
+        if self.lanes:
+            self._declare_lane_io()
+            return
         g = self.g
         g.input(C.INPUT_IDS, TensorProto.INT64, ["batch", "seq"])
         g.input(C.POSITION_IDS, TensorProto.INT64, ["batch", "seq"])
@@ -124,6 +169,19 @@ class _DecoderLowering:
                 pool_shape = ["num_blocks", "block_size", *t["slot_shape"]]
                 g.input(C.past_name(i, t["name"]), elem, pool_shape)
                 g.output(C.new_name(i, t["name"]), elem, ["batch", "seq", *t["slot_shape"]])
+        g.output(C.LOGITS, TensorProto.FLOAT, ["num_logits", self.arch.vocab_size])
+
+    def _declare_lane_io(self) -> None:
+        g = self.g
+        g.input(C.INPUT_IDS, TensorProto.INT64, ["batch", "seq"])
+        g.input(C.SEQLENS_K, TensorProto.INT32, ["batch"])
+        g.input(C.TOTAL_SEQUENCE_LENGTH, TensorProto.INT32, [])
+        g.input(C.LOGITS_INDICES, TensorProto.INT64, ["num_logits"])
+        for i, spec in enumerate(self.arch.layers):
+            lane = ["batch", spec.num_kv_heads, "capacity", spec.head_dim]
+            for name in ("key", "value"):
+                g.input(C.past_name(i, name), TensorProto.FLOAT, lane)
+                g.output(C.present_name(i, name), TensorProto.FLOAT, lane)
         g.output(C.LOGITS, TensorProto.FLOAT, ["num_logits", self.arch.vocab_size])
 
     def _rope_tables(self) -> None:
@@ -224,6 +282,8 @@ class _DecoderLowering:
         g, spec, p = self.g, self.arch.layers[index], f"layers.{index}."
         heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         qkv = self._linear(x, p, ["q_proj", "k_proj", "v_proj"])
+        if self.lanes:
+            return self._linear(self._lane_attention(index, qkv), p, ["o_proj"])
         q, k, v = g.op("Split", [qkv, g.const([heads * dim, kv_heads * dim, kv_heads * dim])],
                        axis=-1, outputs=3)
         if self.arch.qk_norm:
@@ -241,6 +301,32 @@ class _DecoderLowering:
         out = self.ops.attention(q, keys, values, mask, spec, self.arch.attn_scale,
                                  self.arch.attn_softcap)
         return self._linear(out, p, ["o_proj"])
+
+    def _lane_attention(self, index: int, qkv: str) -> str:
+        """One GroupQueryAttention node: RoPE, the step's keys and values appended to the
+        sequence's lane in place, attention over the lane's first seqlens_k + 1 entries."""
+        g, spec, p = self.g, self.arch.layers[index], f"layers.{index}."
+        heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        qkv_inputs = [qkv, "", ""]  # packed: GroupQueryAttention splits it itself
+        if self.arch.qk_norm:  # the norms come before RoPE: split, normalize, pass apart
+            q, k, v = g.op("Split", [qkv, g.const([heads * dim, kv_heads * dim,
+                                                   kv_heads * dim])], axis=-1, outputs=3)
+            qkv_inputs = [self._head_norm(q, heads, dim, p + "q_norm"),
+                          self._head_norm(k, kv_heads, dim, p + "k_norm"), v]
+        table = f"rope.{spec.rope}"
+        out = g.fresh("attention")
+        attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": self.arch.attn_scale,
+                 "do_rotary": 1, "rotary_interleaved": 0}
+        if self.arch.attn_softcap:
+            attrs["softcap"] = self.arch.attn_softcap
+        if spec.sliding_window is not None:  # keys at distance < window, as `_in_window`
+            attrs["local_window_size"] = spec.sliding_window
+        g.op_into("GroupQueryAttention",
+                  [*qkv_inputs, C.past_name(index, "key"), C.past_name(index, "value"),
+                   C.SEQLENS_K, C.TOTAL_SEQUENCE_LENGTH, f"{table}.cos", f"{table}.sin"],
+                  [out, C.present_name(index, "key"), C.present_name(index, "value")],
+                  domain=MS_DOMAIN, **attrs)
+        return out
 
     def _head_norm(self, x: str, heads: int, dim: int, weight: str) -> str:
         g = self.g

@@ -47,6 +47,10 @@ class TargetConfig(_Strict):
     # blocked DequantizeLinear → MatMul (which ONNX Runtime fuses back into MatMulNBits);
     # auto: the operator set's form (benchmarks/bench_int4.py measures both).
     quantized_matmul: Literal["auto", "matmul_nbits", "dequantize_linear"] = "auto"
+    # KV pool layout (llmopt.runtime.contract): "lanes" lets ONNX Runtime's fused
+    # GroupQueryAttention read and append each sequence's KV in place; "blocks" gathers
+    # a step's blocks (any KV dtype, any operator set); auto: lanes wherever it can run.
+    kv_layout: Literal["auto", "blocks", "lanes"] = "auto"
 
 
 class QualityConfig(_Strict):

@@ -8,9 +8,12 @@ from pathlib import Path
 from llmopt.runtime.engine import EngineConfig, LLMEngine
 from llmopt.runtime.executor import OrtExecutor
 from llmopt.runtime.kv_cache_manager import KVCacheManager
+from llmopt.runtime.lane_cache_manager import LaneKVCacheManager
+from llmopt.runtime.lane_executor import LaneExecutor
 from llmopt.runtime.manifest import KVCacheSpec, Manifest
 from llmopt.runtime.paging import cdiv
 from llmopt.runtime.spec.speculator import build_speculator
+from llmopt.runtime.step_batch import Executor
 from llmopt.runtime.tokenizer import Tokenizer
 
 
@@ -31,6 +34,33 @@ class EngineOptions:
     speculative_max_batch_size: int | None = None
     adaptive_speculation: bool = True
     drafts: str = "all"
+
+
+def kv_cache_manager_for(manifest: Manifest, config: EngineConfig) -> KVCacheManager:
+    """Lanes when any graph of the artifact reads its KV in place; free placement else."""
+    layouts = {manifest.kv_cache.layout}
+    if manifest.speculative is not None and manifest.speculative.model is not None:
+        layouts.add(manifest.speculative.model.kv_cache.layout)
+    if "lanes" in layouts:
+        return LaneKVCacheManager(config.num_blocks, config.block_size,
+                                  cdiv(config.max_context, config.block_size),
+                                  config.enable_prefix_caching)
+    return KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+
+
+def make_executor(graph_path: Path, kv_cache: KVCacheSpec, *, num_blocks: int,
+                  block_size: int, lane_blocks: int | None, max_position: int,
+                  num_threads: int | None = None, optimization_level: str = "all",
+                  nbits_accuracy_level: int = 0) -> Executor:
+    """The executor for a graph's KV layout (lanes need the lane size in blocks)."""
+    common = {"num_blocks": num_blocks, "block_size": block_size, "num_threads": num_threads,
+              "optimization_level": optimization_level,
+              "nbits_accuracy_level": nbits_accuracy_level}
+    if kv_cache.layout == "lanes":
+        if lane_blocks is None:
+            raise ValueError("a lanes-layout graph needs a lane size")
+        return LaneExecutor(graph_path, kv_cache, lane_blocks=lane_blocks, **common)
+    return OrtExecutor(graph_path, kv_cache, max_position=max_position, **common)
 
 
 def engine_config(manifest: Manifest, options: EngineOptions) -> EngineConfig:
@@ -61,13 +91,15 @@ def engine_config(manifest: Manifest, options: EngineOptions) -> EngineConfig:
 def build_engine(path: Path, manifest: Manifest, tokenizer: Tokenizer,
                  options: EngineOptions) -> LLMEngine:
     config = engine_config(manifest, options)
+    kv_cache_manager = kv_cache_manager_for(manifest, config)
 
-    def executor_for(graph: str, kv_cache: KVCacheSpec, max_position: int) -> OrtExecutor:
-        return OrtExecutor(
+    def executor_for(graph: str, kv_cache: KVCacheSpec, max_position: int) -> Executor:
+        executor = make_executor(
             path / manifest.graphs[graph].file,
             kv_cache,
             num_blocks=config.num_blocks,
             block_size=config.block_size,
+            lane_blocks=getattr(kv_cache_manager, "lane_blocks", None),
             max_position=max_position,
             # The draft runs on the calling thread: a second intra-op pool would spin
             # on the target's cores between steps (measured: the target's steps ran
@@ -76,9 +108,10 @@ def build_engine(path: Path, manifest: Manifest, tokenizer: Tokenizer,
             optimization_level=options.optimization_level,
             nbits_accuracy_level=manifest.graphs[graph].nbits_accuracy_level,
         )
+        if isinstance(kv_cache_manager, LaneKVCacheManager):
+            kv_cache_manager.copy_listeners.append(executor.copy_block)
+        return executor
 
-    kv_cache_manager = KVCacheManager(config.num_blocks, config.block_size,
-                                      config.enable_prefix_caching)
     speculator = build_speculator(
         path, manifest, kv_cache_manager, executor_for, enabled=options.speculative,
         gamma=options.num_speculative_tokens, max_batch_size=options.speculative_max_batch_size,

@@ -82,6 +82,19 @@ class BlockPool:
             allocated.append(block)
         return allocated
 
+    def take(self, block_ids: Iterable[int]) -> list[Block]:
+        """Allocate these free blocks (the lanes layout decides which), evicting their hashes."""
+        taken = []
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count:
+                raise RuntimeError(f"block {block_id} is taken already")
+            del self.free_queue[block_id]
+            self._evict(block)
+            block.ref_count = 1
+            taken.append(block)
+        return taken
+
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take a reference on cached blocks, pulling free ones out of the free queue."""
         for block in blocks:

@@ -36,6 +36,22 @@ What the graph guarantees: a query attends to past position p only when
 p < context_lens[b] (and inside its layer's sliding window), and to the step's own key j
 only when j <= its own row index (causal by index, so right padding never leaks).
   - block 0 is a reserved null block that no sequence owns.
+
+The lanes layout (manifest `kv_cache.layout: lanes`; float32 keys and values only) keeps
+block tables and block ids but gives each sequence a lane: lane l owns blocks
+1 + l*L .. (l+1)*L (L blocks per lane), so a sequence's positions are contiguous and a
+pool tensor is [lanes, kv_heads, L * block_size, head_dim]. ONNX Runtime's
+GroupQueryAttention then reads the lane where it lies and appends the step's keys and
+values to it in place, with no gather, concat or scatter. Inputs (B rows = B adjacent
+lanes, every row S query tokens):
+  input_ids              int64 [B, S]
+  seqlens_k              int32 [B]   context_len + S - 1 of each row
+  total_sequence_length  int32 []    max over rows of context_len + S
+  logits_indices         int64 [N]
+  past.{i}.{key,value}   float32 [B, kv_heads, capacity, head_dim]   the rows' lanes
+Outputs: logits, and present.{i}.{key,value}, bound to the same memory as past.
+ONNX Runtime takes several query tokens per row on top of a cached context only for
+B = 1: the runtime runs such rows one per call.
 """
 
 from __future__ import annotations
@@ -43,6 +59,8 @@ from __future__ import annotations
 FORMAT_VERSION = 1
 
 INPUT_IDS = "input_ids"
+SEQLENS_K = "seqlens_k"
+TOTAL_SEQUENCE_LENGTH = "total_sequence_length"
 POSITION_IDS = "position_ids"
 BLOCK_TABLES = "block_tables"
 CONTEXT_LENS = "context_lens"
@@ -55,6 +73,12 @@ NULL_BLOCK = 0
 def past_name(layer: int, tensor: str) -> str:
     """Graph input holding pool tensor `tensor` of layer `layer`."""
     return f"past.{layer}.{tensor}"
+
+
+def present_name(layer: int, tensor: str) -> str:
+    """Lanes layout: graph output that is pool tensor `tensor` of `layer` after the step
+    (bound to the same memory as its `past` input: written in place)."""
+    return f"present.{layer}.{tensor}"
 
 
 def new_name(layer: int, tensor: str) -> str:

@@ -67,6 +67,11 @@ class OrtExecutor:
             for new, past in self.new_to_past.items()
         }
 
+    def copy_block(self, source: int, destination: int) -> None:
+        """Copy one block of every pool tensor (lanes: a prefix hit held by another lane)."""
+        for pool in self.pools.values():
+            pool[destination] = pool[source]
+
     def execute(self, batch: StepBatch) -> np.ndarray:
         """Run the step as few right-padded graph calls as keep padding waste small.
 

@@ -32,6 +32,9 @@ class CacheLayer(_Strict):
 
 
 class KVCacheSpec(_Strict):
+    # "blocks": pool tensors [num_blocks, block_size, *slot_shape], gathered per step;
+    # "lanes": [lanes, kv_heads, lane tokens, head_dim], read in place (see contract).
+    layout: Literal["blocks", "lanes"] = "blocks"
     layers: list[CacheLayer]
 
     def bytes_per_token(self) -> int:

@@ -44,6 +44,10 @@ class Executor(Protocol):
         """Run one step: write its KV into the pool, return float32 logits [N, vocab]."""
         ...
 
+    def copy_block(self, source: int, destination: int) -> None:
+        """Copy one block's entries of every pool tensor."""
+        ...
+
 
 @dataclass(frozen=True)
 class SequenceStep:

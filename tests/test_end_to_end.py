@@ -16,6 +16,7 @@ from llmopt.runtime import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 NEW_TOKENS = 40
+BLOCKS_LAYOUT = ["llama", "mistral", "gemma3_text"]
 
 
 def compile_tiny(checkpoint: Path, out: Path, **target: str) -> Path:
@@ -28,7 +29,11 @@ def compile_tiny(checkpoint: Path, out: Path, **target: str) -> Path:
 @pytest.fixture(scope="module")
 def artifacts(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("artifacts")
-    return {arch: compile_tiny(path, root / arch) for arch, path in tiny_checkpoints.items()}
+    built = {arch: compile_tiny(path, root / arch) for arch, path in tiny_checkpoints.items()}
+    for arch in BLOCKS_LAYOUT:  # the gathered fallback, where lanes are the default
+        built[f"{arch}/blocks"] = compile_tiny(tiny_checkpoints[arch], root / f"{arch}-blocks",
+                                               kv_layout="blocks")
+    return built
 
 
 def prompts(seed: int, count: int) -> list[list[int]]:
@@ -45,24 +50,29 @@ def hf_greedy(model, prompt: list[int]) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("arch", list(TINY_CONFIGS))
-def test_greedy_output_equals_transformers(arch, artifacts, tiny_checkpoints):
+ALL_LAYOUTS = [*TINY_CONFIGS, *(f"{arch}/blocks" for arch in BLOCKS_LAYOUT)]
+
+
+@pytest.mark.parametrize("name", ALL_LAYOUTS)
+def test_greedy_output_equals_transformers(name, artifacts, tiny_checkpoints):
+    arch = name.removesuffix("/blocks")
     hf = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[arch], dtype=torch.float32)
-    llm = LLM(artifacts[arch])
+    llm = LLM(artifacts[name])
     cases = prompts(seed=1, count=3)
     outputs = llm.generate(cases, GREEDY)
     for prompt, output in zip(cases, outputs, strict=True):
         assert output.token_ids == hf_greedy(hf, prompt)
 
 
-@pytest.mark.parametrize("arch", list(TINY_CONFIGS))
-def test_logits_match_transformers(arch, artifacts, tiny_checkpoints):
+@pytest.mark.parametrize("name", ALL_LAYOUTS)
+def test_logits_match_transformers(name, artifacts, tiny_checkpoints):
+    arch = name.removesuffix("/blocks")
     hf = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[arch], dtype=torch.float32)
     tokens = prompts(seed=2, count=1)[0] * 4  # longer than Mistral/Gemma sliding windows
     with torch.no_grad():
         expected = torch.log_softmax(hf(torch.tensor([tokens])).logits[0], dim=-1)
     expected = expected[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])].numpy()
-    got = LLM(artifacts[arch], max_num_batched_tokens=16).score(tokens)  # chunked prefill
+    got = LLM(artifacts[name], max_num_batched_tokens=16).score(tokens)  # chunked prefill
     np.testing.assert_allclose(got, expected, atol=1e-4)
 
 
@@ -89,10 +99,23 @@ def test_preemption_changes_no_output(arch, artifacts):
     requests = shared_prefix_requests()
     expected = [o.token_ids for o in LLM(artifacts[arch]).generate(requests, GREEDY)]
     # At most 24 + 29 + 40 = 93 tokens a sequence: 24 blocks of 4; 60 blocks hold two.
-    small = LLM(artifacts[arch], num_blocks=60, max_context=96)
+    small = LLM(artifacts[f"{arch}/blocks"], num_blocks=60, max_context=96)
     outputs = small.generate(requests, GREEDY)
     assert [o.token_ids for o in outputs] == expected
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_lanes_wait_for_a_free_lane_instead(arch, artifacts):
+    """The same small pool holds two lanes of 24 blocks: sequences queue for a lane, the
+    shared prefix is copied between lanes, and nothing changes in the outputs."""
+    requests = shared_prefix_requests()
+    expected = [o.token_ids for o in LLM(artifacts[f"{arch}/blocks"]).generate(requests, GREEDY)]
+    small = LLM(artifacts[arch], num_blocks=60, max_context=96)
+    outputs = small.generate(requests, GREEDY)
+    assert [o.token_ids for o in outputs] == expected
+    assert sum(o.metrics.num_preemptions for o in outputs) == 0
+    assert sum(o.metrics.num_cached_tokens for o in outputs) > 0
 
 
 def test_prefix_cache_shares_blocks(artifacts):

@@ -127,7 +127,7 @@ def _self_windows(ir: ModelIR, config: DraftModelConfig, context: PassContext) -
                 f"{new_tokens} greedy target tokens")
     with tempfile.TemporaryDirectory(prefix="llmopt-draft-data-") as tmp:
         batch = draft_data.GENERATION_BATCH
-        target = _executor(ir, recipe, Path(tmp) / "target.onnx", 1 + batch * blocks)
+        target = _executor(ir, recipe, Path(tmp) / "target.onnx", 1 + batch * blocks, blocks)
 
         def runner_for(longest: int) -> PagedRunner:
             return PagedRunner(target, block_size, cdiv(longest, block_size))
@@ -208,31 +208,34 @@ def measure_pairing(ir: ModelIR, draft: ModelIR | None, token_map: torch.Tensor 
         ngram=(ngram.min_n, ngram.max_n) if ngram else None, min_speedup=config.min_speedup,
         block_size=block_size, eos_ids=ir.arch.eos_token_ids)
     longest = max(len(p) for p in prompts) + new_tokens
-    num_blocks = 1 + max(len(prompts) * cdiv(longest, block_size),
-                         config.batch_sizes[-1] * cdiv(context_len + MAX_GAMMA + 1, block_size))
+    seq_blocks = max(cdiv(longest, block_size), cdiv(context_len + MAX_GAMMA + 1, block_size))
+    num_blocks = 1 + max(len(prompts), config.batch_sizes[-1]) * seq_blocks
     context.log(f"      measuring: {len(prompts)} prompts x {new_tokens} greedy tokens, step "
                 f"costs at batch {config.batch_sizes}")
     with tempfile.TemporaryDirectory(prefix="llmopt-draft-") as tmp:
-        target = _executor(ir, recipe, Path(tmp) / "target.onnx", num_blocks)
+        target = _executor(ir, recipe, Path(tmp) / "target.onnx", num_blocks, seq_blocks)
         draft_exec = None if draft is None else _executor(draft, recipe, Path(tmp) / "draft.onnx",
-                                                          num_blocks)
+                                                          num_blocks, seq_blocks)
         mapping = None if token_map is None else token_map.numpy()
         return m.measure(target, draft_exec, mapping, settings)
 
 
-def _executor(ir: ModelIR, recipe: Recipe, path: Path, num_blocks: int) -> Any:
-    from llmopt.compiler.lower import cache_tensors, lower_to_onnx, lowering_options
+def _executor(ir: ModelIR, recipe: Recipe, path: Path, num_blocks: int,
+              lane_blocks: int) -> Any:
+    """The model lowered as the artifact will hold it, run by the runtime's executor;
+    lanes-layout sequences get `lane_blocks` blocks each."""
+    from llmopt.compiler.lower import kv_cache_spec, lower_to_onnx, lowering_options
     from llmopt.compiler.onnx_graph import save_with_external_data
-    from llmopt.runtime.executor import OrtExecutor
+    from llmopt.runtime.assembly import make_executor
     from llmopt.runtime.manifest import KVCacheSpec
 
     options = lowering_options(recipe, ir.arch)
     save_with_external_data(lower_to_onnx(ir, options), path)
-    kv_cache = KVCacheSpec.model_validate(
-        {"layers": [{"tensors": cache_tensors(s)} for s in ir.arch.layers]})
-    return OrtExecutor(path, kv_cache, num_blocks=num_blocks,
-                       block_size=recipe.runtime.block_size, max_position=options.max_position,
-                       nbits_accuracy_level=options.nbits_accuracy_level)
+    kv_cache = KVCacheSpec.model_validate(kv_cache_spec(ir.arch, options.kv_layout))
+    return make_executor(path, kv_cache, num_blocks=num_blocks,
+                         block_size=recipe.runtime.block_size, lane_blocks=lane_blocks,
+                         max_position=options.max_position,
+                         nbits_accuracy_level=options.nbits_accuracy_level)
 
 
 def _log_summary(spec: dict[str, Any], log: Any) -> None:

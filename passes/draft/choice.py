@@ -25,7 +25,6 @@ from llmopt.passes.draft.measure import (
     run_lengths,
     simulate,
 )
-from llmopt.runtime.executor import OrtExecutor
 from llmopt.runtime.manifest import TokenizerSpec
 from llmopt.runtime.paging import cdiv
 from llmopt.runtime.spec.cost_model import (
@@ -33,6 +32,7 @@ from llmopt.runtime.spec.cost_model import (
     expected_tokens_per_position,
     model_step_cost,
 )
+from llmopt.runtime.step_batch import Executor
 from llmopt.runtime.tokenizer import Tokenizer
 
 
@@ -51,7 +51,7 @@ class MeasureSettings:
     eos_ids: tuple[int, ...]
 
 
-def measure(target: OrtExecutor, draft: OrtExecutor | None, token_map: np.ndarray | None,
+def measure(target: Executor, draft: Executor | None, token_map: np.ndarray | None,
             settings: MeasureSettings) -> dict:
     """SpeculativeSpec fields (gamma, max_batch_size, acceptance, cost_ratio,
     predicted_speedup, measured) from acceptance on greedy trajectories and step costs."""

@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llmopt.runtime.executor import OrtExecutor
 from llmopt.runtime.paging import cdiv
 from llmopt.runtime.spec.drafter import (
     ngram_lookup,  # the simulation proposes what the runtime will
 )
-from llmopt.runtime.step_batch import SequenceStep, make_step_batch
+from llmopt.runtime.step_batch import Executor, SequenceStep, make_step_batch
 
 
 # --- acceptance ---------------------------------------------------------------------------
@@ -100,11 +99,13 @@ def simulate(trajectories: list[Trajectory], gamma: int,
 
 # --- running the lowered graphs ----------------------------------------------------------
 class PagedRunner:
-    """Drives an OrtExecutor over disjoint per-sequence block ranges (no block manager:
-    measurement sequences never share or free blocks)."""
+    """Drives an executor over disjoint per-sequence block ranges (no block manager:
+    measurement sequences never share or free blocks). A lanes-layout executor's ranges
+    are its lanes."""
 
-    def __init__(self, executor: OrtExecutor, block_size: int, blocks_per_seq: int):
-        self.executor, self.block_size, self.blocks_per_seq = executor, block_size, blocks_per_seq
+    def __init__(self, executor: Executor, block_size: int, blocks_per_seq: int):
+        self.executor, self.block_size = executor, block_size
+        self.blocks_per_seq = getattr(executor, "lane_blocks", None) or blocks_per_seq
 
     def step(self, queries: list[list[int]], starts: list[int], seqs: list[int] | None = None,
              all_logits: bool = False) -> np.ndarray:
@@ -153,7 +154,7 @@ def draft_agreement(runner: PagedRunner, traj: Trajectory,
 
 
 # --- step costs -------------------------------------------------------------------------
-def timed_step(executor: OrtExecutor, batch_size: int, query_len: int, context: int,
+def timed_step(executor: Executor, batch_size: int, query_len: int, context: int,
                block_size: int) -> Callable[[], float]:
     """A function running one step and returning its wall time: batch_size sequences of
     `context` cached tokens each taking `query_len` new ones, logits for every query row
@@ -186,7 +187,7 @@ class StepCosts:
         return float(np.interp(query_len, lens, seconds))
 
 
-def measure_costs(target: OrtExecutor, draft: OrtExecutor | None, batch_sizes: list[int],
+def measure_costs(target: Executor, draft: Executor | None, batch_sizes: list[int],
                   max_gamma: int, context: int, block_size: int, rounds: int) -> StepCosts:
     """Target steps of 1..max_gamma+1 tokens at the first batch size (the runtime sizes
     drafts from them), of a few lengths at the others (interpolated between), and draft

@@ -137,7 +137,7 @@ def test_artifact_computes_the_regrouped_model(case, mha_checkpoint, tiny_checkp
     ir, result = regrouped(checkpoint, word_text, **options)
     original = ir.arch.layers[1].num_kv_heads
     assert [s.num_kv_heads for s in result.ir.arch.layers] == [kv_heads, original, kv_heads]
-    slots = [layer.tensors[0].slot_shape[0] for layer in manifest.kv_cache.layers]
+    slots = [math.prod(layer.tensors[0].slot_shape) for layer in manifest.kv_cache.layers]
     assert slots == [s.num_kv_heads * s.head_dim for s in result.ir.arch.layers]
     info = describe(tmp_path / "a")
     assert info["kv_bytes_per_token"] == report["kv_bytes_per_token"]["after"]

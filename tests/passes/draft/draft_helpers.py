@@ -12,7 +12,7 @@ from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.runtime.artifact import load_manifest
-from llmopt.runtime.executor import OrtExecutor
+from llmopt.runtime.assembly import make_executor
 from llmopt.runtime.step_batch import StepBatch
 
 SPECIALS = ["<pad>", "<s>", "</s>"]
@@ -55,12 +55,13 @@ def compile_with_draft(target_dir: Path, text: Path, out: Path, **options) -> Pa
 
 
 def draft_logits(artifact: Path, tokens: list[int]) -> np.ndarray:
-    """Run the artifact's draft graph through OrtExecutor with the manifest's draft spec."""
+    """Run the artifact's draft graph through the runtime's executor for its KV layout."""
     manifest = load_manifest(artifact)
     spec = manifest.speculative.model
-    executor = OrtExecutor(artifact / manifest.graphs[spec.graph].file, spec.kv_cache,
-                           num_blocks=64, block_size=4, max_position=spec.max_position)
-    slots = np.arange(4, 4 + len(tokens), dtype=np.int64)  # blocks 1.. in order
+    executor = make_executor(artifact / manifest.graphs[spec.graph].file, spec.kv_cache,
+                             num_blocks=65, block_size=4, lane_blocks=32,
+                             max_position=spec.max_position)
+    slots = np.arange(4, 4 + len(tokens), dtype=np.int64)  # blocks 1.. in order: lane 0
     batch = StepBatch([tokens], [0], [list(range(1, 1 + len(tokens) // 4 + 1))], slots,
                       np.arange(len(tokens), dtype=np.int64))
     return executor.execute(batch)

@@ -43,7 +43,7 @@ def test_the_target_as_its_own_draft_is_always_accepted(target, tmp_path):
     from llmopt.passes.draft import measure as m
 
     recipe = Recipe(model="unused", runtime={"block_size": 4, "max_context": 128})
-    runner = m.PagedRunner(draft._executor(target, recipe, tmp_path / "t.onnx", 64), 4, 16)
+    runner = m.PagedRunner(draft._executor(target, recipe, tmp_path / "t.onnx", 65, 16), 4, 16)
     (traj,) = m.greedy_trajectories(runner, [[5, 9, 13, 40, 41]], 24, eos_ids=())
     assert len(traj.tokens) == 5 + 24
     agree = m.draft_agreement(runner, traj, None)

@@ -1,0 +1,161 @@
+"""LaneExecutor: runs a lanes-layout graph with the KV pool read and written in place.
+
+Each pool tensor is one array [lanes, kv_heads, lane_tokens, head_dim]; a sequence's
+block table is a run of its lane's blocks (`LaneKVCacheManager`), so its keys and values
+are contiguous and ONNX Runtime's GroupQueryAttention appends to them where they lie.
+A graph call takes rows of adjacent lanes with one query length each (see `plan_calls`),
+binding the pools' [lo:hi] slices, which share the arrays' memory, as both the `past`
+inputs and the `present` outputs. Nothing is gathered, concatenated or scattered.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from llmopt.runtime import contract
+from llmopt.runtime.executor import select_sequences, session_options
+from llmopt.runtime.manifest import KVCacheSpec
+from llmopt.runtime.step_batch import StepBatch
+
+MAX_BINDINGS = 32  # lane ranges whose pool bindings are kept ready
+
+
+class LaneExecutor:
+    def __init__(
+        self,
+        graph_path: str | Path,
+        kv_cache: KVCacheSpec,
+        *,
+        num_blocks: int,
+        block_size: int,
+        lane_blocks: int,
+        num_threads: int | None = None,
+        optimization_level: str = "all",
+        nbits_accuracy_level: int = 0,
+    ):
+        self.block_size, self.lane_blocks = block_size, lane_blocks
+        self.num_lanes = (num_blocks - 1) // lane_blocks  # block 0 is the null block
+        if self.num_lanes < 1:
+            raise ValueError(f"{num_blocks} KV blocks hold no lane of {lane_blocks} blocks")
+        self.session = ort.InferenceSession(
+            str(graph_path),
+            session_options(num_threads, optimization_level, nbits_accuracy_level),
+            providers=["CPUExecutionProvider"],
+        )
+        lane_tokens = lane_blocks * block_size
+        self.pools: dict[str, np.ndarray] = {}  # past name -> [lanes, kv_heads, tokens, dim]
+        for i, layer in enumerate(kv_cache.layers):
+            for t in layer.tensors:
+                kv_heads, head_dim = t.slot_shape
+                self.pools[contract.past_name(i, t.name)] = np.zeros(
+                    (self.num_lanes, kv_heads, lane_tokens, head_dim), dtype=t.dtype)
+        check_lane_io(self.session, list(self.pools))
+        self.logits_output = [o.name for o in self.session.get_outputs()].index(contract.LOGITS)
+        self._bindings: OrderedDict[tuple[int, int], tuple[ort.IOBinding, list]] = OrderedDict()
+
+    def execute(self, batch: StepBatch) -> np.ndarray:
+        lanes = [self.lane_of(table) for table in batch.block_tables]
+        calls = plan_calls(lanes, batch.query_lens, batch.context_lens)
+        if len(calls) == 1 and calls[0] == list(range(batch.num_seqs)):
+            return self._run(batch, lanes[0])
+        parts = [(rows, self._run(sub, lanes[seqs[0]])) for seqs in calls
+                 for sub, rows in [select_sequences(batch, seqs)]]
+        logits = np.empty((batch.logits_indices.size, parts[0][1].shape[1]), dtype=np.float32)
+        for rows, part in parts:
+            logits[rows] = part
+        return logits
+
+    def lane_of(self, block_table: list[int]) -> int:
+        """The lane a block table runs through (its blocks must be the lane's, in order)."""
+        lane, offset = divmod(block_table[0] - 1, self.lane_blocks)
+        if offset or block_table[-1] != block_table[0] + len(block_table) - 1:
+            raise ValueError(f"block table {block_table[:4]}... is not a lane's run of blocks")
+        return lane
+
+    def copy_block(self, source: int, destination: int) -> None:
+        """Copy one block's keys and values (a prefix-cache hit held by another lane)."""
+        (src_lane, src), (dst_lane, dst) = (divmod(b - 1, self.lane_blocks)
+                                            for b in (source, destination))
+        bs = self.block_size
+        for pool in self.pools.values():
+            pool[dst_lane, :, dst * bs:(dst + 1) * bs] = pool[src_lane, :, src * bs:(src + 1) * bs]
+
+    def _run(self, batch: StepBatch, first_lane: int) -> np.ndarray:
+        """One graph call: batch rows are lanes first_lane, first_lane + 1, ..."""
+        binding = self._binding(first_lane, first_lane + batch.num_seqs)
+        for name, array in lane_inputs(batch).items():
+            binding.bind_cpu_input(name, array)
+        binding.bind_output(contract.LOGITS, "cpu")
+        self.session.run_with_iobinding(binding)
+        logits = binding.get_outputs()[self.logits_output].numpy()
+        return logits[: batch.logits_indices.size]
+
+    def _binding(self, lo: int, hi: int) -> ort.IOBinding:
+        """An IOBinding with lanes lo..hi-1 of every pool bound as past and present."""
+        key = (lo, hi)
+        if key in self._bindings:
+            self._bindings.move_to_end(key)
+            return self._bindings[key][0]
+        binding, values = self.session.io_binding(), []
+        for name, pool in self.pools.items():
+            value = ort.OrtValue.ortvalue_from_numpy(pool[lo:hi])  # a view: no copy
+            layer, tensor = name.split(".")[1:]
+            binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output(contract.present_name(int(layer), tensor), value)
+            values.append(value)
+        self._bindings[key] = (binding, values)
+        if len(self._bindings) > MAX_BINDINGS:
+            self._bindings.popitem(last=False)
+        return binding
+
+
+def plan_calls(lanes: list[int], query_lens: list[int], context_lens: list[int]) -> list[list[int]]:
+    """Sequences (by index) grouped into graph calls, each rows of adjacent lanes with one
+    query length. A row of several query tokens on top of a cached context goes alone:
+    GroupQueryAttention takes such rows only in a batch of one."""
+    def alone(i: int) -> bool:
+        return query_lens[i] > 1 and context_lens[i] > 0
+
+    calls: list[list[int]] = []
+    for i in sorted(range(len(lanes)), key=lanes.__getitem__):
+        if calls:
+            last = calls[-1][-1]
+            if (lanes[i] == lanes[last] + 1 and query_lens[i] == query_lens[last]
+                    and not alone(i) and not alone(last)):
+                calls[-1].append(i)
+                continue
+        calls.append([i])
+    return calls
+
+
+def lane_inputs(batch: StepBatch) -> dict[str, np.ndarray]:
+    """The lanes contract's small inputs for a call whose rows share one query length."""
+    query_len = batch.query_lens[0]
+    totals = np.asarray(batch.context_lens, dtype=np.int32) + query_len
+    # An empty request asks for one garbage row so that no graph sees a zero-sized Gather.
+    logits_rows = batch.logits_indices if batch.logits_indices.size else np.zeros(1, np.int64)
+    return {
+        contract.INPUT_IDS: np.asarray(batch.token_ids, dtype=np.int64),
+        contract.SEQLENS_K: totals - 1,
+        contract.TOTAL_SEQUENCE_LENGTH: np.asarray(totals.max(), dtype=np.int32),
+        contract.LOGITS_INDICES: logits_rows,
+    }
+
+
+def check_lane_io(session: ort.InferenceSession, past: list[str]) -> None:
+    """Fail loudly when the graph does not follow the lanes contract for this manifest."""
+    inputs = {i.name for i in session.get_inputs()}
+    outputs = {o.name for o in session.get_outputs()}
+    expected_inputs = {contract.INPUT_IDS, contract.SEQLENS_K, contract.TOTAL_SEQUENCE_LENGTH,
+                       contract.LOGITS_INDICES, *past}
+    presents = {"present." + name.removeprefix("past.") for name in past}
+    if inputs != expected_inputs or not {contract.LOGITS, *presents} <= outputs:
+        raise ValueError(
+            "the graph does not follow the lanes KV contract for this manifest: "
+            f"missing inputs {sorted(expected_inputs - inputs)}, "
+            f"unexpected inputs {sorted(inputs - expected_inputs)}, "
+            f"missing outputs {sorted({contract.LOGITS, *presents} - outputs)}")
