@@ -176,6 +176,7 @@ class _DecoderLowering:
         g.input(C.INPUT_IDS, TensorProto.INT64, ["batch", "seq"])
         g.input(C.SEQLENS_K, TensorProto.INT32, ["batch"])
         g.input(C.TOTAL_SEQUENCE_LENGTH, TensorProto.INT32, [])
+        g.input(C.QUERY_SEQLENS, TensorProto.INT32, ["batch"])
         g.input(C.LOGITS_INDICES, TensorProto.INT64, ["num_logits"])
         for i, spec in enumerate(self.arch.layers):
             lane = ["batch", spec.num_kv_heads, "capacity", spec.head_dim]
@@ -303,27 +304,30 @@ class _DecoderLowering:
         return self._linear(out, p, ["o_proj"])
 
     def _lane_attention(self, index: int, qkv: str) -> str:
-        """One GroupQueryAttention node: RoPE, the step's keys and values appended to the
-        sequence's lane in place, attention over the lane's first seqlens_k + 1 entries."""
+        """One GroupQueryAttention node: qk-norm and RoPE, the step's valid keys and values
+        appended to each row's lane in place, attention over the lane's first
+        seqlens_k + 1 entries (`query_seqlens` marks right padding and idle rows)."""
         g, spec, p = self.g, self.arch.layers[index], f"layers.{index}."
         heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        qkv_inputs = [qkv, "", ""]  # packed: GroupQueryAttention splits it itself
-        if self.arch.qk_norm:  # the norms come before RoPE: split, normalize, pass apart
+        table = f"rope.{spec.rope}"
+        qkv_inputs = [qkv, "", ""]  # packed: the node splits it
+        if self.arch.qk_norm:  # (ONNX Runtime's CPU kernel does not fuse the norms)
             q, k, v = g.op("Split", [qkv, g.const([heads * dim, kv_heads * dim,
                                                    kv_heads * dim])], axis=-1, outputs=3)
             qkv_inputs = [self._head_norm(q, heads, dim, p + "q_norm"),
                           self._head_norm(k, kv_heads, dim, p + "k_norm"), v]
-        table = f"rope.{spec.rope}"
-        out = g.fresh("attention")
         attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": self.arch.attn_scale,
                  "do_rotary": 1, "rotary_interleaved": 0}
         if self.arch.attn_softcap:
             attrs["softcap"] = self.arch.attn_softcap
         if spec.sliding_window is not None:  # keys at distance < window, as `_in_window`
             attrs["local_window_size"] = spec.sliding_window
-        g.op_into("GroupQueryAttention",
-                  [*qkv_inputs, C.past_name(index, "key"), C.past_name(index, "value"),
-                   C.SEQLENS_K, C.TOTAL_SEQUENCE_LENGTH, f"{table}.cos", f"{table}.sin"],
+        out = g.fresh("attention")
+        inputs = [*qkv_inputs, C.past_name(index, "key"), C.past_name(index, "value"),
+                  C.SEQLENS_K, C.TOTAL_SEQUENCE_LENGTH, f"{table}.cos", f"{table}.sin",
+                  # position_ids, attention_bias, head_sink, k/v scales, q/k norm weights
+                  "", "", "", "", "", "", "", C.QUERY_SEQLENS]
+        g.op_into("GroupQueryAttention", inputs,
                   [out, C.present_name(index, "key"), C.present_name(index, "value")],
                   domain=MS_DOMAIN, **attrs)
         return out

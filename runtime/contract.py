@@ -42,16 +42,16 @@ block tables and block ids but gives each sequence a lane: lane l owns blocks
 1 + l*L .. (l+1)*L (L blocks per lane), so a sequence's positions are contiguous and a
 pool tensor is [lanes, kv_heads, L * block_size, head_dim]. ONNX Runtime's
 GroupQueryAttention then reads the lane where it lies and appends the step's keys and
-values to it in place, with no gather, concat or scatter. Inputs (B rows = B adjacent
-lanes, every row S query tokens):
-  input_ids              int64 [B, S]
-  seqlens_k              int32 [B]   context_len + S - 1 of each row
-  total_sequence_length  int32 []    max over rows of context_len + S
-  logits_indices         int64 [N]
+values to it in place, with no gather, concat or scatter. Inputs (B rows = the lanes
+lo .. lo+B-1; rows of lanes not in the step are idle):
+  input_ids              int64 [B, S]   right-padded query tokens
+  query_seqlens          int32 [B]      valid query tokens of each row (0: idle row)
+  seqlens_k              int32 [B]      context_len + query_len - 1 of each row (0 if idle)
+  total_sequence_length  int32 []       an upper bound of seqlens_k + 1, at least S
+  logits_indices         int64 [N]      rows of the flattened [B*S] hidden states
   past.{i}.{key,value}   float32 [B, kv_heads, capacity, head_dim]   the rows' lanes
-Outputs: logits, and present.{i}.{key,value}, bound to the same memory as past.
-ONNX Runtime takes several query tokens per row on top of a cached context only for
-B = 1: the runtime runs such rows one per call.
+Outputs: logits, and present.{i}.{key,value}, bound to the same memory as past. Only
+valid rows are written, at positions context_len .. context_len + query_len - 1.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ FORMAT_VERSION = 1
 INPUT_IDS = "input_ids"
 SEQLENS_K = "seqlens_k"
 TOTAL_SEQUENCE_LENGTH = "total_sequence_length"
+QUERY_SEQLENS = "query_seqlens"
 POSITION_IDS = "position_ids"
 BLOCK_TABLES = "block_tables"
 CONTEXT_LENS = "context_lens"

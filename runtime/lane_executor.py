@@ -3,9 +3,10 @@
 Each pool tensor is one array [lanes, kv_heads, lane_tokens, head_dim]; a sequence's
 block table is a run of its lane's blocks (`LaneKVCacheManager`), so its keys and values
 are contiguous and ONNX Runtime's GroupQueryAttention appends to them where they lie.
-A graph call takes rows of adjacent lanes with one query length each (see `plan_calls`),
-binding the pools' [lo:hi] slices, which share the arrays' memory, as both the `past`
-inputs and the `present` outputs. Nothing is gathered, concatenated or scattered.
+A graph call takes the rows of a range of lanes (right-padded queries; lanes in the range
+that are not in the call are idle rows), binding the pools' [lo:hi] slices, which share
+the arrays' memory, as both the `past` inputs and the `present` outputs. Nothing is
+gathered, concatenated or scattered.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 from llmopt.runtime import contract
-from llmopt.runtime.executor import select_sequences, session_options
+from llmopt.runtime.executor import padding_groups, select_sequences, session_options
 from llmopt.runtime.manifest import KVCacheSpec
 from llmopt.runtime.step_batch import StepBatch
 
@@ -59,10 +60,10 @@ class LaneExecutor:
 
     def execute(self, batch: StepBatch) -> np.ndarray:
         lanes = [self.lane_of(table) for table in batch.block_tables]
-        calls = plan_calls(lanes, batch.query_lens, batch.context_lens)
-        if len(calls) == 1 and calls[0] == list(range(batch.num_seqs)):
-            return self._run(batch, lanes[0])
-        parts = [(rows, self._run(sub, lanes[seqs[0]])) for seqs in calls
+        calls = plan_calls(lanes, batch.query_lens)
+        if len(calls) == 1:
+            return self._run(batch, lanes)
+        parts = [(rows, self._run(sub, [lanes[i] for i in seqs])) for seqs in calls
                  for sub, rows in [select_sequences(batch, seqs)]]
         logits = np.empty((batch.logits_indices.size, parts[0][1].shape[1]), dtype=np.float32)
         for rows, part in parts:
@@ -84,10 +85,12 @@ class LaneExecutor:
         for pool in self.pools.values():
             pool[dst_lane, :, dst * bs:(dst + 1) * bs] = pool[src_lane, :, src * bs:(src + 1) * bs]
 
-    def _run(self, batch: StepBatch, first_lane: int) -> np.ndarray:
-        """One graph call: batch rows are lanes first_lane, first_lane + 1, ..."""
-        binding = self._binding(first_lane, first_lane + batch.num_seqs)
-        for name, array in lane_inputs(batch).items():
+    def _run(self, batch: StepBatch, lanes: list[int]) -> np.ndarray:
+        """One graph call over the lanes min(lanes) .. max(lanes)."""
+        lo = min(lanes)
+        binding = self._binding(lo, max(lanes) + 1)
+        for name, array in lane_inputs(batch, [lane - lo for lane in lanes],
+                                       max(lanes) + 1 - lo).items():
             binding.bind_cpu_input(name, array)
         binding.bind_output(contract.LOGITS, "cpu")
         self.session.run_with_iobinding(binding)
@@ -113,36 +116,48 @@ class LaneExecutor:
         return binding
 
 
-def plan_calls(lanes: list[int], query_lens: list[int], context_lens: list[int]) -> list[list[int]]:
-    """Sequences (by index) grouped into graph calls, each rows of adjacent lanes with one
-    query length. A row of several query tokens on top of a cached context goes alone:
-    GroupQueryAttention takes such rows only in a batch of one."""
-    def alone(i: int) -> bool:
-        return query_lens[i] > 1 and context_lens[i] > 0
-
-    calls: list[list[int]] = []
-    for i in sorted(range(len(lanes)), key=lanes.__getitem__):
-        if calls:
-            last = calls[-1][-1]
-            if (lanes[i] == lanes[last] + 1 and query_lens[i] == query_lens[last]
-                    and not alone(i) and not alone(last)):
-                calls[-1].append(i)
-                continue
-        calls.append([i])
+def plan_calls(lanes: list[int], query_lens: list[int], free_rows: int = 32) -> list[list[int]]:
+    """Sequences (by index) grouped into graph calls: query lengths grouped as for the
+    blocks layout (`padding_groups`), then split where the idle lanes between two members
+    would cost more than `free_rows` padded rows (an idle row still passes the matmuls)."""
+    calls = []
+    for group in padding_groups(query_lens):
+        width = max(query_lens[i] for i in group)
+        members = sorted(group, key=lanes.__getitem__)
+        run = [members[0]]
+        for i in members[1:]:
+            if (lanes[i] - lanes[run[-1]] - 1) * width > free_rows:
+                calls.append(run)
+                run = []
+            run.append(i)
+        calls.append(run)
     return calls
 
 
-def lane_inputs(batch: StepBatch) -> dict[str, np.ndarray]:
-    """The lanes contract's small inputs for a call whose rows share one query length."""
-    query_len = batch.query_lens[0]
-    totals = np.asarray(batch.context_lens, dtype=np.int32) + query_len
-    # An empty request asks for one garbage row so that no graph sees a zero-sized Gather.
+def lane_inputs(batch: StepBatch, rows: list[int], num_rows: int) -> dict[str, np.ndarray]:
+    """The lanes contract's small inputs: sequence b of `batch` is row rows[b] of
+    `num_rows`; the other rows are idle (no valid query token, nothing written)."""
+    width = max(batch.query_lens)
+    input_ids = np.zeros((num_rows, width), dtype=np.int64)
+    query_seqlens = np.zeros(num_rows, dtype=np.int32)
+    seqlens_k = np.zeros(num_rows, dtype=np.int32)
+    padded_rows = []
+    for row, tokens, context in zip(rows, batch.token_ids, batch.context_lens, strict=True):
+        input_ids[row, : len(tokens)] = tokens
+        query_seqlens[row] = len(tokens)
+        seqlens_k[row] = context + len(tokens) - 1
+        padded_rows.append(row * width + np.arange(len(tokens)))
+    # Packed row r is padded row padded[r]. An empty request asks for one garbage row so
+    # that no graph sees a zero-sized Gather; it is sliced off after the run.
+    padded = np.concatenate(padded_rows)
     logits_rows = batch.logits_indices if batch.logits_indices.size else np.zeros(1, np.int64)
     return {
-        contract.INPUT_IDS: np.asarray(batch.token_ids, dtype=np.int64),
-        contract.SEQLENS_K: totals - 1,
-        contract.TOTAL_SEQUENCE_LENGTH: np.asarray(totals.max(), dtype=np.int32),
-        contract.LOGITS_INDICES: logits_rows,
+        contract.INPUT_IDS: input_ids,
+        contract.QUERY_SEQLENS: query_seqlens,
+        contract.SEQLENS_K: seqlens_k,
+        contract.TOTAL_SEQUENCE_LENGTH: np.asarray(max(int(seqlens_k.max()) + 1, width),
+                                                   dtype=np.int32),
+        contract.LOGITS_INDICES: padded[logits_rows],
     }
 
 
@@ -150,8 +165,8 @@ def check_lane_io(session: ort.InferenceSession, past: list[str]) -> None:
     """Fail loudly when the graph does not follow the lanes contract for this manifest."""
     inputs = {i.name for i in session.get_inputs()}
     outputs = {o.name for o in session.get_outputs()}
-    expected_inputs = {contract.INPUT_IDS, contract.SEQLENS_K, contract.TOTAL_SEQUENCE_LENGTH,
-                       contract.LOGITS_INDICES, *past}
+    expected_inputs = {contract.INPUT_IDS, contract.QUERY_SEQLENS, contract.SEQLENS_K,
+                       contract.TOTAL_SEQUENCE_LENGTH, contract.LOGITS_INDICES, *past}
     presents = {"present." + name.removeprefix("past.") for name in past}
     if inputs != expected_inputs or not {contract.LOGITS, *presents} <= outputs:
         raise ValueError(
