@@ -88,15 +88,16 @@ def save_plain_hf(loaded: Any, tokenizer: Any, directory: Path) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def median_rows(records: list[dict[str, Any]], metrics: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Median (and min/max) of each metric over rounds, per (system, batch, threads)."""
+def median_rows(records: list[dict[str, Any]], metrics: tuple[str, ...],
+                key: str = "batch") -> list[dict[str, Any]]:
+    """Median (and min/max) of each metric over rounds, per (system, `key`, threads)."""
     samples: dict[tuple[str, int, int], list[dict[str, float]]] = {}
     for record in records:
         for r in record["results"]:
-            samples.setdefault((record["system"], r["batch"], record["threads"]), []).append(r)
+            samples.setdefault((record["system"], r[key], record["threads"]), []).append(r)
     rows = []
-    for (system, batch, threads), runs in samples.items():
-        row: dict[str, Any] = {"system": system, "batch": batch, "threads": threads,
+    for (system, value, threads), runs in samples.items():
+        row: dict[str, Any] = {"system": system, key: value, "threads": threads,
                                "rounds": len(runs)}
         for metric in metrics:
             values = [run[metric] for run in runs]
@@ -104,6 +105,15 @@ def median_rows(records: list[dict[str, Any]], metrics: tuple[str, ...]) -> list
             row[metric + "_range"] = [min(values), max(values)]
         rows.append(row)
     return rows
+
+
+def process_peak_rss_mib() -> float:
+    """This process's peak RSS since it started (VmHWM). Not ru_maxrss: Linux carries that
+    over from the parent across fork + exec, so a worker would report its driver's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
