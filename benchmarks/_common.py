@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,18 +54,23 @@ def run_json_worker(args: list[str], env: dict[str, str]) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
-def compile_artifact(path: Path, recipe: Path, overrides: list[str]) -> Path:
+def compile_artifact(path: Path, recipe: Path, overrides: list[str],
+                     recompile: bool = False) -> Path:
     """`path`, compiled from `recipe` with `--set` overrides through the llmopt CLI unless it
-    already holds an artifact."""
-    if (path / "manifest.json").is_file():
+    already holds an artifact (or `recompile`: then built beside it and swapped in)."""
+    if (path / "manifest.json").is_file() and not recompile:
         return path
+    fresh = path.with_name(path.name + ".new")
+    shutil.rmtree(fresh, ignore_errors=True)
     cmd = [sys.executable, "-c", "from llmopt.cli import main; main()", "compile", str(recipe),
-           "-o", str(path), *[a for o in overrides for a in ("--set", o)]]
+           "-o", str(fresh), *[a for o in overrides for a in ("--set", o)]]
     print(f"compiling {path} ...", flush=True)
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"compiling {path} failed:\n{proc.stderr[-4000:]}")
+    shutil.rmtree(path, ignore_errors=True)
+    fresh.rename(path)
     print(f"compiled {path} in {time.perf_counter() - started:.0f} s", flush=True)
     return path
 

@@ -62,6 +62,7 @@ from _int4_models import (
     ensure_ort_genai,
     package_gguf,
 )
+from _int4_profile import profile_main
 from bench_foundation import WARMUP_GEN_LEN, parse_ints, prompt_seed, ratio
 
 DEFAULT_RECIPE = "recipes/smollm2-135m-instruct.yaml"
@@ -121,7 +122,7 @@ def worker_main(spec: dict[str, str], args: argparse.Namespace) -> None:
 
 
 def mode_cases(mode: str, args: argparse.Namespace) -> list[Case]:
-    """What a worker runs, ascending, so ru_maxrss after each case is that case's peak:
+    """What a worker runs, ascending, so the peak RSS after each case is that case's peak:
     every batch size at --prompt-len, or batch 1 at every context (--context-gen-len)."""
     if mode == "batch":
         return [(batch, args.prompt_len, args.gen_len) for batch in parse_ints(args.batch)]
@@ -298,7 +299,8 @@ def ort_genai_generate(og: Any, model: Any, vocab_size: int, case: Case, seed: i
 # ---- what each system loads -----------------------------------------------------------
 
 
-def prepare(systems: list[str], out_dir: Path, recipe: Path) -> dict[str, str]:
+def prepare(systems: list[str], out_dir: Path, recipe: Path, recompile: bool = False
+            ) -> dict[str, str]:
     """What each system's worker loads: artifact directory, GGUF file or GenAI model dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
     targets: dict[str, str] = {}
@@ -306,7 +308,8 @@ def prepare(systems: list[str], out_dir: Path, recipe: Path) -> dict[str, str]:
     for system in systems:
         if system in ARTIFACTS:
             name, overrides = ARTIFACTS[system]
-            targets[system] = str(compile_artifact(out_dir / name, recipe, overrides))
+            targets[system] = str(compile_artifact(out_dir / name, recipe, overrides,
+                                                   recompile))
         elif system in LLAMA_CPP:
             name = LLAMA_CPP[system]
             if name is None:
@@ -341,6 +344,7 @@ def run_rounds(args: argparse.Namespace, targets: dict[str, str]) -> list[dict[s
     jobs = [(BANDWIDTH, "bandwidth", "")]
     jobs += [(system, mode, target) for system, target in targets.items() for mode in modes]
     records = []
+    started = time.perf_counter()
     for round_index in range(args.rounds):
         for threads in parse_ints(args.threads):
             for system, mode, target in jobs:
@@ -351,6 +355,9 @@ def run_rounds(args: argparse.Namespace, targets: dict[str, str]) -> list[dict[s
                            "loadavg_after": list(os.getloadavg())}
                 records.append(record)
                 print(f"round {round_index + 1} {progress(record)}", flush=True)
+        per_round = (time.perf_counter() - started) / (round_index + 1)
+        print(f"round {round_index + 1}/{args.rounds} done; about "
+              f"{per_round * (args.rounds - round_index - 1) / 60:.0f} min left", flush=True)
     return records
 
 
@@ -550,123 +557,6 @@ def percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f} %"
 
 
-# ---- profile: where a system's batch-1 decode step spends its time ---------------------
-
-
-def profile_main(args: argparse.Namespace, system: str, target: str) -> None:
-    """Batch-1 generation with ONNX Runtime's profiler on (an llmopt artifact or the ORT
-    GenAI model): per decode step, wall time vs session run vs kernel time, and kernel time
-    per operator type and per node."""
-    threads = parse_ints(args.threads)[0]
-    prefix = str(Path(args.json).with_suffix("")) + f"-{system}"
-    if system in ARTIFACTS:
-        trace, step_s, decode_tok_s = profile_llmopt(target, threads, prefix, args)
-    else:
-        trace, step_s, decode_tok_s = profile_ort_genai(target, threads, prefix, args)
-    events = json.loads(Path(trace).read_text())
-    runs = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"]
-    decode_runs = runs[-(args.gen_len - 1):]  # the timed generation's decode runs
-    start, end = decode_runs[0]["ts"], decode_runs[-1]["ts"] + decode_runs[-1]["dur"]
-    per_op: dict[str, float] = {}
-    per_node: dict[str, float] = {}
-    for e in events:
-        if (e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
-                and start <= e["ts"] <= end):
-            op = e["args"].get("op_name", "?")
-            per_op[op] = per_op.get(op, 0.0) + e["dur"]
-            per_node[e["name"]] = per_node.get(e["name"], 0.0) + e["dur"]
-    n = len(decode_runs)
-    report = {
-        "system": system, "target": target, "threads": threads, "decode_steps": n,
-        "decode_tok_s": decode_tok_s, "step_wall_ms": 1000 * statistics.median(step_s),
-        "model_run_ms": statistics.median(r["dur"] for r in decode_runs) / 1000,
-        "kernel_ms": sum(per_op.values()) / n / 1000,
-        "per_op_ms": {op: t / n / 1000 for op, t in sorted(per_op.items(), key=lambda x: -x[1])},
-        "top_nodes_ms": {name: t / n / 1000 for name, t in
-                         sorted(per_node.items(), key=lambda x: -x[1])[:30]},
-        "trace": trace, "loadavg": list(os.getloadavg()),
-    }
-    print(f"{system}: decode {decode_tok_s:.1f} tok/s; median decode step "
-          f"{report['step_wall_ms']:.2f} ms wall = {report['model_run_ms']:.2f} ms session run "
-          f"({report['kernel_ms']:.2f} ms mean in kernels) + "
-          f"{report['step_wall_ms'] - report['model_run_ms']:.2f} ms outside the graph; "
-          f"load {report['loadavg'][0]:.2f}")
-    for op, ms in report["per_op_ms"].items():
-        print(f"  {op:<36} {ms:7.3f} ms/step")
-    write_json(Path(args.json), report)
-    print(f"wrote {args.json}")
-
-
-def profile_llmopt(artifact: str, threads: int, prefix: str,
-                   args: argparse.Namespace) -> tuple[str, list[float], float]:
-    import llmopt.runtime.executor as executor
-    from llmopt.runtime import LLM
-    from llmopt.runtime.bench import run_bench
-
-    original = executor.session_options
-
-    def profiled(*a: Any, **k: Any) -> Any:
-        options = original(*a, **k)
-        options.enable_profiling = True
-        options.profile_file_prefix = prefix
-        return options
-
-    executor.session_options = profiled  # LLM builds its session through this function
-    llm = LLM(artifact, num_threads=threads, max_num_seqs=1,
-              max_context=args.prompt_len + args.gen_len + 1)
-    run_bench(llm, 1, args.prompt_len, WARMUP_GEN_LEN, seed=prompt_seed(1, True))
-    steps: list[float] = []
-    step = llm.engine.step
-
-    def timed_step() -> Any:
-        started = time.perf_counter()
-        out = step()
-        steps.append(time.perf_counter() - started)
-        return out
-
-    llm.engine.step = timed_step
-    result = run_bench(llm, 1, args.prompt_len, args.gen_len, seed=prompt_seed(1, False))
-    trace = llm.engine.executor.session.end_profiling()
-    return trace, steps[-(args.gen_len - 1):], result.decode_tok_s_per_stream
-
-
-def profile_ort_genai(model_dir: str, threads: int, prefix: str,
-                      args: argparse.Namespace) -> tuple[str, list[float], float]:
-    import gc
-    import glob
-
-    import numpy as np
-    import onnxruntime_genai as og
-
-    from llmopt.runtime.bench import bench_prompts
-
-    config = og.Config(model_dir)
-    config.overlay(json.dumps({"model": {"decoder": {"session_options": {
-        "intra_op_num_threads": threads, "inter_op_num_threads": 1,
-        "enable_profiling": prefix}}}}))
-    model = og.Model(config)
-    steps: list[float] = []
-    for new_tokens, warmup in ((WARMUP_GEN_LEN, True), (args.gen_len, False)):
-        ids = np.asarray(bench_prompts(49152, 1, args.prompt_len, prompt_seed(1, warmup)),
-                         dtype=np.int32)
-        params = og.GeneratorParams(model)
-        length = args.prompt_len + new_tokens
-        params.set_search_options(do_sample=False, max_length=length, min_length=length)
-        generator = og.Generator(model, params)
-        generator.append_tokens(ids)
-        generator.generate_next_token()
-        steps = []
-        for _ in range(new_tokens - 1):
-            started = time.perf_counter()
-            generator.generate_next_token()
-            steps.append(time.perf_counter() - started)
-        del generator
-    del model
-    gc.collect()  # the session writes its trace when it is destroyed
-    trace = max(glob.glob(prefix + "*.json"), key=os.path.getmtime)
-    return trace, steps, len(steps) / sum(steps)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -685,6 +575,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=Path("out/int4-bench"),
                    help="artifacts and competitor models (built when missing)")
     p.add_argument("--recipe", type=Path, default=Path(DEFAULT_RECIPE))
+    p.add_argument("--recompile", action="store_true",
+                   help="compile the chosen llmopt artifacts afresh (after compiler or "
+                        "runtime changes; competitor models are kept)")
     p.add_argument("--json", type=Path, default=None,
                    help="default benchmarks/results/bench_int4.json (bench_int4_profile.json "
                         "with --profile)")
@@ -733,11 +626,12 @@ def main() -> None:
         return
     recipe, out_dir = REPO_ROOT / args.recipe, REPO_ROOT / args.out_dir
     if args.profile:
-        targets = prepare([args.profile], out_dir, recipe)
-        profile_main(args, args.profile, targets[args.profile])
+        targets = prepare([args.profile], out_dir, recipe, args.recompile)
+        profile_main(args, args.profile, targets[args.profile],
+                     llmopt=args.profile in ARTIFACTS)
         return
     systems = chosen_systems(args.systems)
-    targets = prepare(systems, out_dir, recipe)
+    targets = prepare(systems, out_dir, recipe, args.recompile)
     check_lengths(args, targets)
     sizes = {system: system_bytes(system, target) for system, target in targets.items()}
     machine = machine_info(("llama_cpp_python", "onnxruntime-genai", "gguf"))
