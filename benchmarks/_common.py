@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,18 +54,23 @@ def run_json_worker(args: list[str], env: dict[str, str]) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
-def compile_artifact(path: Path, recipe: Path, overrides: list[str]) -> Path:
+def compile_artifact(path: Path, recipe: Path, overrides: list[str],
+                     recompile: bool = False) -> Path:
     """`path`, compiled from `recipe` with `--set` overrides through the llmopt CLI unless it
-    already holds an artifact."""
-    if (path / "manifest.json").is_file():
+    already holds an artifact (or `recompile`: then built beside it and swapped in)."""
+    if (path / "manifest.json").is_file() and not recompile:
         return path
+    fresh = path.with_name(path.name + ".new")
+    shutil.rmtree(fresh, ignore_errors=True)
     cmd = [sys.executable, "-c", "from llmopt.cli import main; main()", "compile", str(recipe),
-           "-o", str(path), *[a for o in overrides for a in ("--set", o)]]
+           "-o", str(fresh), *[a for o in overrides for a in ("--set", o)]]
     print(f"compiling {path} ...", flush=True)
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"compiling {path} failed:\n{proc.stderr[-4000:]}")
+    shutil.rmtree(path, ignore_errors=True)
+    fresh.rename(path)
     print(f"compiled {path} in {time.perf_counter() - started:.0f} s", flush=True)
     return path
 
@@ -88,15 +94,16 @@ def save_plain_hf(loaded: Any, tokenizer: Any, directory: Path) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def median_rows(records: list[dict[str, Any]], metrics: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Median (and min/max) of each metric over rounds, per (system, batch, threads)."""
+def median_rows(records: list[dict[str, Any]], metrics: tuple[str, ...],
+                key: str = "batch") -> list[dict[str, Any]]:
+    """Median (and min/max) of each metric over rounds, per (system, `key`, threads)."""
     samples: dict[tuple[str, int, int], list[dict[str, float]]] = {}
     for record in records:
         for r in record["results"]:
-            samples.setdefault((record["system"], r["batch"], record["threads"]), []).append(r)
+            samples.setdefault((record["system"], r[key], record["threads"]), []).append(r)
     rows = []
-    for (system, batch, threads), runs in samples.items():
-        row: dict[str, Any] = {"system": system, "batch": batch, "threads": threads,
+    for (system, value, threads), runs in samples.items():
+        row: dict[str, Any] = {"system": system, key: value, "threads": threads,
                                "rounds": len(runs)}
         for metric in metrics:
             values = [run[metric] for run in runs]
@@ -104,6 +111,15 @@ def median_rows(records: list[dict[str, Any]], metrics: tuple[str, ...]) -> list
             row[metric + "_range"] = [min(values), max(values)]
         rows.append(row)
     return rows
+
+
+def process_peak_rss_mib() -> float:
+    """This process's peak RSS since it started (VmHWM). Not ru_maxrss: Linux carries that
+    over from the parent across fork + exec, so a worker would report its driver's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:

@@ -1,13 +1,18 @@
 """llmopt int4 artifacts against llama.cpp and ONNX Runtime GenAI int4 on SmolLM2-135M-Instruct.
 
-    python benchmarks/bench_int4.py --rounds 3
+    python benchmarks/bench_int4.py --rounds 3 --threads 1,2 --out-dir /work/bench-out
+
+One run reports, side by side: batch 1/4/8/16 at prompt 128 / gen 128 (prefill, decode,
+aggregate, peak RSS), batch-1 decode at prompts 128/512/1024/1900 (gen 64), and the batch-1
+bound = this machine's read bandwidth (measured each round) / each system's bytes per token.
 
 Systems (each worker a fresh subprocess, greedy, EOS ignored, same random prompts):
   llmopt-fp32          recipes/smollm2-135m-instruct.yaml as is (the same-run baseline)
   llmopt-q4_1          gguf_weights: the file's own Q4_1 blocks, float LM head, accuracy level 0
   llmopt-q4_1-a8       gguf_weights + the file's Q8_0 LM head, accuracy level 4 (int8 activations)
-  llmopt-rtn4-a8       rtn int4 sym g32 decoder linears + the file's Q8_0 LM head, level 4
-  llmopt-rtn4-a8-dq    the same weights lowered as DequantizeLinear -> MatMul (ORT fuses them)
+  llmopt-rtn4-a8       one rtn pass: int4 sym g32 decoder linears, 8-bit LM head, level 4
+  llmopt-rtn4-h4-a8    the same with a 4-bit LM head (fewer bytes per token)
+  llmopt-rtn4-a8-dq    rtn4-a8 lowered as DequantizeLinear -> MatMul (ORT fuses them)
   llama.cpp-q4_1       llama-cpp-python on the package's own Q4_1 GGUF
   llama.cpp-q4_0       the same weights as an F32 GGUF, re-quantized by llama.cpp to Q4_0
   llama.cpp-q8_0       ... and to Q8_0
@@ -29,83 +34,139 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _bandwidth_bound import (
+    gguf_kv_bytes_per_position,
+    gguf_weight_bytes,
+    llmopt_kv_bytes_per_position,
+    llmopt_model_file,
+    onnx_weight_bytes,
+    ort_genai_kv_bytes_per_position,
+    ort_genai_model_file,
+    read_bandwidth_gb_s,
+)
 from _common import (
     REPO_ROOT,
     RESULTS_DIR,
     compile_artifact,
     machine_info,
     median_rows,
+    process_peak_rss_mib,
     run_json_worker,
-    save_plain_hf,
     thread_env,
     write_json,
 )
-from bench_foundation import (
-    WARMUP_GEN_LEN,
-    parse_ints,
-    peak_rss_mib,
-    prompt_seed,
-    ratio,
-    recipe_model,
-    run_llmopt,
+from _int4_models import (
+    ensure_f32_gguf,
+    ensure_hf_dir,
+    ensure_llama_quant,
+    ensure_ort_genai,
+    package_gguf,
 )
+from _int4_profile import profile_main
+from bench_foundation import WARMUP_GEN_LEN, parse_ints, prompt_seed, ratio
 
 DEFAULT_RECIPE = "recipes/smollm2-135m-instruct.yaml"
-Q8_HEAD = "{gguf_weights: {include_lm_head: true, skip: ['layers.*']}}"
+# One weight pass: rtn int4 sym g32 decoder linears, the LM head at its own width.
+RTN4 = "{rtn: {bits: 4, group_size: 32, symmetric: true, include_lm_head: true, lm_head_bits: %d}}"
+A8 = "target.nbits_accuracy_level=4"
 # llmopt system -> (artifact directory name under --out-dir, recipe overrides)
 ARTIFACTS: dict[str, tuple[str, list[str]]] = {
     "llmopt-fp32": ("smollm2", []),
     "llmopt-q4_1": ("smollm2-gguf-q4_1", ["passes=[{gguf_weights: {include_lm_head: false}}]"]),
     "llmopt-q4_1-a8": ("smollm2-gguf-q4_1-q8head-a8",
-                       ["passes=[{gguf_weights: {include_lm_head: true}}]",
-                        "target.nbits_accuracy_level=4"]),
-    "llmopt-rtn4-a8": ("smollm2-rtn4-sym-g32-q8head-a8",
-                       ["passes=[{rtn: {bits: 4, group_size: 32, symmetric: true}}, "
-                        f"{Q8_HEAD}]", "target.nbits_accuracy_level=4"]),
-    "llmopt-rtn4-a8-dq": ("smollm2-rtn4-sym-g32-q8head-a8-dq",
-                          ["passes=[{rtn: {bits: 4, group_size: 32, symmetric: true}}, "
-                           f"{Q8_HEAD}]", "target.nbits_accuracy_level=4",
+                       ["passes=[{gguf_weights: {include_lm_head: true}}]", A8]),
+    "llmopt-rtn4-a8": ("smollm2-rtn4-sym-g32-h8-a8", [f"passes=[{RTN4 % 8}]", A8]),
+    "llmopt-rtn4-h4-a8": ("smollm2-rtn4-sym-g32-h4-a8", [f"passes=[{RTN4 % 4}]", A8]),
+    "llmopt-rtn4-a8-dq": ("smollm2-rtn4-sym-g32-h8-a8-dq",
+                          [f"passes=[{RTN4 % 8}]", A8,
                            "target.quantized_matmul=dequantize_linear"]),
 }
 # llama.cpp system -> GGUF file name under --out-dir (Q4_1: the package's own file)
 LLAMA_CPP = {"llama.cpp-q4_1": None, "llama.cpp-q4_0": "smollm2-q4_0.gguf",
              "llama.cpp-q8_0": "smollm2-q8_0.gguf"}
-LLAMA_FTYPES = {"smollm2-q4_0.gguf": "LLAMA_FTYPE_MOSTLY_Q4_0",
-                "smollm2-q8_0.gguf": "LLAMA_FTYPE_MOSTLY_Q8_0"}
-OG = "ort-genai-int4"
+Q4_0, Q4_1, OG = "llama.cpp-q4_0", "llama.cpp-q4_1", "ort-genai-int4"
 SYSTEMS = (*ARTIFACTS, *LLAMA_CPP, OG)
-INT4_LLMOPT = ("llmopt-q4_1", "llmopt-q4_1-a8", "llmopt-rtn4-a8", "llmopt-rtn4-a8-dq")
-ANCHORS = ("llama.cpp-q4_1", "llama.cpp-q4_0", "llama.cpp-q8_0", OG)
-LLAMA_4BIT = ("llama.cpp-q4_1", "llama.cpp-q4_0")
-TARGET = 1.2
+# The issue's comparison: llmopt's int4 artifacts, llama.cpp Q4_0 and Q4_1, ORT GenAI int4.
+DEFAULT_SYSTEMS = ("llmopt-q4_1", "llmopt-q4_1-a8", "llmopt-rtn4-a8", "llmopt-rtn4-h4-a8",
+                   Q4_0, Q4_1, OG)
+INT4_LLMOPT = ("llmopt-q4_1", "llmopt-q4_1-a8", "llmopt-rtn4-a8", "llmopt-rtn4-h4-a8",
+               "llmopt-rtn4-a8-dq")
+Q4_1_LLMOPT = ("llmopt-q4_1", "llmopt-q4_1-a8")  # lossless: the same blocks as llama.cpp-q4_1
+ANCHORS = (Q4_0, Q4_1, "llama.cpp-q8_0", OG)
+TARGET = 1.2  # batch-8 aggregate vs the anchors
+BANDWIDTH = "bandwidth"  # the read-bandwidth probe's worker, run like a system
+BANDWIDTH_REPEATS = 5
+# llama-cpp-python is installed without its shared library; a native build of the same
+# llama.cpp version (used when LLAMA_CPP_LIB_PATH is not set).
+LLAMA_CPP_LIB_DIR = "/tmp/serve-build/lcpp/bin"
 METRICS = ("prefill_ms", "decode_tok_s_per_stream", "aggregate_tok_s", "peak_rss_mib")
 
 
-# ---- workers: one system, every batch size, one JSON line ------------------------------
+# ---- workers: one system, one mode (batch sizes or contexts), one JSON line ------------
+
+Case = tuple[int, int, int]  # (batch, prompt_len, gen_len)
 
 
 def worker_main(spec: dict[str, str], args: argparse.Namespace) -> None:
-    threads, batches = int(spec["threads"]), parse_ints(args.batch)
-    system = spec["system"]
-    run = (run_llmopt if system in ARTIFACTS else run_llama_cpp if system in LLAMA_CPP
-           else run_ort_genai)
+    threads, system, mode = int(spec["threads"]), spec["system"], spec["mode"]
     started = time.perf_counter()
-    results = run(spec, threads, batches, args.prompt_len, args.gen_len)
-    print(json.dumps({"system": system, "threads": threads, "results": results,
+    if mode == "bandwidth":
+        samples = read_bandwidth_gb_s(threads, args.bandwidth_mib, BANDWIDTH_REPEATS)
+        results: list[dict[str, Any]] = [{"gb_s": max(samples), "samples_gb_s": samples}]
+    else:
+        run = (run_llmopt if system in ARTIFACTS else run_llama_cpp if system in LLAMA_CPP
+               else run_ort_genai)
+        results = run(spec, threads, mode_cases(mode, args))
+    print(json.dumps({"system": system, "mode": mode, "threads": threads, "results": results,
                       "worker_s": time.perf_counter() - started}), flush=True)
 
 
-def timed_result(batch: int, gen_len: int, prefill_s: float, total_s: float) -> dict[str, float]:
+def mode_cases(mode: str, args: argparse.Namespace) -> list[Case]:
+    """What a worker runs, ascending, so the peak RSS after each case is that case's peak:
+    every batch size at --prompt-len, or batch 1 at every context (--context-gen-len)."""
+    if mode == "batch":
+        return [(batch, args.prompt_len, args.gen_len) for batch in parse_ints(args.batch)]
+    return [(1, context, args.context_gen_len) for context in parse_ints(args.contexts)]
+
+
+def case_seed(case: Case, warmup: bool) -> int:
+    """Distinct prompts per case and for warm-ups: a longer prompt drawn from the same seed
+    would start with a shorter one and hit llmopt's prefix cache."""
+    batch, prompt_len, _ = case
+    return 1000 * prompt_len + prompt_seed(batch, warmup)
+
+
+def timed_result(case: Case, prefill_s: float, total_s: float) -> dict[str, float]:
     """The metrics of one greedy generation timed as: prefill (to the first token), total."""
-    return {"batch": batch, "prefill_ms": 1000 * prefill_s,
+    batch, prompt_len, gen_len = case
+    return {"batch": batch, "prompt_len": prompt_len, "prefill_ms": 1000 * prefill_s,
             "decode_tok_s_per_stream": (gen_len - 1) / (total_s - prefill_s),
             "aggregate_tok_s": batch * gen_len / total_s, "wall_s": total_s,
-            "peak_rss_mib": peak_rss_mib()}
+            "peak_rss_mib": process_peak_rss_mib()}
 
 
-def run_llama_cpp(
-    spec: dict[str, str], threads: int, batches: list[int], prompt_len: int, gen_len: int
-) -> list[dict[str, float]]:
+def run_llmopt(spec: dict[str, str], threads: int, cases: list[Case]) -> list[dict[str, float]]:
+    """`runtime.bench.run_bench` per case: prefill = mean TTFT over the batch, decode =
+    mean per-stream speed after the first token."""
+    from llmopt.runtime import LLM
+    from llmopt.runtime.bench import run_bench
+
+    llm = LLM(spec["artifact"], num_threads=threads, max_num_seqs=max(c[0] for c in cases),
+              max_context=max(c[1] + c[2] for c in cases) + 1)
+    results = []
+    for case in cases:
+        batch, prompt_len, gen_len = case
+        run_bench(llm, batch, prompt_len, WARMUP_GEN_LEN, seed=case_seed(case, True))
+        r = run_bench(llm, batch, prompt_len, gen_len, seed=case_seed(case, False))
+        results.append({"batch": batch, "prompt_len": prompt_len, "prefill_ms": r.ttft_ms,
+                        "decode_tok_s_per_stream": r.decode_tok_s_per_stream,
+                        "aggregate_tok_s": r.aggregate_tok_s, "wall_s": r.wall_s,
+                        "peak_rss_mib": process_peak_rss_mib()})
+    return results
+
+
+def run_llama_cpp(spec: dict[str, str], threads: int, cases: list[Case]
+                  ) -> list[dict[str, float]]:
     import llama_cpp as lc
 
     lc.llama_backend_init()
@@ -116,11 +177,12 @@ def run_llama_cpp(
     vocab = lc.llama_model_get_vocab(model)
     n_vocab = lc.llama_vocab_n_tokens(vocab)
     results = []
-    for batch in batches:  # ascending, so ru_maxrss after each batch is that batch's peak
+    for case in cases:  # a fresh context per case, sized for its prompt + generation
+        batch, prompt_len, gen_len = case
         ctx = LlamaCppBatch(lc, model, n_vocab, batch, prompt_len + gen_len, threads)
-        ctx.generate(prompt_len, WARMUP_GEN_LEN, prompt_seed(batch, True))
-        prefill_s, total_s = ctx.generate(prompt_len, gen_len, prompt_seed(batch, False))
-        results.append(timed_result(batch, gen_len, prefill_s, total_s))
+        ctx.generate(prompt_len, WARMUP_GEN_LEN, case_seed(case, True))
+        prefill_s, total_s = ctx.generate(prompt_len, gen_len, case_seed(case, False))
+        results.append(timed_result(case, prefill_s, total_s))
         ctx.free()
     lc.llama_model_free(model)
     return results
@@ -187,13 +249,9 @@ class LlamaCppBatch:
         self.lc.llama_free(self.ctx)
 
 
-def run_ort_genai(
-    spec: dict[str, str], threads: int, batches: list[int], prompt_len: int, gen_len: int
-) -> list[dict[str, float]]:
-    import numpy as np
+def run_ort_genai(spec: dict[str, str], threads: int, cases: list[Case]
+                  ) -> list[dict[str, float]]:
     import onnxruntime_genai as og
-
-    from llmopt.runtime.bench import bench_prompts
 
     config = og.Config(spec["model"])
     config.overlay(json.dumps({"model": {"decoder": {"session_options": {
@@ -201,136 +259,48 @@ def run_ort_genai(
     model = og.Model(config)
     vocab_size = json.loads((Path(spec["model"]) / "genai_config.json").read_text()
                             )["model"]["vocab_size"]
-
-    def generate(batch: int, new_tokens: int, seed: int) -> tuple[float, float]:
-        ids = np.asarray(bench_prompts(vocab_size, batch, prompt_len, seed), dtype=np.int32)
-        params = og.GeneratorParams(model)
-        length = prompt_len + new_tokens  # min_length = max_length: EOS is ignored
-        params.set_search_options(do_sample=False, max_length=length, min_length=length,
-                                  batch_size=batch)
-        generator = og.Generator(model, params)
-        started = time.perf_counter()
-        generator.append_tokens(ids)
-        generator.generate_next_token()
-        first = time.perf_counter() - started
-        for _ in range(new_tokens - 1):
-            generator.generate_next_token()
-        total = time.perf_counter() - started
-        got = [len(generator.get_sequence(i)) for i in range(batch)]
-        assert got == [length] * batch, got
-        return first, total
-
     results = []
-    for batch in batches:
-        generate(batch, WARMUP_GEN_LEN, prompt_seed(batch, True))
-        prefill_s, total_s = generate(batch, gen_len, prompt_seed(batch, False))
-        results.append(timed_result(batch, gen_len, prefill_s, total_s))
+    for case in cases:
+        batch, prompt_len, gen_len = case
+        ort_genai_generate(og, model, vocab_size, (batch, prompt_len, WARMUP_GEN_LEN),
+                           case_seed(case, True))
+        prefill_s, total_s = ort_genai_generate(og, model, vocab_size, case,
+                                                case_seed(case, False))
+        results.append(timed_result(case, prefill_s, total_s))
     return results
 
 
-# ---- competitor models: HF dir, ORT GenAI int4, llama.cpp Q4_0 / Q8_0 ------------------
-
-
-def package_gguf(recipe: Path) -> Path:
-    from llmopt.compiler.loader import resolve_checkpoint
-
-    ref = resolve_checkpoint(recipe_model(recipe))
-    if not ref.gguf_file:
-        sys.exit(f"{recipe}: the recipe's model is not a GGUF file")
-    return Path(ref.location) / ref.gguf_file
-
-
-def ensure_hf_dir(gguf_path: Path, out: Path) -> Path:
-    """The GGUF dequantized by transformers to fp32, saved as a Hugging Face directory."""
-    if (out / "config.json").is_file():
-        return out
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    print(f"writing {out} ...", flush=True)
-    kwargs = {"gguf_file": gguf_path.name}
-    loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32,
-                                                  **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
-    tmp = out.with_name(out.name + ".tmp")
-    save_plain_hf(loaded, tokenizer, tmp)
-    tmp.rename(out)
-    return out
-
-
-def ensure_ort_genai(hf_dir: Path, out: Path) -> Path:
-    """onnxruntime-genai's model builder, int4 for the CPU (its defaults: RTN symmetric,
-    block 32, every MatMul including the LM head, accuracy level 4)."""
-    if (out / "genai_config.json").is_file():
-        return out
-    tmp = out.with_name(out.name + ".tmp")
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir),
-           "-o", str(tmp), "-p", "int4", "-e", "cpu", "-c", str(out.parent / "og-cache")]
-    run_logged(cmd, out.parent / "ort-genai-build.log")
-    tmp.rename(out)
-    return out
-
-
-def ensure_f32_gguf(source: Path, out: Path) -> Path:
-    """`source` with every tensor dequantized to F32 (same names, layout and metadata), for
-    llama.cpp's quantizer: llama-cpp-python ships no HF -> GGUF converter."""
-    if out.is_file():
-        return out
-    import gguf
+def ort_genai_generate(og: Any, model: Any, vocab_size: int, case: Case, seed: int
+                       ) -> tuple[float, float]:
+    """Greedy-generate the case's tokens per sequence; seconds to the first token, total."""
     import numpy as np
 
-    print(f"writing {out} ...", flush=True)
-    reader = gguf.GGUFReader(source)
-    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
-    tmp = out.with_name(out.name + ".tmp")
-    writer = gguf.GGUFWriter(tmp, arch)
-    for field in reader.fields.values():
-        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-            continue
-        if field.name == gguf.Keys.General.FILE_TYPE:
-            writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-            continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
-    for tensor in reader.tensors:
-        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-        writer.add_tensor(tensor.name, data, raw_dtype=gguf.GGMLQuantizationType.F32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tmp.rename(out)
-    return out
+    from llmopt.runtime.bench import bench_prompts
 
-
-def ensure_llama_quant(f32_gguf: Path, out: Path) -> Path:
-    """llama.cpp's own quantizer (llama_model_quantize, default params) on the F32 GGUF."""
-    if out.is_file():
-        return out
-    import llama_cpp as lc
-
-    print(f"quantizing {out} ...", flush=True)
-    params = lc.llama_model_quantize_default_params()
-    params.ftype = getattr(lc, LLAMA_FTYPES[out.name])
-    tmp = out.with_name(out.name + ".tmp")
-    if lc.llama_model_quantize(str(f32_gguf).encode(), str(tmp).encode(), params) != 0:
-        sys.exit(f"llama_model_quantize failed for {out}")
-    tmp.rename(out)
-    return out
-
-
-def run_logged(cmd: list[str], log: Path) -> None:
-    print(f"running {' '.join(cmd)} (log: {log}) ...", flush=True)
+    batch, prompt_len, new_tokens = case
+    ids = np.asarray(bench_prompts(vocab_size, batch, prompt_len, seed), dtype=np.int32)
+    params = og.GeneratorParams(model)
+    length = prompt_len + new_tokens  # min_length = max_length: EOS is ignored
+    params.set_search_options(do_sample=False, max_length=length, min_length=length,
+                              batch_size=batch)
+    generator = og.Generator(model, params)
     started = time.perf_counter()
-    with log.open("w") as f:
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        sys.exit(f"{cmd[:4]} failed; see {log}")
-    print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
+    generator.append_tokens(ids)
+    generator.generate_next_token()
+    first = time.perf_counter() - started
+    for _ in range(new_tokens - 1):
+        generator.generate_next_token()
+    total = time.perf_counter() - started
+    got = [len(generator.get_sequence(i)) for i in range(batch)]
+    assert got == [length] * batch, got
+    return first, total
 
 
-def prepare(systems: list[str], out_dir: Path, recipe: Path) -> dict[str, str]:
+# ---- what each system loads -----------------------------------------------------------
+
+
+def prepare(systems: list[str], out_dir: Path, recipe: Path, recompile: bool = False
+            ) -> dict[str, str]:
     """What each system's worker loads: artifact directory, GGUF file or GenAI model dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
     targets: dict[str, str] = {}
@@ -338,7 +308,8 @@ def prepare(systems: list[str], out_dir: Path, recipe: Path) -> dict[str, str]:
     for system in systems:
         if system in ARTIFACTS:
             name, overrides = ARTIFACTS[system]
-            targets[system] = str(compile_artifact(out_dir / name, recipe, overrides))
+            targets[system] = str(compile_artifact(out_dir / name, recipe, overrides,
+                                                   recompile))
         elif system in LLAMA_CPP:
             name = LLAMA_CPP[system]
             if name is None:
@@ -355,219 +326,258 @@ def prepare(systems: list[str], out_dir: Path, recipe: Path) -> dict[str, str]:
 # ---- driver: interleaved rounds, medians, ratios, table, JSON --------------------------
 
 
-def worker_args(system: str, threads: int, args: argparse.Namespace, target: str) -> list[str]:
+def worker_args(system: str, mode: str, threads: int, args: argparse.Namespace,
+                target: str) -> list[str]:
     key = "artifact" if system in ARTIFACTS else "model"
-    return [__file__, "--worker", f"system={system}", f"threads={threads}", f"{key}={target}",
-            "--batch", args.batch, "--prompt-len", str(args.prompt_len),
-            "--gen-len", str(args.gen_len)]
+    return [__file__, "--worker", f"system={system}", f"mode={mode}", f"threads={threads}",
+            f"{key}={target}", "--batch", args.batch, "--contexts", args.contexts,
+            "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
+            "--context-gen-len", str(args.context_gen_len),
+            "--bandwidth-mib", str(args.bandwidth_mib)]
 
 
 def run_rounds(args: argparse.Namespace, targets: dict[str, str]) -> list[dict[str, Any]]:
+    """Every worker record, in the order run: round, threads, then the bandwidth probe and
+    each system's batch and context workers back to back."""
+    modes = [mode for mode, given in (("batch", args.batch), ("contexts", args.contexts))
+             if parse_ints(given)]
+    jobs = [(BANDWIDTH, "bandwidth", "")]
+    jobs += [(system, mode, target) for system, target in targets.items() for mode in modes]
     records = []
+    started = time.perf_counter()
     for round_index in range(args.rounds):
         for threads in parse_ints(args.threads):
-            for system in targets:
+            for system, mode, target in jobs:
                 load_before = list(os.getloadavg())
-                record = run_json_worker(worker_args(system, threads, args, targets[system]),
+                record = run_json_worker(worker_args(system, mode, threads, args, target),
                                          thread_env(threads))
                 record |= {"round": round_index, "loadavg_before": load_before,
                            "loadavg_after": list(os.getloadavg())}
                 records.append(record)
-                parts = [f"b{r['batch']} {r['decode_tok_s_per_stream']:.1f}"
-                         for r in record["results"]]
-                print(f"round {round_index + 1} {system:<16} t={threads}: decode tok/s/stream "
-                      + ", ".join(parts) + f" ({record['worker_s']:.0f} s, load "
-                      f"{load_before[0]:.2f} -> {record['loadavg_after'][0]:.2f})", flush=True)
+                print(f"round {round_index + 1} {progress(record)}", flush=True)
+        per_round = (time.perf_counter() - started) / (round_index + 1)
+        print(f"round {round_index + 1}/{args.rounds} done; about "
+              f"{per_round * (args.rounds - round_index - 1) / 60:.0f} min left", flush=True)
     return records
 
 
-def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Median (and min/max) of each metric over rounds per (system, batch, threads), and
-    decode vs each anchor at the same batch and threads: the ratio of medians (the table)
-    and the median of the per-round ratios (JSON `decode_vs_paired`)."""
-    rows = median_rows(records, METRICS)
-    by_key = {(r["system"], r["batch"], r["threads"]): r for r in rows}
-    # Paired: the ratio within each round (systems run back to back), then the median.
-    decode = {(rec["round"], rec["system"], r["batch"], rec["threads"]):
+def progress(record: dict[str, Any]) -> str:
+    head = f"{record['system']:<18} {record['mode']:<9} t={record['threads']}: "
+    if record["mode"] == "bandwidth":
+        body = f"{record['results'][0]['gb_s']:.1f} GB/s read"
+    else:
+        label = "b" if record["mode"] == "batch" else "prompt "
+        key = "batch" if record["mode"] == "batch" else "prompt_len"
+        body = "decode tok/s/stream " + ", ".join(
+            f"{label}{r[key]} {r['decode_tok_s_per_stream']:.1f}" for r in record["results"])
+    return (head + body + f" ({record['worker_s']:.0f} s, load "
+            f"{record['loadavg_before'][0]:.2f} -> {record['loadavg_after'][0]:.2f})")
+
+
+def summarize(records: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    """Median (and min/max) of each metric over rounds per (system, `key`, threads), and
+    decode and aggregate vs each anchor at the same `key` and threads: the ratio of medians
+    (the tables) and, for decode, the median of per-round ratios (JSON `decode_vs_paired`)."""
+    rows = median_rows(records, METRICS, key=key)
+    by_key = {(r["system"], r[key], r["threads"]): r for r in rows}
+    decode = {(rec["round"], rec["system"], r[key], rec["threads"]):
               r["decode_tok_s_per_stream"] for rec in records for r in rec["results"]}
     for row in rows:
-        row["decode_vs"], row["decode_vs_paired"] = {}, {}
+        row["decode_vs"], row["aggregate_vs"], row["decode_vs_paired"] = {}, {}, {}
         for anchor in ANCHORS:
-            other = by_key.get((anchor, row["batch"], row["threads"]))
-            if other:
-                row["decode_vs"][anchor] = (row["decode_tok_s_per_stream"]
-                                            / other["decode_tok_s_per_stream"])
-                key = (row["system"], row["batch"], row["threads"])
-                paired = [v / decode[(rnd, anchor, *key[1:])]
-                          for (rnd, *rest), v in decode.items()
-                          if tuple(rest) == key and (rnd, anchor, *key[1:]) in decode]
-                row["decode_vs_paired"][anchor] = statistics.median(paired)
-    return sorted(rows, key=lambda r: (r["threads"], r["batch"], SYSTEMS.index(r["system"])))
-
-
-def targets_check(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Batch-1 decode of each llmopt int4 system >= 1.2x llama.cpp (its faster 4-bit file)
-    and >= 1.2x ORT GenAI int4."""
-    checks = []
-    for row in rows:
-        if row["system"] not in INT4_LLMOPT or row["batch"] != 1:
-            continue
-        llama = [(row["decode_vs"][a], a) for a in LLAMA_4BIT if a in row["decode_vs"]]
-        for name, pair in (("llama.cpp", min(llama) if llama else None),
-                           ("ORT GenAI int4", (row["decode_vs"].get(OG), OG))):
-            if pair is None or pair[0] is None:
+            other = by_key.get((anchor, row[key], row["threads"]))
+            if not other:
                 continue
-            checks.append({"target": f"{row['system']} batch-1 decode >= {TARGET}x {name}",
-                           "threads": row["threads"], "against": pair[1],
-                           "measured": pair[0], "paired": row["decode_vs_paired"][pair[1]],
-                           "met": pair[0] >= TARGET})
+            for metric, field in (("decode_tok_s_per_stream", "decode_vs"),
+                                  ("aggregate_tok_s", "aggregate_vs")):
+                row[field][anchor] = row[metric] / other[metric]
+            # Paired: the ratio within each round (systems run back to back), then the median.
+            paired = [v / decode[(rnd, anchor, *rest[1:])] for (rnd, *rest), v in decode.items()
+                      if tuple(rest) == (row["system"], row[key], row["threads"])
+                      and (rnd, anchor, *rest[1:]) in decode]
+            row["decode_vs_paired"][anchor] = statistics.median(paired)
+        own_b1 = by_key.get((row["system"], 1, row["threads"]))
+        if key == "batch" and own_b1:
+            row["aggregate_vs_own_b1"] = row["aggregate_tok_s"] / own_b1["aggregate_tok_s"]
+    return sorted(rows, key=lambda r: (r["threads"], r[key], SYSTEMS.index(r["system"])))
+
+
+# ---- the bandwidth bound: measured read bandwidth / bytes per decode token -------------
+
+
+def system_bytes(system: str, target: str) -> dict[str, Any]:
+    """Weight bytes one batch-1 decode token streams (by kind) and KV bytes per position."""
+    path = Path(target)
+    if system in ARTIFACTS:
+        weights = onnx_weight_bytes(llmopt_model_file(path))
+        kv = llmopt_kv_bytes_per_position(path)
+    elif system in LLAMA_CPP:
+        weights, kv = gguf_weight_bytes(path), gguf_kv_bytes_per_position(path)
+    else:
+        weights = onnx_weight_bytes(ort_genai_model_file(path))
+        kv = ort_genai_kv_bytes_per_position(path)
+    return {"weight_bytes": sum(weights.values()), "weight_bytes_by_kind": weights,
+            "kv_bytes_per_position": kv}
+
+
+def bandwidth_by_threads(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Median over rounds of each round's best read bandwidth, per thread count."""
+    per: dict[int, list[float]] = {}
+    for rec in records:
+        if rec["mode"] == "bandwidth":
+            per.setdefault(rec["threads"], []).append(rec["results"][0]["gb_s"])
+    return {t: {"gb_s": statistics.median(v), "range": [min(v), max(v)]} for t, v in per.items()}
+
+
+def bound_rows(sizes: dict[str, dict[str, Any]], bandwidth: dict[int, dict[str, Any]],
+               batch_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (system, threads): bound tok/s = bandwidth / weight bytes per token (KV reads
+    left out: see the contexts table), and batch-1 decode at --prompt-len as a fraction."""
+    decode = {(r["system"], r["threads"]): r["decode_tok_s_per_stream"]
+              for r in batch_rows if r["batch"] == 1}
+    rows = []
+    for threads, bw in sorted(bandwidth.items()):
+        for system, size in sizes.items():
+            bound = bw["gb_s"] * 1e9 / size["weight_bytes"]
+            measured = decode.get((system, threads))
+            rows.append({"system": system, "threads": threads, "bandwidth_gb_s": bw["gb_s"],
+                         "weight_bytes": size["weight_bytes"],
+                         "kv_bytes_per_position": size["kv_bytes_per_position"],
+                         "bound_tok_s": bound, "decode_tok_s": measured,
+                         "fraction_of_bound": measured / bound if measured else None})
+    return rows
+
+
+def add_context_bounds(rows: list[dict[str, Any]], sizes: dict[str, dict[str, Any]],
+                       bandwidth: dict[int, dict[str, Any]], gen_len: int) -> None:
+    """Each context row's bound with its KV reads: weights + KV bytes of the mean number of
+    cached positions over the decode (prompt + gen / 2)."""
+    for row in rows:
+        bw, size = bandwidth.get(row["threads"]), sizes[row["system"]]
+        positions = row["prompt_len"] + gen_len / 2
+        step_bytes = size["weight_bytes"] + size["kv_bytes_per_position"] * positions
+        row["bound_tok_s"] = bw["gb_s"] * 1e9 / step_bytes if bw else None
+        row["fraction_of_bound"] = (row["decode_tok_s_per_stream"] / row["bound_tok_s"]
+                                    if bw else None)
+
+
+# ---- acceptance: the issue's targets, checked on the medians ---------------------------
+
+
+def acceptance(batch_rows: list[dict[str, Any]], context_rows: list[dict[str, Any]]
+               ) -> list[dict[str, Any]]:
+    """Issue 14's targets for each llmopt int4 system and thread count (where measured)."""
+    batch = {(r["system"], r["batch"], r["threads"]): r for r in batch_rows}
+    contexts = sorted({r["prompt_len"] for r in context_rows})
+    context = {(r["system"], r["prompt_len"], r["threads"]): r for r in context_rows}
+    checks: list[dict[str, Any]] = []
+
+    def check(target: str, threads: int, measured: float | None, goal: float) -> None:
+        if measured is not None:
+            checks.append({"target": target, "threads": threads, "measured": measured,
+                           "goal": goal, "met": measured >= goal})
+
+    for system in INT4_LLMOPT:
+        for threads in sorted({r["threads"] for r in [*batch_rows, *context_rows]}):
+            for prompt in contexts[:1] + contexts[1:][-1:]:  # the shortest and the longest
+                row = context.get((system, prompt, threads), {})
+                for anchor in (Q4_0, OG):
+                    check(f"{system} batch-1 decode at context {prompt} vs {anchor}", threads,
+                          row.get("decode_vs", {}).get(anchor), 1.0)
+            row = batch.get((system, 8, threads), {})
+            for anchor in (Q4_0, OG):
+                check(f"{system} batch-8 aggregate vs {anchor}", threads,
+                      row.get("aggregate_vs", {}).get(anchor), TARGET)
+            check(f"{system} batch-16 aggregate vs its batch 1", threads,
+                  batch.get((system, 16, threads), {}).get("aggregate_vs_own_b1"), 4.0)
+            if system in Q4_1_LLMOPT:
+                check(f"{system} batch-1 decode vs {Q4_1}", threads,
+                      batch.get((system, 1, threads), {}).get("decode_vs", {}).get(Q4_1), 1.0)
     return checks
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    anchors = [a for a in ANCHORS if any(a == r["system"] for r in rows)]
-    header = ("| system | batch | threads | prefill ms | decode tok/s/stream (min-max) "
-              "| aggregate tok/s | peak RSS MiB | " + " | ".join(f"vs {a}" for a in anchors)
-              + " |")
-    lines = [header, "|" + "---|" * (header.count(" | ") + 1)]
-    for r in rows:
-        lo, hi = r["decode_tok_s_per_stream_range"]
-        lines.append(
-            f"| {r['system']} | {r['batch']} | {r['threads']} | {r['prefill_ms']:.0f} "
-            f"| {r['decode_tok_s_per_stream']:.1f} ({lo:.1f}-{hi:.1f}) "
-            f"| {r['aggregate_tok_s']:.1f} | {r['peak_rss_mib']:.0f} | "
-            + " | ".join(ratio(r["decode_vs"].get(a)) for a in anchors) + " |")
-    return "\n".join(lines)
+# ---- tables ----------------------------------------------------------------------------
 
 
-# ---- profile: where a system's batch-1 decode step spends its time ---------------------
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
 
 
-def profile_main(args: argparse.Namespace, system: str, target: str) -> None:
-    """Batch-1 generation with ONNX Runtime's profiler on (an llmopt artifact or the ORT
-    GenAI model): per decode step, wall time vs session run vs kernel time, and kernel time
-    per operator type and per node."""
-    threads = parse_ints(args.threads)[0]
-    prefix = str(Path(args.json).with_suffix("")) + f"-{system}"
-    if system in ARTIFACTS:
-        trace, step_s, decode_tok_s = profile_llmopt(target, threads, prefix, args)
-    else:
-        trace, step_s, decode_tok_s = profile_ort_genai(target, threads, prefix, args)
-    events = json.loads(Path(trace).read_text())
-    runs = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"]
-    decode_runs = runs[-(args.gen_len - 1):]  # the timed generation's decode runs
-    start, end = decode_runs[0]["ts"], decode_runs[-1]["ts"] + decode_runs[-1]["dur"]
-    per_op: dict[str, float] = {}
-    per_node: dict[str, float] = {}
-    for e in events:
-        if (e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
-                and start <= e["ts"] <= end):
-            op = e["args"].get("op_name", "?")
-            per_op[op] = per_op.get(op, 0.0) + e["dur"]
-            per_node[e["name"]] = per_node.get(e["name"], 0.0) + e["dur"]
-    n = len(decode_runs)
-    report = {
-        "system": system, "target": target, "threads": threads, "decode_steps": n,
-        "decode_tok_s": decode_tok_s, "step_wall_ms": 1000 * statistics.median(step_s),
-        "model_run_ms": statistics.median(r["dur"] for r in decode_runs) / 1000,
-        "kernel_ms": sum(per_op.values()) / n / 1000,
-        "per_op_ms": {op: t / n / 1000 for op, t in sorted(per_op.items(), key=lambda x: -x[1])},
-        "top_nodes_ms": {name: t / n / 1000 for name, t in
-                         sorted(per_node.items(), key=lambda x: -x[1])[:30]},
-        "trace": trace, "loadavg": list(os.getloadavg()),
-    }
-    print(f"{system}: decode {decode_tok_s:.1f} tok/s; median decode step "
-          f"{report['step_wall_ms']:.2f} ms wall = {report['model_run_ms']:.2f} ms session run "
-          f"({report['kernel_ms']:.2f} ms mean in kernels) + "
-          f"{report['step_wall_ms'] - report['model_run_ms']:.2f} ms outside the graph; "
-          f"load {report['loadavg'][0]:.2f}")
-    for op, ms in report["per_op_ms"].items():
-        print(f"  {op:<36} {ms:7.3f} ms/step")
-    write_json(Path(args.json), report)
-    print(f"wrote {args.json}")
+def present_anchors(rows: list[dict[str, Any]]) -> list[str]:
+    return [a for a in ANCHORS if any(a == r["system"] for r in rows)]
 
 
-def profile_llmopt(artifact: str, threads: int, prefix: str,
-                   args: argparse.Namespace) -> tuple[str, list[float], float]:
-    import llmopt.runtime.executor as executor
-    from llmopt.runtime import LLM
-    from llmopt.runtime.bench import run_bench
-
-    original = executor.session_options
-
-    def profiled(*a: Any, **k: Any) -> Any:
-        options = original(*a, **k)
-        options.enable_profiling = True
-        options.profile_file_prefix = prefix
-        return options
-
-    executor.session_options = profiled  # LLM builds its session through this function
-    llm = LLM(artifact, num_threads=threads, max_num_seqs=1,
-              max_context=args.prompt_len + args.gen_len + 1)
-    run_bench(llm, 1, args.prompt_len, WARMUP_GEN_LEN, seed=prompt_seed(1, True))
-    steps: list[float] = []
-    step = llm.engine.step
-
-    def timed_step() -> Any:
-        started = time.perf_counter()
-        out = step()
-        steps.append(time.perf_counter() - started)
-        return out
-
-    llm.engine.step = timed_step
-    result = run_bench(llm, 1, args.prompt_len, args.gen_len, seed=prompt_seed(1, False))
-    trace = llm.engine.executor.session.end_profiling()
-    return trace, steps[-(args.gen_len - 1):], result.decode_tok_s_per_stream
+def decode_cell(r: dict[str, Any]) -> str:
+    lo, hi = r["decode_tok_s_per_stream_range"]
+    return f"{r['decode_tok_s_per_stream']:.1f} ({lo:.1f}-{hi:.1f})"
 
 
-def profile_ort_genai(model_dir: str, threads: int, prefix: str,
-                      args: argparse.Namespace) -> tuple[str, list[float], float]:
-    import gc
-    import glob
+def batch_table(rows: list[dict[str, Any]]) -> str:
+    anchors = present_anchors(rows)
+    header = ["system", "threads", "batch", "prefill ms", "decode tok/s/stream (min-max)",
+              "aggregate tok/s", "agg vs own b1", "peak RSS MiB",
+              *(f"vs {a} (decode / agg)" for a in anchors)]
+    return markdown(header, [
+        [r["system"], str(r["threads"]), str(r["batch"]), f"{r['prefill_ms']:.0f}",
+         decode_cell(r), f"{r['aggregate_tok_s']:.1f}", ratio(r.get("aggregate_vs_own_b1")),
+         f"{r['peak_rss_mib']:.0f}",
+         *(f"{ratio(r['decode_vs'].get(a))} / {ratio(r['aggregate_vs'].get(a))}"
+           for a in anchors)] for r in rows])
 
-    import numpy as np
-    import onnxruntime_genai as og
 
-    from llmopt.runtime.bench import bench_prompts
+def context_table(rows: list[dict[str, Any]]) -> str:
+    anchors = present_anchors(rows)
+    header = ["system", "threads", "prompt", "prefill ms", "decode tok/s (min-max)",
+              "peak RSS MiB", "bound tok/s (weights + KV)", "of bound",
+              *(f"vs {a}" for a in anchors)]
+    return markdown(header, [
+        [r["system"], str(r["threads"]), str(r["prompt_len"]), f"{r['prefill_ms']:.0f}",
+         decode_cell(r), f"{r['peak_rss_mib']:.0f}", number(r["bound_tok_s"]),
+         percent(r["fraction_of_bound"]), *(ratio(r["decode_vs"].get(a)) for a in anchors)]
+        for r in rows])
 
-    config = og.Config(model_dir)
-    config.overlay(json.dumps({"model": {"decoder": {"session_options": {
-        "intra_op_num_threads": threads, "inter_op_num_threads": 1,
-        "enable_profiling": prefix}}}}))
-    model = og.Model(config)
-    steps: list[float] = []
-    for new_tokens, warmup in ((WARMUP_GEN_LEN, True), (args.gen_len, False)):
-        ids = np.asarray(bench_prompts(49152, 1, args.prompt_len, prompt_seed(1, warmup)),
-                         dtype=np.int32)
-        params = og.GeneratorParams(model)
-        length = args.prompt_len + new_tokens
-        params.set_search_options(do_sample=False, max_length=length, min_length=length)
-        generator = og.Generator(model, params)
-        generator.append_tokens(ids)
-        generator.generate_next_token()
-        steps = []
-        for _ in range(new_tokens - 1):
-            started = time.perf_counter()
-            generator.generate_next_token()
-            steps.append(time.perf_counter() - started)
-        del generator
-    del model
-    gc.collect()  # the session writes its trace when it is destroyed
-    trace = max(glob.glob(prefix + "*.json"), key=os.path.getmtime)
-    return trace, steps, len(steps) / sum(steps)
+
+def bound_table(rows: list[dict[str, Any]], prompt_len: int) -> str:
+    header = ["system", "threads", "weights MB/token", "KV KiB/position", "read GB/s",
+              "bound tok/s (weights)", f"batch-1 decode tok/s (prompt {prompt_len})",
+              "of bound"]
+    return markdown(header, [
+        [r["system"], str(r["threads"]), f"{r['weight_bytes'] / 1e6:.1f}",
+         f"{r['kv_bytes_per_position'] / 1024:.1f}", f"{r['bandwidth_gb_s']:.1f}",
+         f"{r['bound_tok_s']:.0f}", number(r["decode_tok_s"]), percent(r["fraction_of_bound"])]
+        for r in rows])
+
+
+def number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f} %"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", default="1", help="intra-op thread counts, comma-separated")
-    p.add_argument("--batch", default="1,8", help="batch sizes, comma-separated")
+    p.add_argument("--batch", default="1,4,8,16",
+                   help="batch sizes at --prompt-len, comma-separated ('' skips them)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=128)
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {SYSTEMS}")
+    p.add_argument("--contexts", default="128,512,1024,1900",
+                   help="batch-1 prompt lengths, comma-separated ('' skips them)")
+    p.add_argument("--context-gen-len", type=int, default=64)
+    p.add_argument("--bandwidth-mib", type=int, default=1024,
+                   help="size of the array the read-bandwidth probe sums")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help=f"subset of {SYSTEMS}, or 'all'")
     p.add_argument("--out-dir", type=Path, default=Path("out/int4-bench"),
                    help="artifacts and competitor models (built when missing)")
     p.add_argument("--recipe", type=Path, default=Path(DEFAULT_RECIPE))
+    p.add_argument("--recompile", action="store_true",
+                   help="compile the chosen llmopt artifacts afresh (after compiler or "
+                        "runtime changes; competitor models are kept)")
     p.add_argument("--json", type=Path, default=None,
                    help="default benchmarks/results/bench_int4.json (bench_int4_profile.json "
                         "with --profile)")
@@ -582,45 +592,102 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def chosen_systems(text: str) -> list[str]:
+    systems = list(SYSTEMS) if text == "all" else [s.strip() for s in text.split(",")
+                                                      if s.strip()]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        sys.exit(f"unknown systems {unknown}; choose from {list(SYSTEMS)} or 'all'")
+    return systems
+
+
+def check_lengths(args: argparse.Namespace, targets: dict[str, str]) -> None:
+    """Prompt + generation must fit every llmopt artifact's context (checked before any run)."""
+    longest = max([args.prompt_len + args.gen_len if parse_ints(args.batch) else 0,
+                   *(c + args.context_gen_len for c in parse_ints(args.contexts))])
+    for system, target in targets.items():
+        if system in ARTIFACTS:
+            limit = json.loads((Path(target) / "manifest.json").read_text()
+                               )["model"]["max_position"]
+            if longest + 1 > limit:
+                sys.exit(f"{system}: prompt + generation ({longest}) + 1 exceeds the "
+                         f"artifact's max context {limit}")
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
 def main() -> None:
+    os.environ.setdefault("LLAMA_CPP_LIB_PATH", LLAMA_CPP_LIB_DIR)  # workers inherit it
     args = parse_args()
     if args.worker:
         worker_main(dict(item.split("=", 1) for item in args.worker), args)
         return
     recipe, out_dir = REPO_ROOT / args.recipe, REPO_ROOT / args.out_dir
     if args.profile:
-        targets = prepare([args.profile], out_dir, recipe)
-        profile_main(args, args.profile, targets[args.profile])
+        targets = prepare([args.profile], out_dir, recipe, args.recompile)
+        profile_main(args, args.profile, targets[args.profile],
+                     llmopt=args.profile in ARTIFACTS)
         return
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(systems) - set(SYSTEMS))
-    if unknown:
-        sys.exit(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
+    systems = chosen_systems(args.systems)
+    targets = prepare(systems, out_dir, recipe, args.recompile)
+    check_lengths(args, targets)
+    sizes = {system: system_bytes(system, target) for system, target in targets.items()}
     machine = machine_info(("llama_cpp_python", "onnxruntime-genai", "gguf"))
-    targets = prepare(systems, out_dir, recipe)
+    machine["uptime_at_start"] = uptime()
+    print(f"uptime at start: {machine['uptime_at_start']}", flush=True)
     started = time.perf_counter()
     records = run_rounds(args, targets)
-    rows = summarize(records)
-    checks = targets_check(rows)
-    machine["loadavg_at_end"] = list(os.getloadavg())
-    print(f"\nmedians of {args.rounds} interleaved rounds; prompt {args.prompt_len}, "
-          f"gen {args.gen_len}; {machine['cpu_model']}, nproc {machine['nproc']}; load average "
-          f"{machine['loadavg_at_start'][0]:.2f} at start, {machine['loadavg_at_end'][0]:.2f} "
-          "at end\n")
-    print(format_table(rows))
-    for check in checks:
-        print(f"{check['target']} at {check['threads']} thread(s): {check['measured']:.2f}x "
-              f"(vs {check['against']}; per-round median {check['paired']:.2f}x) -> "
-              f"{'met' if check['met'] else 'NOT met'}")
+    machine["uptime_at_end"], machine["loadavg_at_end"] = uptime(), list(os.getloadavg())
+    report = build_report(args, records, sizes)
+    print_report(args, machine, report)
     write_json(args.json, {
         "benchmark": "bench_int4", "machine": machine,
         "config": {"rounds": args.rounds, "threads": parse_ints(args.threads),
                    "batch": parse_ints(args.batch), "prompt_len": args.prompt_len,
-                   "gen_len": args.gen_len, "systems": targets},
-        "summary": rows, "targets": checks, "runs": records,
+                   "gen_len": args.gen_len, "contexts": parse_ints(args.contexts),
+                   "context_gen_len": args.context_gen_len,
+                   "bandwidth_mib": args.bandwidth_mib, "systems": targets},
+        "bytes_per_token": sizes, **report, "runs": records,
         "total_s": time.perf_counter() - started,
     })
     print(f"\nwrote {args.json}")
+
+
+def build_report(args: argparse.Namespace, records: list[dict[str, Any]],
+                 sizes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Medians, ratios, bounds and the acceptance checks of every worker record."""
+    bandwidth = bandwidth_by_threads(records)
+    batch_rows = summarize([r for r in records if r["mode"] == "batch"], "batch")
+    context_rows = summarize([r for r in records if r["mode"] == "contexts"], "prompt_len")
+    add_context_bounds(context_rows, sizes, bandwidth, args.context_gen_len)
+    return {"bandwidth_gb_s": bandwidth, "batch_summary": batch_rows,
+            "context_summary": context_rows,
+            "bound": bound_rows(sizes, bandwidth, batch_rows),
+            "targets": acceptance(batch_rows, context_rows)}
+
+
+def print_report(args: argparse.Namespace, machine: dict[str, Any],
+                 report: dict[str, Any]) -> None:
+    print(f"\nmedians of {args.rounds} interleaved rounds; {machine['cpu_model']}, nproc "
+          f"{machine['nproc']}\nuptime at start: {machine['uptime_at_start']}\n"
+          f"uptime at end:   {machine['uptime_at_end']}")
+    if report["batch_summary"]:
+        print(f"\nbatch scaling (prompt {args.prompt_len}, gen {args.gen_len}; ratios are "
+              "decode tok/s/stream / aggregate tok/s of the row over the anchor's)\n")
+        print(batch_table(report["batch_summary"]))
+    if report["context_summary"]:
+        print(f"\ncontext scaling (batch 1, gen {args.context_gen_len}; the bound counts the "
+              "weights and the KV cache read at prompt + gen/2 cached positions)\n")
+        print(context_table(report["context_summary"]))
+    print("\nbatch-1 bandwidth bound (weights only; read GB/s: median over rounds of the best "
+          f"of {BANDWIDTH_REPEATS} sums over {args.bandwidth_mib} MiB)\n")
+    print(bound_table(report["bound"], args.prompt_len))
+    print()
+    for check in report["targets"]:
+        print(f"{check['target']} >= {check['goal']}x at {check['threads']} thread(s): "
+              f"{check['measured']:.2f}x -> {'met' if check['met'] else 'NOT met'}")
 
 
 if __name__ == "__main__":
