@@ -90,8 +90,11 @@ def lanes_unsupported(operator_set: str, arch: ArchSpec) -> str | None:
     if operator_set != "onnxruntime":
         return "needs the onnxruntime operator set (GroupQueryAttention is a contrib operator)"
     for index, spec in enumerate(arch.layers):
-        if spec.kv_dtype != "float32" or spec.kv_rotate_keys:
-            return f"needs a float32, unrotated KV cache (layer {index} stores {spec.kv_dtype})"
+        static_int8 = (spec.kv_dtype == "int8" and spec.kv_key_scales == "channel"
+                       and spec.kv_value_scales == "channel")
+        if spec.kv_dtype != "float32" and not static_int8 or spec.kv_rotate_keys:
+            return ("needs float32 or int8 with static channel scales on both sides, "
+                    f"unrotated (layer {index} stores {spec.kv_dtype})")
         if spec.num_heads % spec.num_kv_heads:
             return f"needs query heads in whole groups per KV head (layer {index})"
         if spec.head_dim % 16:  # ONNX Runtime's CPU kernel refuses other sizes
@@ -117,8 +120,8 @@ def cache_tensors(spec: LayerSpec, layout: str = "blocks") -> list[dict]:
     kv_cache_format). Lanes: float32 keys and values, [kv_heads, head_dim] per token.
     """
     if layout == "lanes":
-        return [{"name": name, "dtype": "float32", "slot_shape": [spec.num_kv_heads,
-                                                                 spec.head_dim]}
+        return [{"name": name, "dtype": spec.kv_dtype, "slot_shape": [spec.num_kv_heads,
+                                                                     spec.head_dim]}
                 for name in ("key", "value")]
     return [t for side in kv_sides(spec) for t in side.tensors()]
 
@@ -180,9 +183,10 @@ class _DecoderLowering:
         g.input(C.LOGITS_INDICES, TensorProto.INT64, ["num_logits"])
         for i, spec in enumerate(self.arch.layers):
             lane = ["batch", spec.num_kv_heads, "capacity", spec.head_dim]
+            elem = NP_TO_ONNX[np.dtype(spec.kv_dtype)]
             for name in ("key", "value"):
-                g.input(C.past_name(i, name), TensorProto.FLOAT, lane)
-                g.output(C.present_name(i, name), TensorProto.FLOAT, lane)
+                g.input(C.past_name(i, name), elem, lane)
+                g.output(C.present_name(i, name), elem, lane)
         g.output(C.LOGITS, TensorProto.FLOAT, ["num_logits", self.arch.vocab_size])
 
     def _rope_tables(self) -> None:
@@ -322,15 +326,26 @@ class _DecoderLowering:
             attrs["softcap"] = self.arch.attn_softcap
         if spec.sliding_window is not None:  # keys at distance < window, as `_in_window`
             attrs["local_window_size"] = spec.sliding_window
+        scales = ["", ""]
+        if spec.kv_dtype == "int8":  # codes = round(x / scale) per channel, in the node
+            scales = [self._lane_kv_scale(index, side) for side in kv_sides(spec)]
+            attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL",
+                         kv_cache_bit_width=8)
         out = g.fresh("attention")
         inputs = [*qkv_inputs, C.past_name(index, "key"), C.past_name(index, "value"),
                   C.SEQLENS_K, C.TOTAL_SEQUENCE_LENGTH, f"{table}.cos", f"{table}.sin",
-                  # position_ids, attention_bias, head_sink, k/v scales, q/k norm weights
-                  "", "", "", "", "", "", "", C.QUERY_SEQLENS]
+                  "", "", "",  # position_ids, attention_bias, head_sink
+                  *scales, "", "",  # q/k norm weights (not fused on CPU)
+                  C.QUERY_SEQLENS]
         g.op_into("GroupQueryAttention", inputs,
                   [out, C.present_name(index, "key"), C.present_name(index, "value")],
                   domain=MS_DOMAIN, **attrs)
         return out
+
+    def _lane_kv_scale(self, index: int, side: KVSide) -> str:
+        """A static per-channel KV scale, [kv_heads * head_dim], for GroupQueryAttention."""
+        name = f"layers.{index}.{side.static_scale_weight}"
+        return self.g.weight(name, _np(self.ir.weights[name]).reshape(-1))
 
     def _head_norm(self, x: str, heads: int, dim: int, weight: str) -> str:
         g = self.g

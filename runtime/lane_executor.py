@@ -47,7 +47,7 @@ class LaneExecutor:
             session_options(num_threads, optimization_level, nbits_accuracy_level),
             providers=["CPUExecutionProvider"],
         )
-        lane_tokens = lane_blocks * block_size
+        self.lane_tokens = lane_tokens = lane_blocks * block_size
         self.pools: dict[str, np.ndarray] = {}  # past name -> [lanes, kv_heads, tokens, dim]
         for i, layer in enumerate(kv_cache.layers):
             for t in layer.tensors:
@@ -61,7 +61,7 @@ class LaneExecutor:
 
     def execute(self, batch: StepBatch) -> np.ndarray:
         lanes = [self.lane_of(table) for table in batch.block_tables]
-        calls = plan_calls(lanes, batch.query_lens)
+        calls = plan_calls(lanes, batch.query_lens, batch.context_lens, self.lane_tokens)
         if len(calls) == 1:
             return self._run(batch, lanes)
         parts = [(rows, self._run(sub, [lanes[i] for i in seqs])) for seqs in calls
@@ -118,16 +118,21 @@ class LaneExecutor:
         return binding
 
 
-def plan_calls(lanes: list[int], query_lens: list[int], free_rows: int = 32) -> list[list[int]]:
+def plan_calls(lanes: list[int], query_lens: list[int], context_lens: list[int],
+               capacity: int, free_rows: int = 32) -> list[list[int]]:
     """Sequences (by index) grouped into graph calls: query lengths grouped as for the
     blocks layout (`padding_groups`), then split where the idle lanes between two members
-    would cost more than `free_rows` padded rows (an idle row still passes the matmuls)."""
+    would cost more than `free_rows` padded rows (an idle row still passes the matmuls).
+    A row whose context plus the call's padded width would overrun its lane's `capacity`
+    (ONNX Runtime checks the padded chunk) runs alone."""
     calls = []
     for group in padding_groups(query_lens):
         width = max(query_lens[i] for i in group)
-        members = sorted(group, key=lanes.__getitem__)
-        run = [members[0]]
-        for i in members[1:]:
+        fits = sorted((i for i in group if context_lens[i] + width <= capacity),
+                      key=lanes.__getitem__)
+        calls += [[i] for i in group if i not in fits]
+        run = [fits[0]]
+        for i in fits[1:]:
             if (lanes[i] - lanes[run[-1]] - 1) * width > free_rows:
                 calls.append(run)
                 run = []

@@ -18,6 +18,7 @@ from llmopt.compiler.recipe import Recipe
 from llmopt.runtime import LLM
 from llmopt.runtime.inspect import describe, format_description
 
+STATIC_INT8 = {"dtype": "int8", "key_scales": "channel", "value_scales": "channel"}
 QUICK_DRAFT = {"prompts": 2, "new_tokens": 12, "batch_sizes": [1, 2], "cost_repeats": 1}
 ARTIFACTS = {
     # name -> (architecture, kv_cache options, draft options)
@@ -26,6 +27,10 @@ ARTIFACTS = {
     "gemma3-int4": ("gemma3_text", {"dtype": "int4", "group_size": 8, "rotate": True},
                     {"kind": "ngram", "gamma": 3}),
     "qwen2-fp8": ("qwen2", {"dtype": "fp8_e4m3", "key_scales": "channel"}, None),
+    # Static channel scales on both sides: ONNX Runtime's GroupQueryAttention stores and
+    # reads the int8 codes in place (lanes); the same recipe over blocks beside it.
+    "llama-int8-static": ("llama", STATIC_INT8, {"kind": "ngram", "gamma": 3}),
+    "llama-int8-static/blocks": ("llama", STATIC_INT8, None),
 }
 
 
@@ -37,11 +42,13 @@ def artifacts(tiny_checkpoints, word_text, tmp_path_factory) -> dict[str, Path]:
         passes = [{"kv_cache": {**kv, "calibration_samples": 2}}]
         if draft:
             passes.append({"draft": {**QUICK_DRAFT, **draft}})
+        layout = "blocks" if name.endswith("/blocks") else "auto"
         recipe = Recipe(model=str(tiny_checkpoints[arch]), passes=passes,
                         calibration={"text": str(word_text), "samples": 4, "seq_len": 64},
+                        target={"kv_layout": layout},
                         runtime={"block_size": 4, "max_context": 128, "max_num_seqs": 16})
-        compile_recipe(recipe, root / name, log=lambda _: None)
-        out[name] = root / name
+        out[name] = root / name.replace("/", "-")
+        compile_recipe(recipe, out[name], log=lambda _: None)
     return out
 
 
@@ -56,10 +63,31 @@ def test_batching_and_preemption_are_invisible(name, artifacts):
     small = LLM(artifacts[name], num_blocks=60, max_context=96, speculative=False)
     preempted = small.generate(requests, GREEDY)
     assert [o.token_ids for o in preempted] == alone
-    assert sum(o.metrics.num_preemptions for o in preempted) > 0
+    lanes = small.manifest.kv_cache.layout == "lanes"  # lanes wait for a lane instead
+    assert (sum(o.metrics.num_preemptions for o in preempted) > 0) != lanes
 
 
-@pytest.mark.parametrize("name", ["llama-int8", "gemma3-int4"])
+def test_static_int8_lanes_store_what_the_gathered_graph_stores(artifacts):
+    """The same codes in both pools (layer 0's keys: the same inputs; an occasional
+    rounding tie differs by one). GroupQueryAttention attends to a step's own keys and
+    values before their storage rounding, the gathered graph after it: the scores differ
+    by that rounding, not by a scale."""
+    lanes, blocks = (LLM(artifacts[n], speculative=False)
+                     for n in ("llama-int8-static", "llama-int8-static/blocks"))
+    assert (lanes.manifest.kv_cache.layout, blocks.manifest.kv_cache.layout) == ("lanes",
+                                                                               "blocks")
+    assert {p.dtype for p in lanes.engine.executor.pools.values()} == {np.dtype("int8")}
+    tokens = (shared_prefix_requests()[1] * 3)[:120]
+    np.testing.assert_allclose(lanes.score(tokens), blocks.score(tokens), atol=0.25)
+    in_lane = lanes.engine.executor.pools["past.0.key"][0]  # lane 0: [kv_heads, pos, dim]
+    in_lane = in_lane.transpose(1, 0, 2).reshape(in_lane.shape[1], -1)[: len(tokens)]
+    in_blocks = blocks.engine.executor.pools["past.0.key"].reshape(-1, in_lane.shape[1])
+    in_blocks = in_blocks[4 : 4 + len(tokens)]  # blocks 1.. of block size 4, in order
+    differs = np.abs(in_lane.astype(int) - in_blocks.astype(int))
+    assert differs.max() <= 1 and (differs == 0).mean() > 0.9
+
+
+@pytest.mark.parametrize("name", ["llama-int8", "gemma3-int4", "llama-int8-static"])
 def test_speculation_changes_no_greedy_output(name, artifacts):
     requests = shared_prefix_requests()
     expected = [o.token_ids for o in LLM(artifacts[name], speculative=False).generate(

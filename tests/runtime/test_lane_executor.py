@@ -8,10 +8,17 @@ from llmopt.runtime.step_batch import SequenceStep, make_step_batch
 
 
 def test_decodes_share_one_call_across_idle_lanes_and_prefills_split_on_them():
-    assert plan_calls([0, 2, 5], [1, 1, 1]) == [[0, 1, 2]]
-    assert plan_calls([0, 3], [64, 64]) == [[0], [1]]  # two idle 64-token rows: too many
-    assert plan_calls([0, 1], [64, 64]) == [[0, 1]]
-    assert plan_calls([0, 1], [1, 300]) == [[1], [0]]  # a decode beside a long chunk
+    assert plan_calls([0, 2, 5], [1, 1, 1], [9, 9, 9], 512) == [[0, 1, 2]]
+    # two idle 64-token rows: too many
+    assert plan_calls([0, 3], [64, 64], [0, 0], 512) == [[0], [1]]
+    assert plan_calls([0, 1], [64, 64], [0, 0], 512) == [[0, 1]]
+    assert plan_calls([0, 1], [1, 300], [9, 0], 512) == [[1], [0]]  # a decode beside a chunk
+
+
+def test_a_row_whose_padded_chunk_would_overrun_its_lane_runs_alone():
+    # A 4-token verification at context 69 padded to 29 rows would end at 98 > 96.
+    assert plan_calls([0, 1], [4, 29], [69, 10], 96) == [[0], [1]]
+    assert plan_calls([0, 1], [4, 29], [60, 10], 96) == [[0, 1]]
 
 
 def test_inputs_put_each_sequence_in_its_lanes_row_and_leave_the_others_idle():
