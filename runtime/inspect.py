@@ -60,7 +60,7 @@ def kv_layout(kv_cache: KVCacheSpec) -> dict[str, Any]:
             continue
         groups.append({"layers": str(index), "tensors": tensors,
                        "bytes_per_token": layer_bytes_per_token(layer)})
-    return {"groups": groups}
+    return {"pool": kv_cache.layout, "groups": groups}
 
 
 def _per_layer(values: list) -> str:
@@ -90,6 +90,9 @@ def format_description(info: dict[str, Any]) -> str:
         f"{ratio}; {info['tokens_in_pool']} tokens fit in "
         f"{info['pool_mib']:g} MiB (sequences: {sequences})",
         f"KV heads      {_per_layer(info['kv_heads_per_layer'])}",
+        f"KV pool       {info['kv_layout']['pool']} layout"
+        + (" (a lane per sequence, read in place)" if info["kv_layout"]["pool"] == "lanes"
+           else " (blocks gathered per step)"),
     ]
     lines += [f"  layers {group['layers']}: {group['tensors']} ({group['bytes_per_token']} "
               "bytes/token each)" for group in info["kv_layout"]["groups"]]
