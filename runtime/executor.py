@@ -41,11 +41,8 @@ class OrtExecutor:
     ):
         self.block_size = block_size
         self.max_position = max_position
-        self.session = ort.InferenceSession(
-            str(graph_path),
-            session_options(num_threads, optimization_level, nbits_accuracy_level),
-            providers=["CPUExecutionProvider"],
-        )
+        self.session = open_session(graph_path, num_threads, optimization_level,
+                                    nbits_accuracy_level)
         self.pools: dict[str, np.ndarray] = {}  # past name -> pool array
         self.new_to_past: dict[str, str] = {}  # graph output -> the pool it is written into
         for i, layer in enumerate(kv_cache.layers):
@@ -148,6 +145,16 @@ def select_sequences(batch: StepBatch, seqs: list[int]) -> tuple[StepBatch, np.n
         logits_indices=new_row[batch.logits_indices[mine]],
     )
     return sub_batch, mine
+
+
+def open_session(graph_path: str | Path, num_threads: int | None, optimization_level: str,
+                 nbits_accuracy_level: int) -> ort.InferenceSession:
+    """A CPU session for an artifact graph (both KV layouts' executors open theirs here)."""
+    return ort.InferenceSession(
+        str(graph_path),
+        session_options(num_threads, optimization_level, nbits_accuracy_level),
+        providers=["CPUExecutionProvider"],
+    )
 
 
 def session_options(

@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 from llmopt.runtime import contract
-from llmopt.runtime.executor import padding_groups, select_sequences, session_options
+from llmopt.runtime.executor import open_session, padding_groups, select_sequences
 from llmopt.runtime.manifest import KVCacheSpec
 from llmopt.runtime.step_batch import StepBatch
 
@@ -42,11 +42,8 @@ class LaneExecutor:
         self.num_lanes = (num_blocks - 1) // lane_blocks  # block 0 is the null block
         if self.num_lanes < 1:
             raise ValueError(f"{num_blocks} KV blocks hold no lane of {lane_blocks} blocks")
-        self.session = ort.InferenceSession(
-            str(graph_path),
-            session_options(num_threads, optimization_level, nbits_accuracy_level),
-            providers=["CPUExecutionProvider"],
-        )
+        self.session = open_session(graph_path, num_threads, optimization_level,
+                                    nbits_accuracy_level)
         self.lane_tokens = lane_tokens = lane_blocks * block_size
         self.pools: dict[str, np.ndarray] = {}  # past name -> [lanes, kv_heads, tokens, dim]
         for i, layer in enumerate(kv_cache.layers):
