@@ -59,6 +59,7 @@ class LoweringOptions:
     # blocks and attends over the copy; "lanes" gives each sequence a contiguous lane that
     # ONNX Runtime's GroupQueryAttention reads and appends to in place.
     kv_layout: str = "blocks"
+    quantized_embedding: bool = False  # gather embeddings from the tied int LM head's codes
 
 
 def lowering_options(recipe: Recipe, arch: ArchSpec) -> LoweringOptions:
@@ -71,6 +72,7 @@ def lowering_options(recipe: Recipe, arch: ArchSpec) -> LoweringOptions:
         quantized_matmul=None if recipe.target.quantized_matmul == "auto"
         else recipe.target.quantized_matmul,
         kv_layout=kv_layout_for(recipe.target.kv_layout, recipe.target.operator_set, arch),
+        quantized_embedding=recipe.target.quantized_embedding,
     )
 
 
@@ -252,12 +254,35 @@ class _DecoderLowering:
 
     # --- blocks -----------------------------------------------------------------------
     def _embed(self) -> str:
-        table = self._stored("embed_tokens", _np(self.ir.weights["embed_tokens"]))
-        hidden = self.g.op("Gather", [table, C.INPUT_IDS], name="embed")
+        if self.options.quantized_embedding:
+            hidden = self._quantized_embed()
+        else:
+            table = self._stored("embed_tokens", _np(self.ir.weights["embed_tokens"]))
+            hidden = self.g.op("Gather", [table, C.INPUT_IDS], name="embed")
         if self.arch.embedding_scale is not None:
             scale = self.g.const(self.arch.embedding_scale, np.float32)
             hidden = self.g.op("Mul", [hidden, scale])
         return hidden
+
+    def _quantized_embed(self) -> str:
+        """Embedding rows dequantized from the tied LM head's codes by ONNX Runtime's
+        GatherBlockQuantized: MatMulNBits' packing, row by row, is its packing."""
+        q = self.ir.quantized.get("lm_head")
+        if (q is None or not self.arch.tie_word_embeddings or not q.integer_zeros()
+                or self.options.operator_set != "onnxruntime"
+                or q.shape[1] % q.group_size or q.group_size & (q.group_size - 1)):
+            raise ValueError("target.quantized_embedding needs the onnxruntime operator set "
+                             "and an LM head tied to the embedding, quantized with integer "
+                             "zero points in power-of-two groups dividing the hidden size")
+        packed = pack_matmul_nbits(q)
+        vocab = q.shape[0]
+        inputs = [self.g.weight("embed_tokens.codes", packed["B"].reshape(vocab, -1)),
+                  C.INPUT_IDS, self.g.weight("embed_tokens.scales", packed["scales"])]
+        if "zero_points" in packed:
+            inputs.append(self.g.weight("embed_tokens.zero_points", packed["zero_points"]))
+        return self.g.op("GatherBlockQuantized", inputs, name="embed", domain=MS_DOMAIN,
+                         bits=q.bits, block_size=q.group_size, gather_axis=0,
+                         quantize_axis=1)
 
     def _layer(self, index: int, x: str, hidden: str) -> tuple[str, str]:
         """One decoder layer; returns (next layer's normed input, residual stream)."""
