@@ -93,7 +93,7 @@ SYSTEMS = (*ARTIFACTS, *LLAMA_CPP, OG)
 DEFAULT_SYSTEMS = ("llmopt-q4_1", "llmopt-q4_1-a8", "llmopt-rtn4-a8", "llmopt-rtn4-h4-a8",
                    Q4_0, Q4_1, OG)
 INT4_LLMOPT = ("llmopt-q4_1", "llmopt-q4_1-a8", "llmopt-rtn4-a8", "llmopt-rtn4-h4-a8",
-               "llmopt-rtn4-a8-dq")
+               "llmopt-rtn4-h4-qe-a8", "llmopt-rtn4-a8-dq")
 Q4_1_LLMOPT = ("llmopt-q4_1", "llmopt-q4_1-a8")  # lossless: the same blocks as llama.cpp-q4_1
 ANCHORS = (Q4_0, Q4_1, "llama.cpp-q8_0", OG)
 TARGET = 1.2  # batch-8 aggregate vs the anchors

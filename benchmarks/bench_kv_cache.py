@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import yaml
-from _common import RESULTS_DIR, compile_artifact, machine_info, write_json
+from _common import REPO_ROOT, RESULTS_DIR, compile_artifact, machine_info, write_json
 
 from llmopt.runtime import LLM, SamplingParams
 from llmopt.runtime.artifact import load_manifest
@@ -39,6 +39,10 @@ def artifact(out_dir: Path, kv: str) -> Path:
     # kv_cache first: its value rotation is folded into float v_proj/o_proj weights.
     passes = [{"kv_cache": KV[kv]}] if KV[kv] else []
     recipe = {"model": MODEL, "passes": [*passes, {"rtn": {"bits": 4, "group_size": 64}}],
+              # static scales are calibrated (the validation split, as every benchmark)
+              "calibration": {"text": str(REPO_ROOT.parent / "shared" / "data"
+                                          / "wikitext2-valid.tokens.txt")},
+              "quality": {"measure": False},
               "runtime": {"block_size": 16, "max_context": 2048, "max_num_seqs": 16}}
     path = out_dir / f"w4-kv-{kv}.yaml"
     path.write_text(yaml.safe_dump(recipe))
