@@ -11,6 +11,7 @@ Systems (each worker a fresh subprocess, greedy, EOS ignored, same random prompt
   llmopt-q4_1          gguf_weights: the file's own Q4_1 blocks, float LM head, accuracy level 0
   llmopt-q4_1-a8       gguf_weights + the file's Q8_0 LM head, accuracy level 4 (int8 activations)
   llmopt-rtn4-a8       one rtn pass: int4 sym g32 decoder linears, 8-bit LM head, level 4
+  llmopt-rtn4-a8-blocks  the same over the gathered blocks KV layout (the old hot path)
   llmopt-rtn4-h4-a8    the same with a 4-bit LM head (fewer bytes per token)
   llmopt-rtn4-h4-qe-a8 ... and embeddings gathered from the head's int4 codes (no fp32 table)
   llmopt-rtn4-a8-dq    rtn4-a8 lowered as DequantizeLinear -> MatMul (ORT fuses them)
@@ -77,6 +78,9 @@ ARTIFACTS: dict[str, tuple[str, list[str]]] = {
     "llmopt-q4_1-a8": ("smollm2-gguf-q4_1-q8head-a8",
                        ["passes=[{gguf_weights: {include_lm_head: true}}]", A8]),
     "llmopt-rtn4-a8": ("smollm2-rtn4-sym-g32-h8-a8", [f"passes=[{RTN4 % 8}]", A8]),
+    # The same weights over the gathered blocks KV layout: the hot path before lanes.
+    "llmopt-rtn4-a8-blocks": ("smollm2-rtn4-sym-g32-h8-a8-blocks",
+                              [f"passes=[{RTN4 % 8}]", A8, "target.kv_layout=blocks"]),
     "llmopt-rtn4-h4-a8": ("smollm2-rtn4-sym-g32-h4-a8", [f"passes=[{RTN4 % 4}]", A8]),
     "llmopt-rtn4-h4-qe-a8": ("smollm2-rtn4-sym-g32-h4-qe-a8",
                              [f"passes=[{RTN4 % 4}]", A8, "target.quantized_embedding=true"]),
