@@ -159,6 +159,8 @@ def _ir_record(ir: ModelIR) -> dict[str, Any]:
     for rope in arch["ropes"].values():
         rope["inv_freq"] = len(rope["inv_freq"])  # the table is in the graph; keep its size
     record = {"arch": arch, "source": ir.source, "parameters": ir.num_parameters()}
+    if hf_config := ir.annotations.get("hf_config"):  # for `export-hf ARTIFACT`
+        record["hf_config"] = json.loads(json.dumps(hf_config, default=str))
     if ir.draft is not None and ir.draft.ir is not None:
         record["draft"] = _ir_record(ir.draft.ir)
     return record

@@ -72,6 +72,8 @@ class PositiveIntList(click.ParamType):
 
 
 POSITIVE = click.IntRange(min=1)
+# compiler/hf_export.EXPORT_FORMATS, spelled here so a bad --format fails before torch loads
+EXPORT_FORMATS = ("compressed-tensors", "gptq", "gptq_v2", "awq", "float")
 THREADS = click.option("--threads", type=ThreadCount(), default=None,
                        help="ONNX Runtime intra-op threads (default: all cores).")
 
@@ -136,22 +138,44 @@ def compile_command(recipe: Path, out: Path, overrides: tuple[str, ...]) -> None
 
 
 @main.command("export-hf")
-@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("source", type=click.Path(path_type=Path))
 @click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path),
               help="Hugging Face checkpoint directory to write (must not exist).")
 @click.option("--format", "fmt", default="compressed-tensors", show_default=True,
-              help="compressed-tensors (pack-quantized), gptq (v1), gptq_v2 or awq (GEMM).")
+              help="compressed-tensors (pack-quantized), gptq (v1), gptq_v2, awq (GEMM), or "
+                   "float (dequantized float32: loads anywhere without flags).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
-              help="Override a recipe value, e.g. --set passes.0.rtn.bits=8.")
+              help="Override a recipe value, e.g. --set passes.0.rtn.bits=8 (recipes only).")
 @_one_line_errors
-def export_hf_command(recipe: Path, out: Path, fmt: str, overrides: tuple[str, ...]) -> None:
-    """Run RECIPE's passes and write the model as a quantized Hugging Face checkpoint."""
-    _exit_on_sigterm()
-    _quiet_third_party_progress()
-    from llmopt.compiler.hf_export import export_recipe
-    from llmopt.compiler.recipe import load_recipe
+def export_hf_command(source: Path, out: Path, fmt: str, overrides: tuple[str, ...]) -> None:
+    """Write SOURCE as a Hugging Face checkpoint: a compiled artifact directory (its weights
+    as compiled, in seconds) or a recipe YAML (its passes run again)."""
+    from llmopt.runtime.manifest import MANIFEST_FILE
 
-    export_recipe(load_recipe(recipe, list(overrides)), out, fmt, log=click.echo)
+    _exit_on_sigterm()
+    if fmt not in EXPORT_FORMATS:  # hf_export.check_format's words, before torch loads
+        raise ValueError(f"unknown export format {fmt!r} (known: {', '.join(EXPORT_FORMATS)})")
+    if out.exists():  # before any work: the export never replaces a folder
+        raise FileExistsError(f"{out} exists; not replacing it")
+    from_artifact = source.is_dir()
+    if from_artifact and overrides:
+        raise ValueError("--set overrides a recipe; SOURCE is a compiled artifact")
+    if from_artifact and not (source / MANIFEST_FILE).is_file():
+        raise ValueError(f"{source} is a folder but not an llmopt artifact ({MANIFEST_FILE} "
+                         "is missing)")
+    recipe = None
+    if not from_artifact:
+        from llmopt.compiler.recipe import load_recipe
+
+        recipe = load_recipe(source, list(overrides))  # before torch loads
+    _quiet_third_party_progress()
+    from llmopt.compiler.hf_export import export_artifact, export_recipe, loading_hint
+
+    if recipe is None:
+        export_artifact(source, out, fmt, log=click.echo)
+    else:
+        export_recipe(recipe, out, fmt, log=click.echo)
+    click.echo(loading_hint(out, fmt))
 
 
 @main.command("inspect")
