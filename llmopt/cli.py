@@ -18,6 +18,8 @@ from typing import Any
 
 import click
 
+from llmopt.runtime.sampling_params import DEFAULT_MAX_TOKENS
+
 
 def _one_line_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(command)
@@ -222,7 +224,7 @@ def _speculation_kwargs(speculative: bool, gamma: int | None, spec_max_batch: in
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.argument("prompts", nargs=-1, required=True)
 @click.option("--chat", is_flag=True, help="Wrap each prompt in the chat template.")
-@click.option("--max-tokens", type=POSITIVE, default=128, show_default=True,
+@click.option("--max-tokens", type=POSITIVE, default=DEFAULT_MAX_TOKENS, show_default=True,
               help="Most new tokens per prompt.")
 @click.option("--temperature", type=float, default=None,
               help="0 = greedy. Unset sampling options take the checkpoint's generation "
@@ -319,28 +321,35 @@ def eval_command(artifact: Path, text_file: Path, windows: int, seq_len: int,
 @THREADS
 @click.option("--pool-mib", type=click.FloatRange(min=0, min_open=True), default=256.0,
               show_default=True, help="KV pool size for the 'sequences that fit' line.")
+@click.option("--prompts", "prompts_kind", type=click.Choice(["auto", "text", "random"]),
+              default="auto", show_default=True,
+              help="text: built-in English passages; random: random token ids (they flatter "
+                   "speculation); auto: text when the artifact speculates, else random.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per batch size.")
 @_speculation_options
 @_one_line_errors
 def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: int,
-                  threads: int | None, pool_mib: float, as_json: bool, speculative: bool,
-                  gamma: int | None, spec_max_batch: int | None, drafts: str) -> None:
-    """TTFT, decode tok/s per stream, aggregate tok/s, peak RSS (random-token prompts;
-    with a draft, also acceptance rate and tokens per target step)."""
+                  threads: int | None, pool_mib: float, prompts_kind: str, as_json: bool,
+                  speculative: bool, gamma: int | None, spec_max_batch: int | None,
+                  drafts: str) -> None:
+    """TTFT, decode tok/s per stream, aggregate tok/s, peak RSS (with a draft, also
+    acceptance rate and tokens per target step)."""
     from llmopt.runtime import LLM
-    from llmopt.runtime.bench import run_bench
+    from llmopt.runtime.bench import prompt_kind, run_bench
 
     llm = LLM(artifact, num_threads=threads, max_num_seqs=max(batches),
               max_context=prompt_len + gen_len + 1,
               **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))
+    kind = prompt_kind(prompts_kind, llm.engine.speculator is not None)
     run_bench(llm, 1, min(prompt_len, 16), 4)  # warm-up: session init, first-run allocations
     if not as_json:
         kv, context = llm.manifest.kv_cache, prompt_len + gen_len
         fits = kv.sequences_in_pool(pool_mib * 2**20, context, llm.manifest.runtime.block_size)
         click.echo(f"KV cache: {kv.bytes_per_token()} bytes/token; {fits} sequences of "
                    f"{context} tokens fit in {pool_mib:g} MiB")
+        click.echo(f"prompts: {PROMPT_DESCRIPTIONS[kind]}")
     for size in batches:
-        result = run_bench(llm, size, prompt_len, gen_len)
+        result = run_bench(llm, size, prompt_len, gen_len, prompts_kind=kind)
         if as_json:
             click.echo(json.dumps(result.to_dict()))
         else:
@@ -395,6 +404,13 @@ def serve_command(artifact: Path, host: str, port: int, served_model_name: str |
           max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks,
           max_context=max_context, enable_prefix_caching=not no_prefix_caching,
           **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))
+
+
+PROMPT_DESCRIPTIONS = {
+    "text": "text (built-in English passages, asked about in chat form when the artifact "
+            "has a chat template; --prompts random for random token ids)",
+    "random": "random token ids (they flatter speculation; --prompts text for real text)",
+}
 
 
 def _speculation_line(result: Any) -> str:
