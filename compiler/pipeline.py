@@ -9,7 +9,7 @@ from typing import Any
 
 from llmopt.compiler.artifact import check_output_directory, staging_directory, write_artifact
 from llmopt.compiler.ir import ModelIR
-from llmopt.compiler.loader import load_checkpoint
+from llmopt.compiler.loader import CheckpointRef, load_checkpoint, resolve_checkpoint
 from llmopt.compiler.lower import lower_to_onnx, lowering_options
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import spec_summary
@@ -21,9 +21,16 @@ class QualityBudgetError(ValueError):
     """A lossy pass cost more than the recipe's quality budget allows."""
 
 
-def compile_recipe(recipe: Recipe, out: Path, log: Callable[[str], None] = print) -> Manifest:
-    check_pass_order(recipe)  # before any work: constraints, then where it will be written
+def check_recipe(recipe: Recipe, out: Path) -> CheckpointRef:
+    """Everything a compile can check before loading the model (a dry run): the passes'
+    order constraints, where the artifact goes, and where the checkpoint is."""
+    check_pass_order(recipe)
     check_output_directory(out)
+    return resolve_checkpoint(recipe.model)
+
+
+def compile_recipe(recipe: Recipe, out: Path, log: Callable[[str], None] = print) -> Manifest:
+    check_recipe(recipe, out)  # before any work
     # Phase 1: load the checkpoint into the IR.
     started = time.perf_counter()
     log(f"[1/3] loading {recipe.model}")

@@ -122,8 +122,11 @@ def main() -> None:
               help="Artifact directory to write.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
               help="Override a recipe value, e.g. --set target.weight_dtype=float16.")
+@click.option("--dry-run", is_flag=True,
+              help="Check the recipe, the pass order, the output folder and the model's "
+                   "location, then stop: nothing is loaded or written.")
 @_one_line_errors
-def compile_command(recipe: Path, out: Path, overrides: tuple[str, ...]) -> None:
+def compile_command(recipe: Path, out: Path, overrides: tuple[str, ...], dry_run: bool) -> None:
     """Compile RECIPE (YAML) into an artifact directory."""
     import yaml
 
@@ -134,8 +137,14 @@ def compile_command(recipe: Path, out: Path, overrides: tuple[str, ...]) -> None
     click.echo("resolved recipe:")
     click.echo(yaml.safe_dump(resolved_dict(resolved), sort_keys=False).rstrip())
     _quiet_third_party_progress()
-    from llmopt.compiler.pipeline import compile_recipe
+    from llmopt.compiler.pipeline import check_recipe, compile_recipe
 
+    if dry_run:
+        ref = check_recipe(resolved, out)
+        where = ref.location + (f"/{ref.gguf_file}" if ref.gguf_file else "")
+        click.echo(f"dry run: recipe valid, {len(resolved.passes)} pass(es) in a valid order, "
+                   f"model at {where}, output {out} writable; nothing compiled")
+        return
     compile_recipe(resolved, out, log=click.echo)
 
 

@@ -281,3 +281,10 @@ def test_export_formats_are_spelled_as_the_exporter_spells_them():
     from llmopt.compiler.hf_export import EXPORT_FORMATS
 
     assert CLI_FORMATS == EXPORT_FORMATS
+
+
+def test_a_dry_run_names_a_missing_model_and_writes_nothing(tmp_path):
+    recipe = write_recipe(tmp_path, "model: ./models/smollm2-typo\n")
+    code, out, err = run("compile", recipe, "-o", tmp_path / "out", "--dry-run")
+    assert_one_line_error(code, err, "error: model path not found: ./models/smollm2-typo")
+    assert "resolved recipe:" in out and not (tmp_path / "out").exists()
