@@ -22,6 +22,7 @@ import onnx
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.lower import cache_tensors
 from llmopt.compiler.onnx_graph import save_with_external_data
+from llmopt.compiler.preflight import check_output_directory
 from llmopt.compiler.recipe import Recipe, resolved_dict
 from llmopt.runtime.artifact import sha256_file
 from llmopt.runtime.contract import FORMAT_VERSION
@@ -44,12 +45,6 @@ def staging_directory(out: Path) -> Iterator[Path]:
         _replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def check_output_directory(out: Path) -> None:
-    """An existing `out` must be an artifact (replaced at the end), never other files."""
-    if out.exists() and not (out / MANIFEST_FILE).is_file():
-        raise FileExistsError(f"{out} exists and is not an llmopt artifact; not replacing it")
 
 
 def _replace(staging: Path, out: Path) -> None:

@@ -7,10 +7,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from llmopt.compiler.artifact import check_output_directory, staging_directory, write_artifact
+from llmopt.compiler.artifact import staging_directory, write_artifact
 from llmopt.compiler.ir import ModelIR
-from llmopt.compiler.loader import CheckpointRef, load_checkpoint, resolve_checkpoint
+from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.lower import lower_to_onnx, lowering_options
+from llmopt.compiler.preflight import check_recipe
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import spec_summary
 from llmopt.passes.registry import PassContext, PassStep, check_order, load_pass
@@ -19,14 +20,6 @@ from llmopt.runtime.manifest import Manifest
 
 class QualityBudgetError(ValueError):
     """A lossy pass cost more than the recipe's quality budget allows."""
-
-
-def check_recipe(recipe: Recipe, out: Path) -> CheckpointRef:
-    """Everything a compile can check before loading the model (a dry run): the passes'
-    order constraints, where the artifact goes, and where the checkpoint is."""
-    check_pass_order(recipe)
-    check_output_directory(out)
-    return resolve_checkpoint(recipe.model)
 
 
 def compile_recipe(recipe: Recipe, out: Path, log: Callable[[str], None] = print) -> Manifest:

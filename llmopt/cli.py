@@ -136,15 +136,18 @@ def compile_command(recipe: Path, out: Path, overrides: tuple[str, ...], dry_run
     resolved = load_recipe(recipe, list(overrides))  # before torch loads: errors in < 1 s
     click.echo("resolved recipe:")
     click.echo(yaml.safe_dump(resolved_dict(resolved), sort_keys=False).rstrip())
-    _quiet_third_party_progress()
-    from llmopt.compiler.pipeline import check_recipe, compile_recipe
+    from llmopt.compiler.preflight import check_recipe
 
+    ref = check_recipe(resolved, out)  # still before torch: the model and output named
     if dry_run:
-        ref = check_recipe(resolved, out)
         where = ref.location + (f"/{ref.gguf_file}" if ref.gguf_file else "")
+        output = "an artifact, replaced at the end" if out.exists() else "new"
         click.echo(f"dry run: recipe valid, {len(resolved.passes)} pass(es) in a valid order, "
-                   f"model at {where}, output {out} writable; nothing compiled")
+                   f"model at {where}, output {out} ({output}); nothing compiled")
         return
+    _quiet_third_party_progress()
+    from llmopt.compiler.pipeline import compile_recipe
+
     compile_recipe(resolved, out, log=click.echo)
 
 
