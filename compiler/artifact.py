@@ -22,6 +22,7 @@ import onnx
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.lower import kv_cache_spec, lowering_options
 from llmopt.compiler.onnx_graph import save_with_external_data
+from llmopt.compiler.preflight import check_output_directory
 from llmopt.compiler.recipe import Recipe, resolved_dict
 from llmopt.runtime.artifact import sha256_file
 from llmopt.runtime.contract import FORMAT_VERSION
@@ -44,12 +45,6 @@ def staging_directory(out: Path) -> Iterator[Path]:
         _replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def check_output_directory(out: Path) -> None:
-    """An existing `out` must be an artifact (replaced at the end), never other files."""
-    if out.exists() and not (out / MANIFEST_FILE).is_file():
-        raise FileExistsError(f"{out} exists and is not an llmopt artifact; not replacing it")
 
 
 def _replace(staging: Path, out: Path) -> None:
@@ -159,6 +154,8 @@ def _ir_record(ir: ModelIR) -> dict[str, Any]:
     for rope in arch["ropes"].values():
         rope["inv_freq"] = len(rope["inv_freq"])  # the table is in the graph; keep its size
     record = {"arch": arch, "source": ir.source, "parameters": ir.num_parameters()}
+    if hf_config := ir.annotations.get("hf_config"):  # for `export-hf ARTIFACT`
+        record["hf_config"] = json.loads(json.dumps(hf_config, default=str))
     if ir.draft is not None and ir.draft.ir is not None:
         record["draft"] = _ir_record(ir.draft.ir)
     return record

@@ -1,11 +1,16 @@
 """Write a ModelIR as a Hugging Face checkpoint directory, its quantized linears packed in
 a format transformers, vLLM and our own loader read: compressed-tensors `pack-quantized`
 (the default; transformers needs the `compressed-tensors` package), GPTQ v1 or v2, or
-AutoAWQ GEMM. Float tensors are written as float32, as the IR holds them.
+AutoAWQ GEMM — or `float`: every linear dequantized, a plain checkpoint any tool loads.
+Float tensors are written as float32, as the IR holds them.
+
+The IR comes from a recipe (its passes re-run) or from a compiled artifact
+(`artifact_reader`: the graph's own weights, seconds).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +31,8 @@ PACKERS: dict[str, Packer] = {
     "gptq_v2": lambda q, name: to_gptq(q, name, version=2),
     "awq": to_awq,
 }
-EXPORT_FORMATS = tuple(PACKERS)
+FLOAT_FORMAT = "float"  # quantized linears written dequantized, no quantization_config
+EXPORT_FORMATS = (*PACKERS, FLOAT_FORMAT)
 
 
 def export_hf(ir: ModelIR, out: Path, fmt: str = "compressed-tensors") -> None:
@@ -38,6 +44,8 @@ def export_hf(ir: ModelIR, out: Path, fmt: str = "compressed-tensors") -> None:
     check_format(fmt)
     if "hf_config" not in ir.annotations:
         raise ValueError("export needs an IR loaded from a Hugging Face config")
+    if fmt == FLOAT_FORMAT:  # the float weights already equal the dequantized codes
+        ir = dataclasses.replace(ir, quantized={})
     tensors, modules = hf_tensors(ir, fmt)
     config = {**ir.annotations["hf_config"], "dtype": "float32",
               "num_key_value_heads": _uniform_kv_heads(ir)}
@@ -92,8 +100,39 @@ def _causal_lm_class(config: dict[str, Any]) -> str:
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]
 
 
+def export_artifact(artifact: Path, out: Path, fmt: str,
+                    log: Callable[[str], None] = print) -> None:
+    """Write the compiled artifact's target model as a HF checkpoint in `fmt`, from the
+    graph's own (quantized) weights: no pass runs again."""
+    from llmopt.compiler.artifact_reader import read_artifact
+
+    check_format(fmt)
+    log(f"[1/2] reading the compiled weights of {artifact}")
+    ir = read_artifact(artifact)
+    log(f"[2/2] writing a {fmt} Hugging Face checkpoint to {out}")
+    export_hf(ir, out, fmt)
+
+
+def loading_hint(out: Path, fmt: str) -> str:
+    """How transformers loads what `export_hf` wrote in `fmt` (one line)."""
+    config = json.loads((Path(out) / "config.json").read_text())
+    quantization = config.get("quantization_config")
+    load = f"AutoModelForCausalLM.from_pretrained({str(out)!r}"
+    if quantization is None:
+        return f"load with {load}) (plain float weights)"
+    if fmt == "compressed-tensors":
+        groups = quantization["config_groups"].values()
+        if all(g["weights"]["symmetric"] for g in groups):
+            return f"load with {load}) (needs the compressed-tensors package)"
+        return (f"load with {load}, quantization_config=CompressedTensorsConfig(dequantize="
+                "True)): compressed-tensors 0.20 refuses packed asymmetric zero points "
+                "otherwise; --format float writes plain float weights")
+    kernels = "gptqmodel" if fmt.startswith("gptq") else "autoawq"
+    return f"load with {load}) (needs the {kernels} package; or vLLM)"
+
+
 def check_format(fmt: str) -> None:
-    if fmt not in PACKERS:
+    if fmt not in EXPORT_FORMATS:
         raise ValueError(f"unknown export format {fmt!r} (known: {', '.join(EXPORT_FORMATS)})")
 
 
@@ -120,7 +159,8 @@ def hf_tensors(ir: ModelIR, fmt: str) -> tuple[dict[str, torch.Tensor],
         try:
             packed = PACKERS[fmt](q, module)
         except ValueError as exc:
-            raise ValueError(f"cannot export as {fmt}: {exc}") from None
+            raise ValueError(f"cannot export as {fmt}: {exc}; --format float writes every "
+                             "linear dequantized") from None
         tensors.update({f"{module}.{suffix}": t for suffix, t in packed.items()})
     for name, tensor in ir.weights.items():
         if name.removesuffix(".weight") in ir.quantized:

@@ -7,10 +7,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from llmopt.compiler.artifact import check_output_directory, staging_directory, write_artifact
+from llmopt.compiler.artifact import staging_directory, write_artifact
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.lower import lower_to_onnx, lowering_options
+from llmopt.compiler.preflight import check_recipe
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import spec_summary
 from llmopt.passes.registry import PassContext, PassStep, check_order, load_pass
@@ -22,8 +23,7 @@ class QualityBudgetError(ValueError):
 
 
 def compile_recipe(recipe: Recipe, out: Path, log: Callable[[str], None] = print) -> Manifest:
-    check_pass_order(recipe)  # before any work: constraints, then where it will be written
-    check_output_directory(out)
+    check_recipe(recipe, out)  # before any work
     # Phase 1: load the checkpoint into the IR.
     started = time.perf_counter()
     log(f"[1/3] loading {recipe.model}")

@@ -186,3 +186,64 @@ def pack_dequantize_linear(q: QuantizedLinear) -> dict[str, np.ndarray]:
     unsigned = ml_dtypes.uint4 if q.bits == 4 else np.uint8
     zeros = q.zeros.numpy().T.astype(np.int16).astype(unsigned)
     return {"x": codes.astype(unsigned), "x_scale": scales, "x_zero_point": zeros}
+
+
+# --- the inverses: reading a compiled graph's integer weights back --------------------------
+def unpack_matmul_nbits(arrays: dict[str, np.ndarray], k: int, bits: int,
+                        group_size: int) -> QuantizedLinear:
+    """pack_matmul_nbits's inverse: B [N, k_blocks, blob], scales and optional zero points
+    (packed uint8 or float) back to codes [N, K], scales and zeros [N, G]."""
+    packed = arrays["B"]
+    n, k_blocks, _ = packed.shape
+    per_byte, mask = 8 // bits, (1 << bits) - 1
+    codes = np.stack([(packed >> (bits * i)) & mask for i in range(per_byte)], axis=-1)
+    codes = codes.reshape(n, k_blocks * group_size)[:, :k]
+    scales = arrays["scales"].reshape(n, k_blocks).astype(np.float32)
+    zero_points = arrays.get("zero_points")
+    if zero_points is None:
+        zeros = np.full_like(scales, 2.0 ** (bits - 1))
+    elif zero_points.dtype == np.uint8:
+        zeros = _unpack_zero_points(zero_points.reshape(n, -1), bits, k_blocks)
+    else:
+        zeros = zero_points.reshape(n, k_blocks).astype(np.float32)
+    return QuantizedLinear(bits, group_size, torch.from_numpy(np.ascontiguousarray(codes)),
+                           torch.from_numpy(scales), torch.from_numpy(zeros),
+                           zero_points is None)
+
+
+def _unpack_zero_points(packed: np.ndarray, bits: int, groups: int) -> np.ndarray:
+    per_byte, mask = 8 // bits, (1 << bits) - 1
+    zeros = np.stack([(packed >> (bits * i)) & mask for i in range(per_byte)], axis=-1)
+    return zeros.reshape(packed.shape[0], -1)[:, :groups].astype(np.float32)
+
+
+def unpack_dequantize_linear(arrays: dict[str, np.ndarray], group_size: int) -> QuantizedLinear:
+    """pack_dequantize_linear's inverse: x [K, N] (signed codes when symmetric, no zero
+    point), x_scale and x_zero_point [G, N] back to a QuantizedLinear [N, K]."""
+    x = arrays["x"]
+    bits = 4 if x.dtype in (ml_dtypes.int4, ml_dtypes.uint4) else 8
+    symmetric = "x_zero_point" not in arrays
+    codes = x.astype(np.int16).T
+    scales = np.ascontiguousarray(arrays["x_scale"].T, dtype=np.float32)
+    if symmetric:
+        codes = codes + 2 ** (bits - 1)
+        zeros = np.full_like(scales, 2.0 ** (bits - 1))
+    else:
+        zeros = np.ascontiguousarray(arrays["x_zero_point"].astype(np.int16).T, dtype=np.float32)
+    return QuantizedLinear(bits, group_size,
+                           torch.from_numpy(np.ascontiguousarray(codes.astype(np.uint8))),
+                           torch.from_numpy(scales), torch.from_numpy(zeros), symmetric)
+
+
+def join_fractional_zeros(q: QuantizedLinear, offset: np.ndarray) -> QuantizedLinear:
+    """split_fractional_zeros's inverse: symmetric codes and the offset O [G, N] back to
+    one linear with zeros z = h - O / s (exact up to float rounding)."""
+    half = float(2 ** (q.bits - 1))
+    zeros = half - torch.from_numpy(np.ascontiguousarray(offset.T, dtype=np.float32)) / q.scales
+    return QuantizedLinear(q.bits, q.group_size, q.codes, q.scales, zeros, False)
+
+
+def slice_outputs(q: QuantizedLinear, start: int, stop: int) -> QuantizedLinear:
+    """Rows start..stop of a fused linear (concat_outputs's inverse, one part)."""
+    return QuantizedLinear(q.bits, q.group_size, q.codes[start:stop], q.scales[start:stop],
+                           q.zeros[start:stop], q.symmetric)

@@ -58,7 +58,10 @@ class TargetConfig(_Strict):
 
 
 class QualityConfig(_Strict):
-    max_ppl_increase_pct: float | None = Field(None, ge=0)  # budget for each lossy pass
+    # Budget for each lossy pass, in % perplexity. Default None: no budget — the cost is
+    # measured, printed and stored, never fails the compile (int4 weights cost SmolLM2-135M
+    # about 15-40 %, so a budget is a measured choice, not a constant).
+    max_ppl_increase_pct: float | None = Field(None, ge=0)
     # Held-out text the passes measure their cost on; None: the last `eval_windows`
     # windows of calibration.text (none measured without either, or with measure: false).
     eval_text: str | None = None

@@ -18,6 +18,8 @@ from typing import Any
 
 import click
 
+from llmopt.runtime.sampling_params import DEFAULT_MAX_TOKENS
+
 
 def _one_line_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(command)
@@ -72,6 +74,8 @@ class PositiveIntList(click.ParamType):
 
 
 POSITIVE = click.IntRange(min=1)
+# compiler/hf_export.EXPORT_FORMATS, spelled here so a bad --format fails before torch loads
+EXPORT_FORMATS = ("compressed-tensors", "gptq", "gptq_v2", "awq", "float")
 THREADS = click.option("--threads", type=ThreadCount(), default=None,
                        help="ONNX Runtime intra-op threads (default: all cores).")
 
@@ -118,8 +122,11 @@ def main() -> None:
               help="Artifact directory to write.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
               help="Override a recipe value, e.g. --set target.weight_dtype=float16.")
+@click.option("--dry-run", is_flag=True,
+              help="Check the recipe, the pass order, the output folder and the model's "
+                   "location, then stop: nothing is loaded or written.")
 @_one_line_errors
-def compile_command(recipe: Path, out: Path, overrides: tuple[str, ...]) -> None:
+def compile_command(recipe: Path, out: Path, overrides: tuple[str, ...], dry_run: bool) -> None:
     """Compile RECIPE (YAML) into an artifact directory."""
     import yaml
 
@@ -129,6 +136,15 @@ def compile_command(recipe: Path, out: Path, overrides: tuple[str, ...]) -> None
     resolved = load_recipe(recipe, list(overrides))  # before torch loads: errors in < 1 s
     click.echo("resolved recipe:")
     click.echo(yaml.safe_dump(resolved_dict(resolved), sort_keys=False).rstrip())
+    from llmopt.compiler.preflight import check_recipe
+
+    ref = check_recipe(resolved, out)  # still before torch: the model and output named
+    if dry_run:
+        where = ref.location + (f"/{ref.gguf_file}" if ref.gguf_file else "")
+        output = "an artifact, replaced at the end" if out.exists() else "new"
+        click.echo(f"dry run: recipe valid, {len(resolved.passes)} pass(es) in a valid order, "
+                   f"model at {where}, output {out} ({output}); nothing compiled")
+        return
     _quiet_third_party_progress()
     from llmopt.compiler.pipeline import compile_recipe
 
@@ -136,22 +152,44 @@ def compile_command(recipe: Path, out: Path, overrides: tuple[str, ...]) -> None
 
 
 @main.command("export-hf")
-@click.argument("recipe", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("source", type=click.Path(path_type=Path))
 @click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path),
               help="Hugging Face checkpoint directory to write (must not exist).")
 @click.option("--format", "fmt", default="compressed-tensors", show_default=True,
-              help="compressed-tensors (pack-quantized), gptq (v1), gptq_v2 or awq (GEMM).")
+              help="compressed-tensors (pack-quantized), gptq (v1), gptq_v2, awq (GEMM), or "
+                   "float (dequantized float32: loads anywhere without flags).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
-              help="Override a recipe value, e.g. --set passes.0.rtn.bits=8.")
+              help="Override a recipe value, e.g. --set passes.0.rtn.bits=8 (recipes only).")
 @_one_line_errors
-def export_hf_command(recipe: Path, out: Path, fmt: str, overrides: tuple[str, ...]) -> None:
-    """Run RECIPE's passes and write the model as a quantized Hugging Face checkpoint."""
-    _exit_on_sigterm()
-    _quiet_third_party_progress()
-    from llmopt.compiler.hf_export import export_recipe
-    from llmopt.compiler.recipe import load_recipe
+def export_hf_command(source: Path, out: Path, fmt: str, overrides: tuple[str, ...]) -> None:
+    """Write SOURCE as a Hugging Face checkpoint: a compiled artifact directory (its weights
+    as compiled, in seconds) or a recipe YAML (its passes run again)."""
+    from llmopt.runtime.manifest import MANIFEST_FILE
 
-    export_recipe(load_recipe(recipe, list(overrides)), out, fmt, log=click.echo)
+    _exit_on_sigterm()
+    if fmt not in EXPORT_FORMATS:  # hf_export.check_format's words, before torch loads
+        raise ValueError(f"unknown export format {fmt!r} (known: {', '.join(EXPORT_FORMATS)})")
+    if out.exists():  # before any work: the export never replaces a folder
+        raise FileExistsError(f"{out} exists; not replacing it")
+    from_artifact = source.is_dir()
+    if from_artifact and overrides:
+        raise ValueError("--set overrides a recipe; SOURCE is a compiled artifact")
+    if from_artifact and not (source / MANIFEST_FILE).is_file():
+        raise ValueError(f"{source} is a folder but not an llmopt artifact ({MANIFEST_FILE} "
+                         "is missing)")
+    recipe = None
+    if not from_artifact:
+        from llmopt.compiler.recipe import load_recipe
+
+        recipe = load_recipe(source, list(overrides))  # before torch loads
+    _quiet_third_party_progress()
+    from llmopt.compiler.hf_export import export_artifact, export_recipe, loading_hint
+
+    if recipe is None:
+        export_artifact(source, out, fmt, log=click.echo)
+    else:
+        export_recipe(recipe, out, fmt, log=click.echo)
+    click.echo(loading_hint(out, fmt))
 
 
 @main.command("inspect")
@@ -198,7 +236,7 @@ def _speculation_kwargs(speculative: bool, gamma: int | None, spec_max_batch: in
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.argument("prompts", nargs=-1, required=True)
 @click.option("--chat", is_flag=True, help="Wrap each prompt in the chat template.")
-@click.option("--max-tokens", type=POSITIVE, default=128, show_default=True,
+@click.option("--max-tokens", type=POSITIVE, default=DEFAULT_MAX_TOKENS, show_default=True,
               help="Most new tokens per prompt.")
 @click.option("--temperature", type=float, default=None,
               help="0 = greedy. Unset sampling options take the checkpoint's generation "
@@ -295,28 +333,35 @@ def eval_command(artifact: Path, text_file: Path, windows: int, seq_len: int,
 @THREADS
 @click.option("--pool-mib", type=click.FloatRange(min=0, min_open=True), default=256.0,
               show_default=True, help="KV pool size for the 'sequences that fit' line.")
+@click.option("--prompts", "prompts_kind", type=click.Choice(["auto", "text", "random"]),
+              default="auto", show_default=True,
+              help="text: built-in English passages; random: random token ids (they flatter "
+                   "speculation); auto: text when the artifact speculates, else random.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per batch size.")
 @_speculation_options
 @_one_line_errors
 def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: int,
-                  threads: int | None, pool_mib: float, as_json: bool, speculative: bool,
-                  gamma: int | None, spec_max_batch: int | None, drafts: str) -> None:
-    """TTFT, decode tok/s per stream, aggregate tok/s, peak RSS (random-token prompts;
-    with a draft, also acceptance rate and tokens per target step)."""
+                  threads: int | None, pool_mib: float, prompts_kind: str, as_json: bool,
+                  speculative: bool, gamma: int | None, spec_max_batch: int | None,
+                  drafts: str) -> None:
+    """TTFT, decode tok/s per stream, aggregate tok/s, peak RSS (with a draft, also
+    acceptance rate and tokens per target step)."""
     from llmopt.runtime import LLM
-    from llmopt.runtime.bench import run_bench
+    from llmopt.runtime.bench import prompt_kind, run_bench
 
     llm = LLM(artifact, num_threads=threads, max_num_seqs=max(batches),
               max_context=prompt_len + gen_len + 1,
               **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))
+    kind = prompt_kind(prompts_kind, llm.engine.speculator is not None)
     run_bench(llm, 1, min(prompt_len, 16), 4)  # warm-up: session init, first-run allocations
     if not as_json:
         kv, context = llm.manifest.kv_cache, prompt_len + gen_len
         fits = kv.sequences_in_pool(pool_mib * 2**20, context, llm.manifest.runtime.block_size)
         click.echo(f"KV cache: {kv.bytes_per_token()} bytes/token; {fits} sequences of "
                    f"{context} tokens fit in {pool_mib:g} MiB")
+        click.echo(f"prompts: {PROMPT_DESCRIPTIONS[kind]}")
     for size in batches:
-        result = run_bench(llm, size, prompt_len, gen_len)
+        result = run_bench(llm, size, prompt_len, gen_len, prompts_kind=kind)
         if as_json:
             click.echo(json.dumps(result.to_dict()))
         else:
@@ -371,6 +416,13 @@ def serve_command(artifact: Path, host: str, port: int, served_model_name: str |
           max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks,
           max_context=max_context, enable_prefix_caching=not no_prefix_caching,
           **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))
+
+
+PROMPT_DESCRIPTIONS = {
+    "text": "text (built-in English passages, asked about in chat form when the artifact "
+            "has a chat template; --prompts random for random token ids)",
+    "random": "random token ids (they flatter speculation; --prompts text for real text)",
+}
 
 
 def _speculation_line(result: Any) -> str:

@@ -95,7 +95,7 @@ class PassContext:
         if self._probe is None:
             self._probe = QualityProbe.from_text(ir, text, quality.eval_windows,
                                                  quality.eval_seq_len,
-                                                 tail=quality.eval_text is None)
+                                                 tail=quality.eval_text is None, log=self.log)
         return self._probe
 
 

@@ -6,6 +6,9 @@ import hashlib
 import json
 from pathlib import Path
 
+from pydantic import ValidationError
+
+from llmopt.runtime.artifact_check import ManifestMismatch, check_manifest_against_graphs
 from llmopt.runtime.contract import FORMAT_VERSION
 from llmopt.runtime.manifest import MANIFEST_FILE, Manifest
 
@@ -34,9 +37,44 @@ def load_manifest(path: str | Path) -> Manifest:
             f"{manifest_path} has format_version {version} but this runtime reads "
             f"format_version {FORMAT_VERSION}; recompile the artifact or update llmopt"
         )
-    manifest = Manifest.model_validate(raw)
+    try:
+        manifest = Manifest.model_validate(raw)
+    except ValidationError as exc:
+        raise ArtifactError(f"corrupt artifact {path}: {MANIFEST_FILE}: "
+                            f"{_first_error(exc)}") from None
+    check_required_files_listed(path, manifest)
     verify_files(path, manifest.files)
+    try:
+        check_manifest_against_graphs(path, manifest)
+    except ManifestMismatch as exc:
+        raise ArtifactError(f"corrupt artifact {path}: {exc}") from None
     return manifest
+
+
+def _first_error(exc: ValidationError) -> str:
+    """pydantic's first error as `field.path: message` on one line."""
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"]) or "(top level)"
+    return f"{where}: {error['msg']}"
+
+
+def required_files(manifest: Manifest) -> list[str]:
+    """Every file the runtime reads: graphs, their weights, the tokenizer, a token map."""
+    files = [manifest.tokenizer.file]
+    for graph in manifest.graphs.values():
+        files += [graph.file] + ([graph.data_file] if graph.data_file else [])
+    draft = manifest.speculative.model if manifest.speculative else None
+    if draft is not None and draft.token_map:
+        files.append(draft.token_map)
+    return files
+
+
+def check_required_files_listed(path: Path, manifest: Manifest) -> None:
+    """A file the runtime reads but the manifest does not hash would go unchecked."""
+    for file in required_files(manifest):
+        if file not in manifest.files:
+            raise ArtifactError(f"corrupt artifact {path}: {file} is not in the manifest's "
+                                "files, so its sha256 cannot be checked")
 
 
 def verify_files(path: Path, files: dict[str, str]) -> None:

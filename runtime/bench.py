@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from llmopt.runtime.bench_text import text_prompts
 from llmopt.runtime.llm import LLM
 from llmopt.runtime.output import RequestOutput, SpeculationMetrics
 from llmopt.runtime.sampling_params import SamplingParams
@@ -29,9 +30,21 @@ class BenchResult:
     acceptance_rate: float | None = None
     mean_accepted_length: float | None = None
     tokens_per_step: float | None = None
+    prompts: str = "random"  # PROMPT_KINDS: what the prompts were
 
     def to_dict(self) -> dict[str, float | int | None]:
         return asdict(self)
+
+
+PROMPT_KINDS = ("text", "random")  # bench_text's passages, or random token ids
+
+
+def prompt_kind(requested: str, speculates: bool) -> str:
+    """"auto": text when the artifact speculates (random ids flatter every draft: a model
+    fed noise repeats itself), random otherwise (no tokenizer work, any vocabulary)."""
+    if requested != "auto":
+        return requested
+    return "text" if speculates else "random"
 
 
 def bench_prompts(vocab_size: int, batch: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
@@ -41,8 +54,14 @@ def bench_prompts(vocab_size: int, batch: int, prompt_len: int, seed: int = 0) -
     return [rng.integers(low, vocab_size, prompt_len).tolist() for _ in range(batch)]
 
 
-def run_bench(llm: LLM, batch: int, prompt_len: int, gen_len: int, seed: int = 0) -> BenchResult:
-    prompts = bench_prompts(llm.manifest.model.vocab_size, batch, prompt_len, seed)
+def run_bench(llm: LLM, batch: int, prompt_len: int, gen_len: int, seed: int = 0,
+              prompts_kind: str = "random") -> BenchResult:
+    if prompts_kind not in PROMPT_KINDS:
+        raise ValueError(f"bench prompts are one of {PROMPT_KINDS}, not {prompts_kind!r}")
+    if prompts_kind == "text":
+        prompts = text_prompts(llm.tokenizer, batch, prompt_len)
+    else:
+        prompts = bench_prompts(llm.manifest.model.vocab_size, batch, prompt_len, seed)
     params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
     started = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -65,6 +84,7 @@ def run_bench(llm: LLM, batch: int, prompt_len: int, gen_len: int, seed: int = 0
         acceptance_rate=speculation.acceptance_rate if speculation else None,
         mean_accepted_length=speculation.mean_accepted_length if speculation else None,
         tokens_per_step=speculation.tokens_per_step(generated) if speculation else None,
+        prompts=prompts_kind,
     )
 
 

@@ -43,11 +43,31 @@ def describe(path: str | Path, pool_mib: float = 1024.0) -> dict[str, Any]:
                 pool_mib * _MIB, context, manifest.runtime.block_size)
             for context in sorted({2048, manifest.runtime.max_context})},
         "passes": manifest.passes,
+        "weights": _weights(manifest),
+        "speculative": (manifest.speculative.model_dump(exclude={"measured"})
+                        if manifest.speculative else None),
         "tokenizer": _tokenizer_facts(manifest),
         "generation": manifest.generation,
         "runtime": manifest.runtime.model_dump(),
         "tools": manifest.tools,
     }
+
+
+def _weights(manifest: Manifest) -> dict[str, Any]:
+    """The storage dtype and what each weight-quantization pass did (from its report)."""
+    quantized = []
+    for report in manifest.passes:
+        config = report.get("config") or {}
+        if "linears" not in report or "weight_bytes" not in report:
+            continue  # not a weight-quantization pass
+        quantized.append({
+            "pass": report["name"], "bits": config.get("bits"),
+            "group_size": config.get("group_size"), "symmetric": config.get("symmetric"),
+            "linears": report["linears"], "lm_head": bool(config.get("include_lm_head")),
+            "bytes": report["weight_bytes"].get("quantized"),
+            "float32_bytes": report["weight_bytes"].get("float32")})
+    storage = manifest.recipe.get("target", {}).get("weight_dtype", "float32")
+    return {"storage": storage, "quantized": quantized}
 
 
 def kv_layout(kv_cache: KVCacheSpec) -> dict[str, Any]:
@@ -96,6 +116,7 @@ def format_description(info: dict[str, Any]) -> str:
     ]
     lines += [f"  layers {group['layers']}: {group['tensors']} ({group['bytes_per_token']} "
               "bytes/token each)" for group in info["kv_layout"]["groups"]]
+    lines += _weight_lines(info["weights"]) + _speculative_lines(info["speculative"])
     lines += _tokenizer_lines(info["tokenizer"], info["generation"])
     lines.append(f"passes        {len(info['passes'])}")
     for report in info["passes"]:
@@ -106,6 +127,43 @@ def format_description(info: dict[str, Any]) -> str:
         if report.get("quality"):
             lines.append(f"    quality: {report['quality']}")
     return "\n".join(lines)
+
+
+def _weight_lines(weights: dict[str, Any]) -> list[str]:
+    if not weights["quantized"]:
+        return [f"weights       {weights['storage']} (no weight quantization)"]
+    lines = []
+    for q in weights["quantized"]:
+        scheme = (f"int{q['bits']}" if q["bits"] else "integer") + (
+            f", groups of {q['group_size']}" if q["group_size"] else "") + (
+            "" if q["symmetric"] is None else
+            ", symmetric" if q["symmetric"] else ", asymmetric")
+        size = (f", {q['bytes'] / _MIB:.1f} MiB vs {q['float32_bytes'] / _MIB:.1f} MiB float32"
+                if q["bytes"] and q["float32_bytes"] else "")
+        head = "LM head included" if q["lm_head"] else "LM head float"
+        lines.append(f"weights       {q['pass']}: {scheme}; {q['linears']} linears ({head})"
+                     f"{size}; other weights {weights['storage']}")
+    return lines
+
+
+def _speculative_lines(spec: dict[str, Any] | None) -> list[str]:
+    if spec is None:
+        return []
+    drafts = []
+    if spec.get("ngram"):
+        drafts.append(f"ngram (n {spec['ngram']['min_n']}-{spec['ngram']['max_n']})")
+    if spec.get("model"):
+        model = spec["model"]
+        drafts.append(f"draft model ({model['kind']}, vocab {model['vocab_size']})")
+    line = (f"speculative   {' + '.join(drafts) or 'none'}, γ {spec['gamma']}, "
+            f"up to batch {spec['max_batch_size']}")
+    if spec.get("predicted_speedup"):
+        line += f", predicted {spec['predicted_speedup']:.2f}x at batch 1"
+    lines = [line]
+    if spec.get("acceptance"):
+        alphas = " ".join(f"{a:.2f}" for a in spec["acceptance"])
+        lines.append(f"  α           {alphas} (acceptance at each draft position)")
+    return lines
 
 
 def _tokenizer_facts(manifest: Manifest) -> dict[str, Any]:

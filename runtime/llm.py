@@ -10,7 +10,7 @@ import numpy as np
 from llmopt.runtime.artifact import load_manifest
 from llmopt.runtime.assembly import EngineOptions, build_engine
 from llmopt.runtime.output import RequestOutput
-from llmopt.runtime.sampling_params import SamplingParams
+from llmopt.runtime.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from llmopt.runtime.scheduler import check_prompt_length
 from llmopt.runtime.tokenizer import Tokenizer
 
@@ -63,7 +63,10 @@ class LLM:
             adaptive_speculation=adaptive_speculation, drafts=drafts,
         )
         self.engine = build_engine(self.path, manifest, self.tokenizer, options)
-        self.default_params = SamplingParams.from_generation_config(manifest.generation)
+        # The checkpoint's generation config, with max_new_tokens (when it has none) as the
+        # CLI's: generate(prompt) and `llmopt generate OUT prompt` stop at the same length.
+        self.default_params = SamplingParams.from_generation_config(
+            {"max_new_tokens": DEFAULT_MAX_TOKENS, **_without_none(manifest.generation)})
 
     def generate(
         self,
@@ -163,6 +166,10 @@ class LLM:
         if len(params) != num_prompts:
             raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts")
         return list(params)
+
+
+def _without_none(config: dict) -> dict:
+    return {key: value for key, value in config.items() if value is not None}
 
 
 def _is_single_prompt(prompts: Prompt | Sequence[Prompt]) -> bool:

@@ -7,6 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+# New tokens when neither the caller nor the checkpoint's generation config says: the CLI's
+# `--max-tokens` default and `LLM.generate`'s (SamplingParams() itself keeps vLLM's 16).
+DEFAULT_MAX_TOKENS = 128
+
 
 @dataclass(frozen=True)
 class SamplingParams:

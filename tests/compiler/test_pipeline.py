@@ -94,3 +94,16 @@ def test_without_eval_text_the_calibration_texts_tail_is_measured(tiny_checkpoin
         update={"measure": False})})
     _, (report,) = apply_passes(ir, off.passes, PassContext(off, lambda _: None))
     assert report["quality"] is None
+
+
+def test_the_quality_measurement_reports_its_progress(tiny_checkpoints, word_text):
+    ir = load_checkpoint(str(tiny_checkpoints["llama"]))
+    recipe = Recipe(model="m", passes=[{"rtn": {"bits": 4, "group_size": 32}}],
+                    quality={"eval_text": str(word_text), "eval_windows": 3,
+                             "eval_seq_len": 64})
+    lines: list[str] = []
+    apply_passes(ir, recipe.passes, PassContext(recipe, lines.append))
+    progress = [line.strip() for line in lines if line.strip().startswith("quality:")]
+    assert progress[0] == ("quality: measuring 3 windows of 64 tokens (the pass's input and "
+                           "output models)")
+    assert progress[-1].startswith("quality: 3/3 windows, ")

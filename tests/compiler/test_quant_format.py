@@ -96,3 +96,54 @@ def test_fractional_zero_points_split_into_symmetric_codes_and_group_offsets():
     x = np.random.default_rng(1).standard_normal((5, 72)).astype(np.float32)
     split = x @ symmetric.dequantize().numpy().T + (x @ group_sum_matrix(72, 32)) @ offset
     np.testing.assert_allclose(split, x @ q.dequantize().numpy().T, rtol=1e-5, atol=1e-4)
+
+
+# --- the inverses: a compiled graph's integer weights read back ---------------------------
+@pytest.mark.parametrize(("bits", "group", "k", "symmetric", "float_zero"), [
+    (4, 32, 72, False, False),  # a short last group, packed uint8 zero points
+    (4, 32, 72, True, False),  # no zero points at all
+    (4, 128, 576, False, True),  # float zero points
+    (8, 32, 72, False, False),
+    (8, 64, 576, True, False),
+])
+def test_matmul_nbits_unpacks_to_the_same_linear(bits, group, k, symmetric, float_zero):
+    from llmopt.compiler.quant_format import unpack_matmul_nbits
+
+    q = group_quantize(weight(40, k), bits, group, symmetric)
+    if float_zero:
+        q = QuantizedLinear(q.bits, q.group_size, q.codes, q.scales, q.zeros + 0.37, False)
+    back = unpack_matmul_nbits(pack_matmul_nbits(q), k, bits, group)
+    assert (back.bits, back.group_size, back.symmetric) == (bits, group, symmetric)
+    for field in ("codes", "scales", "zeros"):
+        assert torch.equal(getattr(back, field), getattr(q, field)), field
+
+
+@pytest.mark.parametrize(("bits", "symmetric"), [(4, False), (4, True), (8, False), (8, True)])
+def test_dequantize_linear_unpacks_to_the_same_linear(bits, symmetric):
+    from llmopt.compiler.quant_format import pack_dequantize_linear, unpack_dequantize_linear
+
+    q = group_quantize(weight(40, 96), bits, 32, symmetric)
+    back = unpack_dequantize_linear(pack_dequantize_linear(q), 32)
+    assert (back.bits, back.symmetric) == (bits, symmetric)
+    for field in ("codes", "scales", "zeros"):
+        assert torch.equal(getattr(back, field), getattr(q, field)), field
+
+
+def test_split_fractional_zeros_joins_back_and_fused_rows_slice_out():
+    from llmopt.compiler.quant_format import (
+        join_fractional_zeros,
+        slice_outputs,
+        split_fractional_zeros,
+    )
+
+    q = group_quantize(weight(16, 72), 4, 32, symmetric=False)
+    q = QuantizedLinear(4, 32, q.codes, q.scales, q.zeros + 0.37, False)
+    back = join_fractional_zeros(*split_fractional_zeros(q))
+    assert torch.equal(back.codes, q.codes) and not back.symmetric
+    torch.testing.assert_close(back.zeros, q.zeros, rtol=0, atol=1e-4)
+    torch.testing.assert_close(back.dequantize(), q.dequantize(), rtol=0, atol=1e-6)
+    a, b = group_quantize(weight(8, 72, 1), 4, 32, False), group_quantize(weight(5, 72, 2),
+                                                                         4, 32, False)
+    fused = concat_outputs([a, b])
+    assert torch.equal(slice_outputs(fused, 8, 13).codes, b.codes)
+    assert torch.equal(slice_outputs(fused, 0, 8).scales, a.scales)

@@ -250,3 +250,41 @@ def test_a_mistyped_local_path_is_not_taken_for_a_hub_id(tmp_path, monkeypatch):
     recipe = write_recipe(tmp_path, "model: models/smollm2-typo\n")
     code, _, err = run("compile", recipe, "-o", tmp_path / "out")
     assert_one_line_error(code, err, "model path not found: models/smollm2-typo")
+
+
+def test_export_hf_from_a_compiled_artifact(artifact, tmp_path):
+    code, out, err = run("export-hf", artifact, "-o", tmp_path / "hf")
+    assert code == 0, err
+    assert "[1/2] reading the compiled weights of" in out
+    assert out.strip().splitlines()[-1] == (f"load with AutoModelForCausalLM.from_pretrained("
+                                            f"{str(tmp_path / 'hf')!r}) (plain float weights)")
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["{a}", "-o", "{a}"], "error: {a} exists; not replacing it"),
+    (["{a}", "-o", "{t}/new", "--set", "passes.0.rtn.bits=8"],
+     "error: --set overrides a recipe; SOURCE is a compiled artifact"),
+    (["{t}", "-o", "{t}/new"], "error: {t} is a folder but not an llmopt artifact "
+                               "(manifest.json is missing)"),
+    (["{a}", "-o", "{t}/new", "--format", "gguf"], "error: unknown export format 'gguf' "
+                                                   "(known: compressed-tensors, gptq, "),
+])
+def test_export_hf_refusals_are_one_line(artifact, tmp_path, args, message):
+    code, _, err = run("export-hf", *[a.format(a=artifact, t=tmp_path) for a in args])
+    assert_one_line_error(code, err, message.format(a=artifact, t=tmp_path))
+    assert not (tmp_path / "new").exists()
+
+
+def test_export_formats_are_spelled_as_the_exporter_spells_them():
+    from llmopt.cli import EXPORT_FORMATS as CLI_FORMATS
+    from llmopt.compiler.hf_export import EXPORT_FORMATS
+
+    assert CLI_FORMATS == EXPORT_FORMATS
+
+
+def test_a_dry_run_names_a_missing_model_and_writes_nothing(tmp_path):
+    recipe = write_recipe(tmp_path, "model: ./models/smollm2-typo\n")
+    code, out, err = run("compile", recipe, "-o", tmp_path / "out", "--dry-run")
+    assert_one_line_error(code, err, "error: model path not found: ./models/smollm2-typo")
+    assert "resolved recipe:" in out and not (tmp_path / "out").exists()

@@ -131,3 +131,15 @@ def test_format_version_mismatch_names_both_versions(tmp_path):
         LLM(path)
     with pytest.raises(ArtifactError, match="manifest.json is missing"):
         LLM(tmp_path / "nowhere")
+
+
+def test_without_a_generation_length_generate_stops_where_the_cli_does(tmp_path):
+    """The checkpoint's generation config names no max_new_tokens: 128, as `llmopt generate`."""
+    from llmopt.runtime.sampling_params import DEFAULT_MAX_TOKENS
+
+    directory = build_artifact(tmp_path / "toy")
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["generation"] = {"do_sample": False}
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    llm = LLM(directory)
+    assert llm.default_params.max_tokens == DEFAULT_MAX_TOKENS == 128
