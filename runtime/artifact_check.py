@@ -126,12 +126,16 @@ def check_kv_inputs(signature: GraphSignature, kv_cache: KVCacheSpec, field: str
 def expected_kv_inputs(kv_cache: KVCacheSpec) -> dict[str, tuple[str, list[int | str]]]:
     """The `past.*` inputs the manifest's KV layout implies: name -> (dtype, shape).
 
-    Today's layout is the paged pool of the contract, [num_blocks, block_size,
-    *slot_shape], its first two dimensions chosen by the runtime (symbolic here). Another
-    layout only changes the shape this returns.
+    Blocks: the paged pool [num_blocks, block_size, *slot_shape]; lanes: the rows' lanes
+    [batch, kv_heads, capacity, head_dim] (slot shape [kv_heads, head_dim]). The runtime
+    chooses the symbolic dimensions.
     """
-    return {C.past_name(index, tensor.name): (tensor.dtype,
-                                              ["num_blocks", "block_size", *tensor.slot_shape])
+    def shape(slot_shape: list[int]) -> list[int | str]:
+        if kv_cache.layout == "lanes":  # a slot shape of another rank fails the check
+            return ["batch", *slot_shape[:1], "capacity", *slot_shape[1:]]
+        return ["num_blocks", "block_size", *slot_shape]
+
+    return {C.past_name(index, tensor.name): (tensor.dtype, shape(tensor.slot_shape))
             for index, layer in enumerate(kv_cache.layers) for tensor in layer.tensors}
 
 

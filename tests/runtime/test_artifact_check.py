@@ -59,9 +59,9 @@ CASES = {
                            "cannot be checked"),
     "file_missing": (lambda m: m["files"].update({"extra.bin": "0" * 64}),
                      "extra.bin is missing"),
-    "slot_shape": (lambda m: first_key(m).update(slot_shape=[8]),
-                   "manifest kv_cache: past.0.key has shape [num_blocks, block_size, 8] but "
-                   "the graph takes [num_blocks, block_size, 32]"),
+    "slot_shape": (lambda m: first_key(m).update(slot_shape=[2, 8]),
+                   "manifest kv_cache: past.0.key has shape [batch, 2, capacity, 8] but "
+                   "the graph takes [batch, 2, capacity, 16]"),
     "kv_dtype": (lambda m: first_key(m).update(dtype="float16"),
                  "manifest kv_cache: past.0.key is float16 but the graph takes float32"),
     "kv_tensor_renamed": (lambda m: first_key(m).update(name="keys"),
