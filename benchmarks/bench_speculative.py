@@ -7,11 +7,14 @@ loads it twice, speculation on (the manifest's γ and batch-size limit) and off,
 interleaves the two on the same prompts:
 
 - batch 1, greedy, up to `--gen` new tokens (stopping at EOS: past it a chat model
-  rambles, which is not what users run) for chat, code and repetition-heavy prompts:
-  decode tok/s (after the first token), speedup, acceptance rate α, accepted drafts per
-  speculative step, output tokens per target step, and the speedup the
-  formula predicts from α, γ and the costs measured below;
-- batches 1..16 of the whole mix: aggregate tok/s on vs off (the target is >= 0.95x);
+  rambles, which is not what users run), per category of each prompt mix: decode tok/s
+  (after the first token), speedup, acceptance rate α, accepted drafts per speculative
+  step, output tokens per target step, and the speedup the formula predicts from α, γ
+  and the costs measured below. Two mixes: `v2` (`prompts/spec_mix_v2.jsonl`, fixed
+  before any draft tuning: chat, raw completion, code, structured text, copying) is the
+  one to judge drafts by; `old` (chat, code, repetition, below) is kept for comparison
+  with earlier figures. A draft is only as good as its `v2` "all" row;
+- batches of the v2 mix, `--batches`: aggregate tok/s on vs off (the target is >= 0.95x);
 - step costs, timed directly on the executors at batch 1 and a 128-token context: the
   target's verification step of q = 1..γ+1 tokens against q single-token steps, and the
   draft's single-token step against the target's.
@@ -54,7 +57,8 @@ def largest(values):
     return best
 '''
 Prompt = str | list[dict[str, str]]  # one user message, or a whole conversation
-PROMPTS: dict[str, list[Prompt]] = {
+MIX_V2 = Path(__file__).resolve().parent / "prompts" / "spec_mix_v2.jsonl"
+PROMPTS: dict[str, list[Prompt]] = {  # the "old" mix
     "chat": [
         "What are three tips for staying healthy?",
         "Explain what a black hole is in simple terms.",
@@ -93,6 +97,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="Runs of each prompt (batch) on and off, interleaved; median.")
     parser.add_argument("--batches", default="1,2,4,8,16")
+    parser.add_argument("--mixes", default="v2,old", help="Prompt mixes to run: v2, old.")
+    parser.add_argument("--sweep-gen", type=int, default=48,
+                        help="New tokens per prompt in the batch sweep (EOS ignored).")
     parser.add_argument("--max-context", type=int, default=1024)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_speculative.json")
     parser.add_argument("--worker", nargs=2, metavar=("NAME", "PATH"), help=argparse.SUPPRESS)
@@ -107,7 +114,8 @@ def main() -> None:
         print(f"[{name}] {path} ...", flush=True)
         worker_args = [__file__, "--artifacts", args.artifacts, "--threads", str(args.threads),
                        "--gen", str(args.gen), "--rounds", str(args.rounds),
-                       "--batches", args.batches,
+                       "--batches", args.batches, "--mixes", args.mixes,
+                       "--sweep-gen", str(args.sweep_gen),
                        "--max-context", str(args.max_context),
                        "--worker", name, path]
         results["artifacts"][name] = run_json_worker(worker_args, thread_env(args.threads))
@@ -121,61 +129,91 @@ def main() -> None:
 def run_worker(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     from llmopt.runtime import LLM, SamplingParams
 
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in args.batches.split(",") if b]
     # No prefix caching: the same prompts run in several phases, and step_costs writes
     # garbage into pool blocks; decode speed is what is measured.
-    common = {"num_threads": args.threads, "max_num_seqs": max(batches),
+    common = {"num_threads": args.threads, "max_num_seqs": max(batches, default=1),
               "max_context": args.max_context, "enable_prefix_caching": False}
     spec_llm = LLM(path, **common)
     plain_llm = LLM(path, speculative=False, **common)
     spec = spec_llm.manifest.speculative
     params = SamplingParams(temperature=0.0, max_tokens=args.gen)
-    steady = SamplingParams(temperature=0.0, max_tokens=args.gen, ignore_eos=True)
-    encoded = {cat: [spec_llm.tokenizer.encode_chat(as_messages(p)) for p in prompts]
-               for cat, prompts in PROMPTS.items()}
+    steady = SamplingParams(temperature=0.0, max_tokens=args.sweep_gen, ignore_eos=True)
+    mixes = {name: encode_mix(spec_llm.tokenizer, name) for name in args.mixes.split(",")}
+    first = next(iter(next(iter(mixes.values())).values()))[0]
     for llm in (spec_llm, plain_llm):  # warm-up: session start, first-run allocations
-        llm.generate([encoded["chat"][0]], SamplingParams(temperature=0.0, max_tokens=8))
-
-    per_category = {}
-    for category, prompts in encoded.items():
-        on, off = [], []
-        for prompt in prompts:
-            pair = timed_pair(spec_llm, plain_llm, [prompt], params, args.rounds)
-            if pair["on"]["token_ids"] != pair["off"]["token_ids"]:
-                raise RuntimeError(f"greedy outputs differ with speculation on ({category})")
-            on.append(pair["on"])
-            off.append(pair["off"])
-        per_category[category] = summarize(on, off)
+        llm.generate([first], SamplingParams(temperature=0.0, max_tokens=8))
 
     costs = step_costs(spec_llm, spec.gamma)
-    for summary in per_category.values():
-        add_predictions(summary, spec.gamma, costs)
-
-    mix = [p for prompts in encoded.values() for p in prompts]
-    by_batch = {}
-    for batch in batches:
-        # Every prompt of the mix at least once, in batches of `batch` (cycling the mix).
-        count = -(-len(mix) // batch) * batch
-        cycled = (mix * (count // len(mix) + 1))[:count]
-        pairs = [timed_pair(spec_llm, plain_llm, cycled[i : i + batch], steady, args.rounds)
-                 for i in range(0, count, batch)]
-        speed = {mode: sum(p[mode]["decode_tokens"] for p in pairs)
-                 / sum(p[mode]["decode_tokens"] / p[mode]["tok_s"] for p in pairs)
-                 for mode in ("on", "off")}
-        by_batch[batch] = {"plain_tok_s": speed["off"], "spec_tok_s": speed["on"],
-                           "speedup": speed["on"] / speed["off"], "prompts": count,
-                           "speculated": any(p["on"]["spec_steps"] for p in pairs)}
-    all_on = [r for s in per_category.values() for r in s.pop("runs_on")]
-    all_off = [r for s in per_category.values() for r in s.pop("runs_off")]
-    overall = summarize(all_on, all_off)
-    overall.pop("runs_on"), overall.pop("runs_off")
-    add_predictions(overall, spec.gamma, costs)
+    results = {name: batch1_mix(spec_llm, plain_llm, encoded, params, args.rounds, spec.gamma,
+                                costs) for name, encoded in mixes.items()}
+    sweep_mix = [p for prompts in next(iter(mixes.values())).values() for p in prompts]
+    by_batch = {batch: batch_sweep(spec_llm, plain_llm, sweep_mix, batch, steady, args.rounds)
+                for batch in batches}
     return {"path": str(path), "gamma": spec.gamma, "max_batch_size": spec.max_batch_size,
             "kinds": [k for k in ("ngram", "model") if getattr(spec, k) is not None],
             "draft_kind": spec.model.kind if spec.model else None,
+            "ngram": spec.ngram.model_dump() if spec.ngram else None,
             "compile_time_acceptance": spec.acceptance, "compile_time_cost_ratio":
-            spec.cost_ratio, "per_category": per_category, "overall": overall,
-            "step_costs": costs, "by_batch": by_batch}
+            spec.cost_ratio, "mixes": results, "step_costs": costs, "by_batch": by_batch,
+            "loadavg": list(__import__("os").getloadavg())}
+
+
+def encode_mix(tokenizer, name: str) -> dict[str, list[list[int]]]:
+    """Token ids of a mix's prompts by category: `old` (PROMPTS, all chat) or `v2` (the
+    fixed file; chat prompts through the chat template, text prompts as raw text)."""
+    if name == "old":
+        return {cat: [tokenizer.encode_chat(as_messages(p)) for p in prompts]
+                for cat, prompts in PROMPTS.items()}
+    if name != "v2":
+        raise ValueError(f"unknown prompt mix {name!r} (v2, old)")
+    encoded: dict[str, list[list[int]]] = {}
+    for line in MIX_V2.read_text().splitlines():
+        row = json.loads(line)
+        if "prompt" not in row:
+            continue  # the header comment
+        ids = (tokenizer.encode_chat(as_messages(row["prompt"])) if row["format"] == "chat"
+               else tokenizer.encode(row["prompt"]))
+        encoded.setdefault(row["category"], []).append(ids)
+    return encoded
+
+
+def batch1_mix(spec_llm, plain_llm, encoded: dict[str, list[list[int]]], params,
+               rounds: int, gamma: int, costs: dict[str, Any]) -> dict[str, Any]:
+    """Per-category and whole-mix summaries at batch 1; prompts whose greedy outputs
+    differ on and off are counted (they must not exist)."""
+    per_category, runs_on, runs_off, differing = {}, [], [], 0
+    for category, prompts in encoded.items():
+        on, off = [], []
+        for prompt in prompts:
+            pair = timed_pair(spec_llm, plain_llm, [prompt], params, rounds)
+            differing += pair["on"]["token_ids"] != pair["off"]["token_ids"]
+            on.append(pair["on"])
+            off.append(pair["off"])
+        per_category[category] = summarize(on, off)
+        runs_on += per_category[category].pop("runs_on")
+        runs_off += per_category[category].pop("runs_off")
+        add_predictions(per_category[category], gamma, costs)
+    overall = summarize(runs_on, runs_off)
+    overall.pop("runs_on"), overall.pop("runs_off")
+    add_predictions(overall, gamma, costs)
+    return {"per_category": per_category, "overall": overall,
+            "greedy_outputs_differ": differing}
+
+
+def batch_sweep(spec_llm, plain_llm, mix: list[list[int]], batch: int, params,
+                rounds: int) -> dict[str, Any]:
+    """Every prompt of the mix at least once, in batches of `batch` (cycling the mix)."""
+    count = -(-len(mix) // batch) * batch
+    cycled = (mix * (count // len(mix) + 1))[:count]
+    pairs = [timed_pair(spec_llm, plain_llm, cycled[i : i + batch], params, rounds)
+             for i in range(0, count, batch)]
+    speed = {mode: sum(p[mode]["decode_tokens"] for p in pairs)
+             / sum(p[mode]["decode_tokens"] / p[mode]["tok_s"] for p in pairs)
+             for mode in ("on", "off")}
+    return {"plain_tok_s": speed["off"], "spec_tok_s": speed["on"],
+            "speedup": speed["on"] / speed["off"], "prompts": count,
+            "speculated": any(p["on"]["spec_steps"] for p in pairs)}
 
 
 def as_messages(prompt: Prompt) -> list[dict[str, str]]:
@@ -301,18 +339,22 @@ def add_predictions(summary: dict[str, Any], gamma: int, costs: dict[str, Any]) 
 # ------------------------------------------------------------------------- the table
 def print_tables(results: dict[str, Any]) -> None:
     print(f"\nbatch 1, greedy, {results['gen']} new tokens, {results['threads']} thread(s)")
-    print("| draft | γ | prompts | plain tok/s | spec tok/s | speedup | predicted (formula) | "
-          "accounted | α | accepted/step | tokens/step |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| draft | γ | mix | prompts | plain tok/s | spec tok/s | speedup | predicted "
+          "(formula) | accounted | α | accepted/step | tokens/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results["artifacts"].items():
-        rows = {**r["per_category"], "all": r["overall"]}
-        for category, s in rows.items():
-            print(f"| {name} | {r['gamma']} | {category} | {s['plain_tok_s']:.1f} | "
-                  f"{s['spec_tok_s']:.1f} | **{s['speedup']:.2f}x** | "
-                  f"{s['predicted_speedup']:.2f}x | {s['accounted_speedup']:.2f}x | "
-                  f"{s['acceptance_rate']:.2f} | "
-                  f"{s['mean_accepted_length']:.2f} | {s['tokens_per_step']:.2f} |")
-    print("\nbatch sweep (the mix, aggregate decode tok/s; speculation off above the "
+        for mix, m in r["mixes"].items():
+            rows = {**m["per_category"], "all": m["overall"]}
+            for category, s in rows.items():
+                print(f"| {name} | {r['gamma']} | {mix} | {category} | "
+                      f"{s['plain_tok_s']:.1f} | {s['spec_tok_s']:.1f} | "
+                      f"**{s['speedup']:.2f}x** | {s['predicted_speedup']:.2f}x | "
+                      f"{s['accounted_speedup']:.2f}x | {s['acceptance_rate']:.2f} | "
+                      f"{s['mean_accepted_length']:.2f} | {s['tokens_per_step']:.2f} |")
+            if m["greedy_outputs_differ"]:
+                print(f"| {name} | | {mix} | GREEDY OUTPUTS DIFFER on "
+                      f"{m['greedy_outputs_differ']} prompts | | | | | | | | |")
+    print("\nbatch sweep (the first mix, aggregate decode tok/s; speculation off above the "
           "manifest's max_batch_size)")
     print("| draft | max_batch_size | batch | prompts | plain tok/s | spec tok/s | speedup | "
           "speculated |")
@@ -322,12 +364,13 @@ def print_tables(results: dict[str, Any]) -> None:
             print(f"| {name} | {r['max_batch_size']} | {batch} | {b['prompts']} | "
                   f"{b['plain_tok_s']:.1f} | "
                   f"{b['spec_tok_s']:.1f} | {b['speedup']:.2f}x | {b['speculated']} |")
-    print("\nstep costs (batch 1, context 128): verification of q tokens / q single steps")
+    print("\nstep costs (batch 1, context 128): (q)-token step / 1-token step")
     for name, r in results["artifacts"].items():
         c = r["step_costs"]
-        ratios = ", ".join(f"q={q}: {v:.2f}" for q, v in c["verify_vs_sequential"].items())
+        ratios = ", ".join(f"q={q}: {v:.2f}" for q, v in c["verify_ratio"].items())
         print(f"- {name}: target 1-token step {c['target_ms']['1']:.1f} ms, draft step "
-              f"{c['draft_ms']:.2f} ms (ratio {c['draft_cost_ratio']:.3f}); {ratios}")
+              f"{c['draft_ms']:.2f} ms (ratio {c['draft_cost_ratio']:.3f}); {ratios} "
+              f"(load {r['loadavg'][0]:.1f})")
 
 
 if __name__ == "__main__":

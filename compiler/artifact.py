@@ -29,6 +29,7 @@ from llmopt.runtime.contract import FORMAT_VERSION
 from llmopt.runtime.manifest import MANIFEST_FILE, Manifest, SpeculativeSpec
 
 TOKEN_MAP_FILE = "draft_token_map.npy"
+NGRAM_CORPUS_FILE = "draft_ngram_corpus.npy"
 
 _TOOLS = ("llmopt", "torch", "transformers", "onnx", "onnxruntime", "tokenizers")
 
@@ -107,6 +108,9 @@ def _speculative_spec(directory: Path, ir: ModelIR, recipe: Recipe) -> Speculati
     if bundle is None:
         return None
     spec = dict(bundle.speculative)
+    if bundle.ngram_corpus is not None:
+        np.save(directory / NGRAM_CORPUS_FILE, np.asarray(bundle.ngram_corpus, dtype=np.int64))
+        spec["ngram"] = {**spec["ngram"], "corpus": NGRAM_CORPUS_FILE}
     if bundle.ir is not None:
         token_map = None
         if bundle.token_map is not None:

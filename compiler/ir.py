@@ -187,3 +187,4 @@ class DraftBundle:
     ir: ModelIR | None
     token_map: torch.Tensor | None  # int64 [draft vocab_size]
     speculative: dict[str, Any] = field(default_factory=dict)
+    ngram_corpus: list[int] | None = None  # target token ids the suffix n-gram drafter counts

@@ -52,7 +52,7 @@ PASSES: dict[str, PassEntry] = {
     "kv_cache": PassEntry("llmopt.passes.kv_cache", provides=("kv_cache",)),
     # Speculative decoding: pair a draft with the final target (it measures against it).
     "draft": PassEntry("llmopt.passes.draft", provides=("draft",), last=True,
-                       path_keys=("model",)),
+                       path_keys=("model", "corpus")),
 }
 
 # Facts that at most one pass of a recipe may provide, and what they mean to a user.

@@ -85,11 +85,18 @@ class RuntimeDefaults(_Strict):
 
 
 class NgramDraftSpec(_Strict):
-    """Prompt-lookup drafting: no model. The longest suffix of a sequence's tokens
-    (max_n down to min_n) that occurred earlier in it proposes the tokens that followed."""
+    """N-gram drafting: no model. `latest` (prompt lookup): the longest suffix of a
+    sequence's tokens (max_n down to min_n) that occurred earlier in it proposes the
+    tokens that followed its latest occurrence. `suffix`: follower counts over the
+    sequence and the optional `corpus` decide each token and how far to draft
+    (`runtime/spec/suffix.py`)."""
 
     min_n: int = 1
     max_n: int = 4
+    method: Literal["latest", "suffix"] = "latest"
+    min_confidence: float = 0.3  # suffix: stop below this product of follower frequencies
+    length_per_match: float = 1.0  # suffix: drafts per token of matched context
+    corpus: str | None = None  # suffix: .npy of int64 target token ids, in the artifact
 
 
 class DraftModelSpec(_Strict):

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from llmopt.compiler.ir import DraftBundle, ModelIR
@@ -28,6 +29,7 @@ from llmopt.passes.draft.config import (
     Config,
     DraftModelConfig,
     NgramDraft,
+    NgramOptions,
     TinyDraft,
 )
 from llmopt.passes.draft.config import (
@@ -49,15 +51,52 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
                 raise ValueError("the draft's own passes need the pipeline's pass runner")
             draft, report["passes"] = context.run_passes(draft, config.passes, context)
         report["draft"] = _draft_summary(draft, token_map)
-    speculative = measure_pairing(ir, draft, token_map, config, context)
+    corpus = ngram_corpus(ir, config, context, report)
+    speculative = measure_pairing(ir, draft, token_map, config, context, corpus)
     ngram = config.ngram_options()
     speculative["ngram"] = ngram.model_dump() if ngram else None
     report["speculative"] = speculative
     report["total_seconds"] = round(time.perf_counter() - started, 1)
     _log_summary(speculative, context.log)
     out = ir.copy()
-    out.draft = DraftBundle(config.kind, draft, token_map, speculative)
+    out.draft = DraftBundle(config.kind, draft, token_map, speculative, corpus)
     return PassResult(out, report)
+
+
+def ngram_corpus(ir: ModelIR, config: Config, context: PassContext,
+                 report: dict[str, Any]) -> list[int] | None:
+    """The suffix drafter's corpus in target ids: a text file's first tokens, or the
+    target's own greedy answers (`corpus: self`)."""
+    if config.corpus is None:
+        return None
+    started = time.perf_counter()
+    if config.corpus != "self":
+        if not Path(config.corpus).is_file():
+            raise ValueError(f"draft corpus: file not found: {config.corpus}")
+        tokens = list(ir.text_token_ids(config.corpus))[: config.corpus_max_tokens]
+    else:
+        from llmopt.passes.draft import data
+        from llmopt.passes.draft.choice import target_tokenizer
+        from llmopt.passes.draft.measure import PagedRunner
+
+        recipe = context.recipe
+        block_size = recipe.runtime.block_size
+        prompts = data.self_prompts(ir, target_tokenizer(ir), config.corpus_prompts,
+                                    recipe.calibration.text)
+        longest = max(len(p) for p in prompts) + config.corpus_new_tokens
+        blocks = cdiv(longest, block_size)
+        with tempfile.TemporaryDirectory(prefix="llmopt-corpus-") as tmp:
+            target = _executor(ir, recipe, Path(tmp) / "target.onnx",
+                               1 + data.GENERATION_BATCH * blocks, blocks)
+            trajectories = data.generate(lambda _: PagedRunner(target, block_size, blocks),
+                                         prompts, config.corpus_new_tokens,
+                                         ir.arch.eos_token_ids)
+        tokens = [t for traj in trajectories for t in traj.tokens]  # prompts too: they
+        # hold the phrasing that answers repeat
+    report["ngram_corpus"] = {"source": config.corpus, "tokens": len(tokens),
+                              "seconds": round(time.perf_counter() - started, 1)}
+    context.log(f"      n-gram corpus: {len(tokens)} tokens from {config.corpus}")
+    return tokens
 
 
 # --- building the draft --------------------------------------------------------------------
@@ -190,7 +229,8 @@ def _draft_summary(draft: ModelIR, token_map: torch.Tensor | None) -> dict[str, 
 
 # --- measuring the pairing -------------------------------------------------------------
 def measure_pairing(ir: ModelIR, draft: ModelIR | None, token_map: torch.Tensor | None,
-                    config: Config, context: PassContext) -> dict[str, Any]:
+                    config: Config, context: PassContext,
+                    corpus: list[int] | None = None) -> dict[str, Any]:
     """Lower target (and draft) into a temporary directory and measure them there."""
     from llmopt.passes.draft import choice as m
 
@@ -205,7 +245,7 @@ def measure_pairing(ir: ModelIR, draft: ModelIR | None, token_map: torch.Tensor 
         prompts=prompts, new_tokens=new_tokens, batch_sizes=config.batch_sizes,
         context_len=context_len, repeats=config.cost_repeats, max_gamma=MAX_GAMMA,
         gamma=None if config.gamma == "auto" else config.gamma,
-        ngram=(ngram.min_n, ngram.max_n) if ngram else None, min_speedup=config.min_speedup,
+        ngram=_ngram_lookup(ngram, corpus), min_speedup=config.min_speedup,
         block_size=block_size, eos_ids=ir.arch.eos_token_ids)
     longest = max(len(p) for p in prompts) + new_tokens
     seq_blocks = max(cdiv(longest, block_size), cdiv(context_len + MAX_GAMMA + 1, block_size))
@@ -218,6 +258,18 @@ def measure_pairing(ir: ModelIR, draft: ModelIR | None, token_map: torch.Tensor 
                                                           num_blocks, seq_blocks)
         mapping = None if token_map is None else token_map.numpy()
         return m.measure(target, draft_exec, mapping, settings)
+
+
+def _ngram_lookup(ngram: NgramOptions | None, corpus: list[int] | None) -> Any:
+    """The runtime's n-gram drafter's lookup, for the simulation (None: no n-gram)."""
+    if ngram is None:
+        return None
+    from llmopt.runtime.manifest import NgramDraftSpec
+    from llmopt.runtime.spec.speculator import make_ngram_drafter
+
+    spec = NgramDraftSpec.model_validate(ngram.model_dump())
+    array = None if corpus is None else np.asarray(corpus, dtype=np.int64)
+    return make_ngram_drafter(None, spec, array).lookup
 
 
 def _executor(ir: ModelIR, recipe: Recipe, path: Path, num_blocks: int,

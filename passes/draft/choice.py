@@ -14,6 +14,7 @@ import numpy as np
 from llmopt.compiler.ir import ModelIR
 from llmopt.passes.draft.distill import text_windows
 from llmopt.passes.draft.measure import (
+    NgramLookup,
     PagedRunner,
     SimulatedSteps,
     StepCosts,
@@ -45,7 +46,7 @@ class MeasureSettings:
     repeats: int
     max_gamma: int
     gamma: int | None  # fixed by the recipe; None: choose
-    ngram: tuple[int, int] | None  # (min_n, max_n) when n-gram lookup drafts first
+    ngram: NgramLookup | None  # the n-gram drafter's lookup, when it drafts first
     min_speedup: float
     block_size: int
     eos_ids: tuple[int, ...]

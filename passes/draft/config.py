@@ -33,7 +33,12 @@ class NgramOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     min_n: int = Field(1, ge=1)
-    max_n: int = Field(4, ge=1)
+    max_n: int = Field(4, ge=1, le=32)
+    # latest: prompt lookup (the latest earlier occurrence); suffix: follower counts over
+    # the sequence and the draft's `corpus` decide each token and the draft's length.
+    method: Literal["latest", "suffix"] = "latest"
+    min_confidence: float = Field(0.3, ge=0.0, le=1.0)  # suffix: frequency product floor
+    length_per_match: float = Field(1.0, gt=0.0)  # suffix: drafts per matched token
 
     @model_validator(mode="after")
     def _ordered(self) -> NgramOptions:
@@ -57,6 +62,13 @@ class _Draft(BaseModel):
     context_len: int = Field(128, gt=0)
     cost_repeats: int = Field(5, gt=0)  # interleaved rounds; each step keeps its fastest
     min_speedup: float = Field(1.05, gt=0)  # below this predicted speedup: speculation off
+    # n-gram `method: suffix` also counts followers in a corpus kept in the artifact: a
+    # UTF-8 text file, or `self`: the target's own greedy answers to `corpus_prompts`
+    # prompts (`data.self_prompts`) of `corpus_new_tokens` tokens each.
+    corpus: str | None = None
+    corpus_prompts: int = Field(64, gt=0)
+    corpus_new_tokens: int = Field(128, gt=0)
+    corpus_max_tokens: int = Field(200_000, gt=0)  # a text corpus's first tokens
 
     @model_validator(mode="before")
     @classmethod
@@ -83,6 +95,13 @@ class _Draft(BaseModel):
         if not sizes or sorted(set(sizes)) != sizes or sizes[0] < 1:
             raise ValueError("batch_sizes is a non-empty increasing list of positive sizes")
         return sizes
+
+    @model_validator(mode="after")
+    def _corpus_needs_suffix(self) -> _Draft:
+        ngram = self.ngram_options()
+        if self.corpus is not None and (ngram is None or ngram.method != "suffix"):
+            raise ValueError("corpus needs n-gram drafting with ngram.method: suffix")
+        return self
 
     def ngram_options(self) -> NgramOptions | None:
         if isinstance(self.ngram, NgramOptions):

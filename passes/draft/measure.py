@@ -17,7 +17,7 @@ import numpy as np
 
 from llmopt.runtime.paging import cdiv
 from llmopt.runtime.spec.drafter import (
-    ngram_lookup,  # the simulation proposes what the runtime will
+    NgramDrafter,  # the simulation proposes what the runtime will
 )
 from llmopt.runtime.step_batch import Executor, SequenceStep, make_step_batch
 
@@ -71,15 +71,23 @@ class SimulatedSteps:
         return alphas
 
 
+# A fresh draft function for one growing sequence: (its tokens, k) -> up to k drafts.
+NgramLookup = Callable[[], Callable[[Sequence[int], int], list[int]]]
+
+
 def simulate(trajectories: list[Trajectory], gamma: int,
-             ngram: tuple[int, int] | None) -> SimulatedSteps:
+             ngram: NgramLookup | tuple[int, int] | None) -> SimulatedSteps:
     """Walk each trajectory as the runtime would: n-gram proposal first when it matches,
-    else the draft model's (when there is one), else a plain step."""
+    else the draft model's (when there is one), else a plain step. `ngram`: the n-gram
+    drafter's lookup, or (min_n, max_n) of prompt lookup."""
+    if isinstance(ngram, tuple):
+        ngram = NgramDrafter(*ngram).lookup
     steps = SimulatedSteps()
     for traj in trajectories:
         t = traj.prompt_len
+        lookup = ngram() if ngram else None
         while t < len(traj.tokens):
-            proposal = ngram_lookup(traj.tokens[:t], *ngram, gamma) if ngram else []
+            proposal = lookup(traj.tokens[:t], gamma) if lookup else []
             if proposal:
                 truth = traj.tokens[t : t + len(proposal)]
                 agree = np.array([p == x for p, x in zip(proposal, truth, strict=False)])

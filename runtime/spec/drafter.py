@@ -1,6 +1,7 @@
 """Drafters: what proposes the tokens a speculative step verifies.
 
 `NgramDrafter` looks the sequence's own recent tokens up earlier in it (prompt lookup);
+`SuffixDrafter` drafts from follower counts over the sequence and a corpus (`suffix`);
 `ModelDrafter` runs the artifact's draft graph; `FallbackDrafter` tries the first and
 asks the second for the sequences it has nothing for. A proposal carries the
 distributions its tokens were drawn from, which exact verification needs (None: the
@@ -18,6 +19,7 @@ import numpy as np
 from llmopt.runtime.kv_cache_manager import KVCacheManager
 from llmopt.runtime.request import Request
 from llmopt.runtime.sampler import draw, sample, token_probs
+from llmopt.runtime.spec.suffix import NgramIndex, SuffixSettings, suffix_draft
 from llmopt.runtime.step_batch import Executor, SequenceStep, StepBatch, make_step_batch
 
 
@@ -50,6 +52,10 @@ class NgramDrafter:
             raise ValueError(f"n-gram drafting needs 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
+    def lookup(self) -> Callable[[Sequence[int], int], list[int]]:
+        """A draft function for one growing sequence (the compile-time simulation's)."""
+        return lambda token_ids, k: ngram_lookup(token_ids, self.min_n, self.max_n, k)
+
     def propose(self, requests: Sequence[Request], max_tokens: Sequence[int],
                 budget: Budget | None = None) -> list[Proposal]:
         proposals = []
@@ -80,6 +86,43 @@ def ngram_match(token_ids: Sequence[int], min_n: int, max_n: int,
 
 def ngram_lookup(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
     return ngram_match(token_ids, min_n, max_n, k)[0]
+
+
+class SuffixDrafter:
+    """Frequency n-gram drafting over the sequence's own tokens and an optional corpus
+    (`suffix.suffix_draft`); each sequence's index lives in its `SpecState`."""
+
+    def __init__(self, settings: SuffixSettings, corpus: Sequence[int] | None = None):
+        self.settings = settings
+        self.corpus = None if corpus is None else NgramIndex(settings.max_n, corpus)
+
+    def propose(self, requests: Sequence[Request], max_tokens: Sequence[int],
+                budget: Budget | None = None) -> list[Proposal]:
+        proposals = []
+        for request, k in zip(requests, max_tokens, strict=True):
+            tokens, source = self.draft(request.all_token_ids, request, k) if k else ([], "")
+            if tokens and budget is not None:
+                tokens = tokens[: budget(request, source)]
+            proposals.append(Proposal(tokens, source=source))
+        return proposals
+
+    def draft(self, token_ids: Sequence[int], request: Request,
+              k: int) -> tuple[list[int], str]:
+        """Up to k tokens after a request's tokens; its index is kept in its state."""
+        if request.spec.ngram_index is None:
+            request.spec.ngram_index = NgramIndex(self.settings.max_n)
+        return self._draft(token_ids, request.spec.ngram_index, k)
+
+    def lookup(self) -> Callable[[Sequence[int], int], list[int]]:
+        """A draft function for one growing sequence (the compile-time simulation's)."""
+        index = NgramIndex(self.settings.max_n)
+        return lambda token_ids, k: self._draft(token_ids, index, k)[0]
+
+    def _draft(self, token_ids: Sequence[int], index: NgramIndex,
+               k: int) -> tuple[list[int], str]:
+        index.sync(token_ids)  # its own suffix has no follower yet: no self-match
+        indexes = [("ngram", index)] + ([("corpus", self.corpus)] if self.corpus else [])
+        return suffix_draft(token_ids, indexes, k, self.settings)
 
 
 class ModelDrafter:

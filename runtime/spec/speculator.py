@@ -17,14 +17,21 @@ from pathlib import Path
 import numpy as np
 
 from llmopt.runtime.kv_cache_manager import KVCacheManager
-from llmopt.runtime.manifest import KVCacheSpec, Manifest, SpeculativeSpec
+from llmopt.runtime.manifest import KVCacheSpec, Manifest, NgramDraftSpec, SpeculativeSpec
 from llmopt.runtime.request import Request
 from llmopt.runtime.scheduler import ScheduledRequest
 from llmopt.runtime.spec.cost_model import equivalent_alpha
-from llmopt.runtime.spec.drafter import Drafter, FallbackDrafter, ModelDrafter, NgramDrafter
+from llmopt.runtime.spec.drafter import (
+    Drafter,
+    FallbackDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    SuffixDrafter,
+)
 from llmopt.runtime.spec.governor import SpeculationGovernor
 from llmopt.runtime.spec.policy import SpeculationPolicy
 from llmopt.runtime.spec.rejection_sampler import verify_drafts
+from llmopt.runtime.spec.suffix import SuffixSettings
 from llmopt.runtime.step_batch import Executor
 
 
@@ -179,11 +186,27 @@ def make_drafter(
                                  f"{token_map.shape}, expected ({draft.vocab_size},)")
         executor = executor_for(draft.graph, draft.kv_cache, draft.max_position)
         model = ModelDrafter(executor, kv_cache_manager, manifest.model.vocab_size, token_map)
-    ngram = spec.ngram and drafts != "model" and NgramDrafter(spec.ngram.min_n,
-                                                              spec.ngram.max_n)
+    ngram = spec.ngram and drafts != "model" and make_ngram_drafter(path, spec.ngram)
     if ngram and model:
         return FallbackDrafter(ngram, model)
     if ngram or model:
         return ngram or model
     raise ValueError("the manifest's speculative section names neither an n-gram nor a "
                      "model draft")
+
+
+def make_ngram_drafter(path: Path | None, spec: NgramDraftSpec,
+                       corpus: np.ndarray | None = None) -> NgramDrafter | SuffixDrafter:
+    """The n-gram drafter `spec` describes; a suffix drafter's corpus is read from the
+    artifact at `path` unless given."""
+    if spec.method == "latest":
+        return NgramDrafter(spec.min_n, spec.max_n)
+    if corpus is None and spec.corpus is not None:
+        if path is None:
+            raise ValueError("a suffix drafter with a corpus file needs the artifact's path")
+        corpus = np.load(path / spec.corpus)
+        if corpus.ndim != 1 or not np.issubdtype(corpus.dtype, np.integer):
+            raise ValueError(f"the n-gram corpus {spec.corpus} is not a 1-D array of token ids")
+    settings = SuffixSettings(spec.min_n, spec.max_n, spec.min_confidence,
+                              spec.length_per_match)
+    return SuffixDrafter(settings, None if corpus is None else corpus.tolist())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -15,6 +16,9 @@ class SpecState:
     token_ids: list[int] = field(default_factory=list)
     source: str = ""
     probs: np.ndarray | None = None
+    # The suffix drafter's index of this sequence's own tokens (`suffix.NgramIndex`),
+    # extended as tokens are accepted.
+    ngram_index: Any = None
     # Leading known tokens whose draft-model KV is in the pool.
     num_draft_computed_tokens: int = 0
     # Totals for the request's metrics.

@@ -92,6 +92,28 @@ def test_ngram_only_artifact(target_dir, word_text, tmp_path):
     assert spec.ngram.min_n == 1 and 1 <= spec.gamma <= 8 and spec.cost_ratio == 0.0
 
 
+def test_suffix_ngram_artifacts_keep_their_corpus(target_dir, word_text, tmp_path):
+    from llmopt.runtime import LLM, SamplingParams
+
+    with pytest.raises(ValueError, match="corpus needs n-gram drafting with ngram.method"):
+        draft.make_config(kind="ngram", corpus="self")
+    suffix = {"method": "suffix", "max_n": 6}
+    for corpus in (str(word_text), "self"):
+        out = compile_with_draft(target_dir, word_text, tmp_path / corpus[-4:], kind="ngram",
+                                 ngram=suffix, corpus=corpus, corpus_prompts=4,
+                                 corpus_new_tokens=8, corpus_max_tokens=300)
+        spec = load_manifest(out).speculative
+        assert spec.ngram.method == "suffix" and spec.ngram.corpus == "draft_ngram_corpus.npy"
+        corpus_ids = np.load(out / spec.ngram.corpus)
+        assert corpus_ids.ndim == 1 and 8 <= corpus_ids.size <= (300 if corpus != "self"
+                                                                 else 10_000)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = [[5, 6, 7, 8, 5, 6, 7]]
+    on = LLM(out).generate(prompt, params)[0]
+    off = LLM(out, speculative=False).generate(prompt, params)[0]
+    assert on.token_ids == off.token_ids
+
+
 def test_recipe_resolves_the_draft_model_path(target_dir, tmp_path):
     from llmopt.compiler.recipe import load_recipe
 
