@@ -13,7 +13,6 @@ Systems (each worker a fresh subprocess, greedy, EOS ignored, same random prompt
   llmopt-rtn4-a8       one rtn pass: int4 sym g32 decoder linears, 8-bit LM head, level 4
   llmopt-rtn4-a8-blocks  the same over the gathered blocks KV layout (the old hot path)
   llmopt-rtn4-h4-a8    the same with a 4-bit LM head (fewer bytes per token)
-  llmopt-rtn4-h4-qe-a8 ... and embeddings gathered from the head's int4 codes (no fp32 table)
   llmopt-rtn4-a8-dq    rtn4-a8 lowered as DequantizeLinear -> MatMul (ORT fuses them)
   llama.cpp-q4_1       llama-cpp-python on the package's own Q4_1 GGUF
   llama.cpp-q4_0       the same weights as an F32 GGUF, re-quantized by llama.cpp to Q4_0
@@ -82,8 +81,6 @@ ARTIFACTS: dict[str, tuple[str, list[str]]] = {
     "llmopt-rtn4-a8-blocks": ("smollm2-rtn4-sym-g32-h8-a8-blocks",
                               [f"passes=[{RTN4 % 8}]", A8, "target.kv_layout=blocks"]),
     "llmopt-rtn4-h4-a8": ("smollm2-rtn4-sym-g32-h4-a8", [f"passes=[{RTN4 % 4}]", A8]),
-    "llmopt-rtn4-h4-qe-a8": ("smollm2-rtn4-sym-g32-h4-qe-a8",
-                             [f"passes=[{RTN4 % 4}]", A8, "target.quantized_embedding=true"]),
     "llmopt-rtn4-a8-dq": ("smollm2-rtn4-sym-g32-h8-a8-dq",
                           [f"passes=[{RTN4 % 8}]", A8,
                            "target.quantized_matmul=dequantize_linear"]),
@@ -97,7 +94,7 @@ SYSTEMS = (*ARTIFACTS, *LLAMA_CPP, OG)
 DEFAULT_SYSTEMS = ("llmopt-q4_1", "llmopt-q4_1-a8", "llmopt-rtn4-a8", "llmopt-rtn4-h4-a8",
                    Q4_0, Q4_1, OG)
 INT4_LLMOPT = ("llmopt-q4_1", "llmopt-q4_1-a8", "llmopt-rtn4-a8", "llmopt-rtn4-h4-a8",
-               "llmopt-rtn4-h4-qe-a8", "llmopt-rtn4-a8-dq")
+               "llmopt-rtn4-a8-dq")
 Q4_1_LLMOPT = ("llmopt-q4_1", "llmopt-q4_1-a8")  # lossless: the same blocks as llama.cpp-q4_1
 ANCHORS = (Q4_0, Q4_1, "llama.cpp-q8_0", OG)
 TARGET = 1.2  # batch-8 aggregate vs the anchors

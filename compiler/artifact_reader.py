@@ -102,7 +102,8 @@ def _read_weights(ir: ModelIR, initializers: dict[str, np.ndarray],
     for name, array in initializers.items():  # norms keep their IR names
         if name.endswith("_norm") or name == "final_norm":
             ir.weights[name] = _float(array)
-    ir.weights["embed_tokens"] = _float(initializers["embed_tokens"])
+    if "embed_tokens" in initializers:  # else gathered from the tied head's codes (below)
+        ir.weights["embed_tokens"] = _float(initializers["embed_tokens"])
     if not arch.tie_word_embeddings and "lm_head" in initializers:
         ir.weights["lm_head.weight"] = _float(initializers["lm_head"]).T.contiguous()
     for index, layer in enumerate(arch.layers):
@@ -114,8 +115,9 @@ def _read_weights(ir: ModelIR, initializers: dict[str, np.ndarray],
         for parts in FUSED_LINEARS:
             _read_linear(ir, initializers, nodes, f"layers.{index}.", parts, sizes)
     if "lm_head" in nodes:
-        ir.set_quantized("lm_head", _quantized(initializers, nodes, "lm_head"))
-        ir.weights["embed_tokens"] = _float(initializers["embed_tokens"])  # the graph's own
+        ir.set_quantized("lm_head", _quantized(initializers, nodes, "lm_head"))  # tied: the
+        if "embed_tokens" in initializers:  # embedding too, unless the graph has its own
+            ir.weights["embed_tokens"] = _float(initializers["embed_tokens"])
 
 
 def _read_linear(ir: ModelIR, initializers: dict[str, np.ndarray], nodes: dict[str, dict],

@@ -59,7 +59,6 @@ class LoweringOptions:
     # blocks and attends over the copy; "lanes" gives each sequence a contiguous lane that
     # ONNX Runtime's GroupQueryAttention reads and appends to in place.
     kv_layout: str = "blocks"
-    quantized_embedding: bool = False  # gather embeddings from the tied int LM head's codes
 
 
 def lowering_options(recipe: Recipe, arch: ArchSpec) -> LoweringOptions:
@@ -72,7 +71,6 @@ def lowering_options(recipe: Recipe, arch: ArchSpec) -> LoweringOptions:
         quantized_matmul=None if recipe.target.quantized_matmul == "auto"
         else recipe.target.quantized_matmul,
         kv_layout=kv_layout_for(recipe.target.kv_layout, recipe.target.operator_set, arch),
-        quantized_embedding=recipe.target.quantized_embedding,
     )
 
 
@@ -254,7 +252,7 @@ class _DecoderLowering:
 
     # --- blocks -----------------------------------------------------------------------
     def _embed(self) -> str:
-        if self.options.quantized_embedding:
+        if self._embeds_head_codes():
             hidden = self._quantized_embed()
         else:
             table = self._stored("embed_tokens", _np(self.ir.weights["embed_tokens"]))
@@ -264,16 +262,19 @@ class _DecoderLowering:
             hidden = self.g.op("Mul", [hidden, scale])
         return hidden
 
+    def _embeds_head_codes(self) -> bool:
+        """A tied LM head quantized to integer codes makes the embedding table those codes
+        dequantized (`ModelIR.set_quantized`): gather them from the codes, exactly, with no
+        float32 table in the artifact or in memory."""
+        q = self.ir.quantized.get("lm_head")
+        return (q is not None and self.arch.tie_word_embeddings and q.integer_zeros()
+                and self.ops.operator_set == "onnxruntime"
+                and not q.shape[1] % q.group_size and not q.group_size & (q.group_size - 1))
+
     def _quantized_embed(self) -> str:
         """Embedding rows dequantized from the tied LM head's codes by ONNX Runtime's
         GatherBlockQuantized: MatMulNBits' packing, row by row, is its packing."""
-        q = self.ir.quantized.get("lm_head")
-        if (q is None or not self.arch.tie_word_embeddings or not q.integer_zeros()
-                or self.options.operator_set != "onnxruntime"
-                or q.shape[1] % q.group_size or q.group_size & (q.group_size - 1)):
-            raise ValueError("target.quantized_embedding needs the onnxruntime operator set "
-                             "and an LM head tied to the embedding, quantized with integer "
-                             "zero points in power-of-two groups dividing the hidden size")
+        q = self.ir.quantized["lm_head"]
         packed = pack_matmul_nbits(q)
         vocab = q.shape[0]
         inputs = [self.g.weight("embed_tokens.codes", packed["B"].reshape(vocab, -1)),

@@ -51,10 +51,6 @@ class TargetConfig(_Strict):
     # GroupQueryAttention read and append each sequence's KV in place; "blocks" gathers
     # a step's blocks (any KV dtype, any operator set); auto: lanes wherever it can run.
     kv_layout: Literal["auto", "blocks", "lanes"] = "auto"
-    # Gather token embeddings from the integer LM head's codes (a tied head, quantized by
-    # a pass with include_lm_head): no float32 table in the artifact or in memory, at the
-    # embedding's own rounding cost (not in the passes' quality reports: measure it).
-    quantized_embedding: bool = False
 
 
 class QualityConfig(_Strict):
@@ -92,14 +88,6 @@ class Recipe(_Strict):
     @field_serializer("passes")
     def _dump_passes(self, steps: list[PassStep]) -> list[dict[str, Any]]:
         return [{step.name: step.config.model_dump(mode="json")} for step in steps]
-
-    @model_validator(mode="after")
-    def _embedding_has_a_quantized_head(self) -> Recipe:
-        if self.target.quantized_embedding and not any(
-                getattr(step.config, "include_lm_head", False) for step in self.passes):
-            raise ValueError("target.quantized_embedding needs a weight-quantization pass "
-                             "with include_lm_head: true (it gathers the head's codes)")
-        return self
 
     @model_validator(mode="after")
     def _budget_has_text(self) -> Recipe:

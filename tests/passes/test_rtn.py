@@ -118,16 +118,15 @@ def test_lm_head_takes_its_own_bits(tiny_checkpoints):
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_quantized_embedding_gathers_the_heads_codes(symmetric, tiny_checkpoints, word_text,
-                                                     tmp_path):
+def test_a_tied_quantized_head_is_also_the_embedding_gathered_from_its_codes(
+        symmetric, tiny_checkpoints, word_text, tmp_path):
     config = {"bits": 4, "group_size": 32, "symmetric": symmetric, "include_lm_head": True}
-    base = recipe(tiny_checkpoints["llama"], word_text, **config)  # llama's head is tied
-    quantized_embedding = base.model_copy(update={"target": base.target.model_copy(
-        update={"quantized_embedding": True})})
-    compile_recipe(quantized_embedding, tmp_path / "a", log=lambda _: None)
+    compile_recipe(recipe(tiny_checkpoints["llama"], word_text, **config), tmp_path / "a",
+                   log=lambda _: None)  # llama's head is tied to its embedding
     ir = load_checkpoint(str(tiny_checkpoints["llama"]))
     quantized = rtn.run(ir, rtn.Config(**config), None).ir
-    quantized.weights["embed_tokens"] = quantized.quantized["lm_head"].dequantize()
+    head = quantized.quantized["lm_head"].dequantize()
+    assert torch.equal(quantized.weights["embed_tokens"], head)  # one tied tensor
     tokens = list(range(3, 43))
     with torch.no_grad():
         logits = ReferenceModel(quantized).forward(torch.tensor([tokens]))[0, :-1]
@@ -136,9 +135,3 @@ def test_quantized_embedding_gathers_the_heads_codes(symmetric, tiny_checkpoints
     graph = onnx.load(str(tmp_path / "a" / "target.onnx"), load_external_data=False).graph
     assert "GatherBlockQuantized" in [n.op_type for n in graph.node]
     assert "embed_tokens" not in {i.name for i in graph.initializer}  # no float table
-
-
-def test_quantized_embedding_needs_a_quantized_head(tiny_checkpoints, word_text):
-    with pytest.raises(ValueError, match="include_lm_head"):
-        Recipe(model=str(tiny_checkpoints["llama"]), passes=[{"rtn": {}}],
-               target={"quantized_embedding": True})
