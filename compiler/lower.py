@@ -117,7 +117,8 @@ def cache_tensors(spec: LayerSpec, layout: str = "blocks") -> list[dict]:
 
     Blocks: a slot holds all KV heads of a token side by side, [kv_heads * head_dim]
     (packed for int4, plus per-group scales for dynamically scaled dtypes; see
-    kv_cache_format). Lanes: float32 keys and values, [kv_heads, head_dim] per token.
+    kv_cache_format). Lanes: keys and values in the layer's dtype (float32, or int8 with
+    static scales baked into the graph), [kv_heads, head_dim] per token.
     """
     if layout == "lanes":
         return [{"name": name, "dtype": spec.kv_dtype, "slot_shape": [spec.num_kv_heads,

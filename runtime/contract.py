@@ -37,7 +37,8 @@ p < context_lens[b] (and inside its layer's sliding window), and to the step's o
 only when j <= its own row index (causal by index, so right padding never leaks).
   - block 0 is a reserved null block that no sequence owns.
 
-The lanes layout (manifest `kv_cache.layout: lanes`; float32 keys and values only) keeps
+The lanes layout (manifest `kv_cache.layout: lanes`; float32 keys and values, or int8 codes
+with static per-channel scales inside the graph) keeps
 block tables and block ids but gives each sequence a lane: lane l owns blocks
 1 + l*L .. (l+1)*L (L blocks per lane), so a sequence's positions are contiguous and a
 pool tensor is [lanes, kv_heads, L * block_size, head_dim]. ONNX Runtime's
