@@ -83,6 +83,11 @@ def present_name(layer: int, tensor: str) -> str:
     return f"present.{layer}.{tensor}"
 
 
+def present_of(past: str) -> str:
+    """The lanes layout's present output bound to the same memory as input `past`."""
+    return "present." + past.removeprefix("past.")
+
+
 def new_name(layer: int, tensor: str) -> str:
     """Graph output holding the step's entries for pool tensor `tensor` of `layer`."""
     return f"new.{layer}.{tensor}"

@@ -50,7 +50,10 @@ class OrtExecutor:
                 shape = (num_blocks, block_size, *t.slot_shape)
                 self.pools[contract.past_name(i, t.name)] = np.zeros(shape, dtype=t.dtype)
                 self.new_to_past[contract.new_name(i, t.name)] = contract.past_name(i, t.name)
-        check_graph_io(self.session, list(self.pools), list(self.new_to_past))
+        check_graph_io(self.session, {contract.INPUT_IDS, contract.POSITION_IDS,
+                                      contract.BLOCK_TABLES, contract.CONTEXT_LENS,
+                                      contract.LOGITS_INDICES, *self.pools},
+                       {contract.LOGITS, *self.new_to_past}, "paged-KV")
         # One binding for the executor's life: the pools are bound once, as OrtValues over
         # the arrays' own memory (binding copies nothing); a step rebinds the contract's
         # small inputs and its outputs (whose shapes change from step to step).
@@ -220,23 +223,16 @@ def contract_inputs(
     return inputs, slots.ravel()
 
 
-def check_graph_io(session: ort.InferenceSession, past: list[str], new: list[str]) -> None:
-    """Fail loudly when the graph's inputs and outputs do not match the manifest's KV layout."""
-    inputs = {i.name for i in session.get_inputs()}
-    outputs = {o.name for o in session.get_outputs()}
-    expected_inputs = {
-        contract.INPUT_IDS,
-        contract.POSITION_IDS,
-        contract.BLOCK_TABLES,
-        contract.CONTEXT_LENS,
-        contract.LOGITS_INDICES,
-        *past,
-    }
-    expected_outputs = {contract.LOGITS, *new}
-    if inputs != expected_inputs or not expected_outputs <= outputs:
+def check_graph_io(session: ort.InferenceSession, inputs: set[str], outputs: set[str],
+                   contract_name: str) -> None:
+    """Fail loudly when the graph's inputs are not exactly `inputs` or it lacks one of
+    `outputs` (the contract of the manifest's KV layout)."""
+    got_inputs = {i.name for i in session.get_inputs()}
+    got_outputs = {o.name for o in session.get_outputs()}
+    if got_inputs != inputs or not outputs <= got_outputs:
         raise ValueError(
-            "the graph does not follow the paged-KV contract for this manifest: "
-            f"missing inputs {sorted(expected_inputs - inputs)}, "
-            f"unexpected inputs {sorted(inputs - expected_inputs)}, "
-            f"missing outputs {sorted(expected_outputs - outputs)}"
+            f"the graph does not follow the {contract_name} contract for this manifest: "
+            f"missing inputs {sorted(inputs - got_inputs)}, "
+            f"unexpected inputs {sorted(got_inputs - inputs)}, "
+            f"missing outputs {sorted(outputs - got_outputs)}"
         )

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from llmopt.runtime.block_pool import Block
 from llmopt.runtime.kv_cache_manager import KVCacheManager
-from llmopt.runtime.paging import cdiv
+from llmopt.runtime.paging import cdiv, lane_block, lane_position, num_lanes
 from llmopt.runtime.request import Request
 
 CopyBlock = Callable[[int, int], None]  # (source block id, destination block id)
@@ -26,18 +26,14 @@ class LaneKVCacheManager(KVCacheManager):
                  enable_prefix_caching: bool = True):
         super().__init__(num_blocks, block_size, enable_prefix_caching)
         self.lane_blocks = lane_blocks
-        self.num_lanes = (num_blocks - 1) // lane_blocks
-        if self.num_lanes < 1:
-            raise ValueError(
-                f"{num_blocks} KV blocks hold no lane of {lane_blocks} blocks "
-                f"(one sequence of max_context tokens)")
+        self.num_lanes = num_lanes(num_blocks, lane_blocks)
         self.lanes: dict[str, int] = {}  # request id -> its lane
         # Free lanes, least recently freed first: the one evicted last keeps its prefix.
         self.free_lanes: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_lanes))
         self.copy_listeners: list[CopyBlock] = []  # every executor that holds pool tensors
 
     def lane_block(self, lane: int, index: int) -> int:
-        return 1 + lane * self.lane_blocks + index
+        return lane_block(lane, index, self.lane_blocks)
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[Block] = ()
@@ -87,7 +83,7 @@ class LaneKVCacheManager(KVCacheManager):
         longest ago."""
         in_place: dict[int, int] = {}
         for index, hit in enumerate(hits):
-            lane, offset = divmod(hit.block_id - 1, self.lane_blocks)
+            lane, offset = lane_position(hit.block_id, self.lane_blocks)
             if offset == index and lane in self.free_lanes:
                 in_place[lane] = in_place.get(lane, 0) + 1
         if in_place:

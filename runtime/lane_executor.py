@@ -18,8 +18,14 @@ import numpy as np
 import onnxruntime as ort
 
 from llmopt.runtime import contract
-from llmopt.runtime.executor import open_session, padding_groups, select_sequences
+from llmopt.runtime.executor import (
+    check_graph_io,
+    open_session,
+    padding_groups,
+    select_sequences,
+)
 from llmopt.runtime.manifest import KVCacheSpec
+from llmopt.runtime.paging import lane_position, num_lanes
 from llmopt.runtime.step_batch import StepBatch
 
 MAX_BINDINGS = 32  # lane ranges whose pool bindings are kept ready
@@ -39,9 +45,7 @@ class LaneExecutor:
         nbits_accuracy_level: int = 0,
     ):
         self.block_size, self.lane_blocks = block_size, lane_blocks
-        self.num_lanes = (num_blocks - 1) // lane_blocks  # block 0 is the null block
-        if self.num_lanes < 1:
-            raise ValueError(f"{num_blocks} KV blocks hold no lane of {lane_blocks} blocks")
+        self.num_lanes = num_lanes(num_blocks, lane_blocks)
         self.session = open_session(graph_path, num_threads, optimization_level,
                                     nbits_accuracy_level)
         self.lane_tokens = lane_tokens = lane_blocks * block_size
@@ -51,7 +55,11 @@ class LaneExecutor:
                 kv_heads, head_dim = t.slot_shape
                 self.pools[contract.past_name(i, t.name)] = np.zeros(
                     (self.num_lanes, kv_heads, lane_tokens, head_dim), dtype=t.dtype)
-        check_lane_io(self.session, list(self.pools))
+        presents = {contract.present_of(name) for name in self.pools}
+        check_graph_io(self.session, {contract.INPUT_IDS, contract.QUERY_SEQLENS,
+                                      contract.SEQLENS_K, contract.TOTAL_SEQUENCE_LENGTH,
+                                      contract.LOGITS_INDICES, *self.pools},
+                       {contract.LOGITS, *presents}, "lanes KV")
         logits = next(o for o in self.session.get_outputs() if o.name == contract.LOGITS)
         self.vocab_size = logits.shape[1]
         self._bindings: OrderedDict[tuple[int, int], tuple[ort.IOBinding, list]] = OrderedDict()
@@ -70,14 +78,14 @@ class LaneExecutor:
 
     def lane_of(self, block_table: list[int]) -> int:
         """The lane a block table runs through (its blocks must be the lane's, in order)."""
-        lane, offset = divmod(block_table[0] - 1, self.lane_blocks)
+        lane, offset = lane_position(block_table[0], self.lane_blocks)
         if offset or block_table[-1] != block_table[0] + len(block_table) - 1:
             raise ValueError(f"block table {block_table[:4]}... is not a lane's run of blocks")
         return lane
 
     def copy_block(self, source: int, destination: int) -> None:
         """Copy one block's keys and values (a prefix-cache hit held by another lane)."""
-        (src_lane, src), (dst_lane, dst) = (divmod(b - 1, self.lane_blocks)
+        (src_lane, src), (dst_lane, dst) = (lane_position(b, self.lane_blocks)
                                             for b in (source, destination))
         bs = self.block_size
         for pool in self.pools.values():
@@ -105,9 +113,8 @@ class LaneExecutor:
         binding, values = self.session.io_binding(), []
         for name, pool in self.pools.items():
             value = ort.OrtValue.ortvalue_from_numpy(pool[lo:hi])  # a view: no copy
-            layer, tensor = name.split(".")[1:]
             binding.bind_ortvalue_input(name, value)
-            binding.bind_ortvalue_output(contract.present_name(int(layer), tensor), value)
+            binding.bind_ortvalue_output(contract.present_of(name), value)
             values.append(value)
         self._bindings[key] = (binding, values)
         if len(self._bindings) > MAX_BINDINGS:
@@ -163,18 +170,3 @@ def lane_inputs(batch: StepBatch, rows: list[int], num_rows: int) -> dict[str, n
                                                    dtype=np.int32),
         contract.LOGITS_INDICES: padded[logits_rows],
     }
-
-
-def check_lane_io(session: ort.InferenceSession, past: list[str]) -> None:
-    """Fail loudly when the graph does not follow the lanes contract for this manifest."""
-    inputs = {i.name for i in session.get_inputs()}
-    outputs = {o.name for o in session.get_outputs()}
-    expected_inputs = {contract.INPUT_IDS, contract.QUERY_SEQLENS, contract.SEQLENS_K,
-                       contract.TOTAL_SEQUENCE_LENGTH, contract.LOGITS_INDICES, *past}
-    presents = {"present." + name.removeprefix("past.") for name in past}
-    if inputs != expected_inputs or not {contract.LOGITS, *presents} <= outputs:
-        raise ValueError(
-            "the graph does not follow the lanes KV contract for this manifest: "
-            f"missing inputs {sorted(expected_inputs - inputs)}, "
-            f"unexpected inputs {sorted(inputs - expected_inputs)}, "
-            f"missing outputs {sorted({contract.LOGITS, *presents} - outputs)}")

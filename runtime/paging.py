@@ -18,3 +18,23 @@ def slots_of(block_table: Sequence[int], start: int, num_tokens: int,
     block_ids = np.asarray(block_table, dtype=np.int64)
     positions = np.arange(start, start + num_tokens, dtype=np.int64)
     return block_ids[positions // block_size] * block_size + positions % block_size
+
+
+# The lanes layout: lane l owns blocks 1 + l*L .. (l+1)*L (block 0 is the null block).
+def num_lanes(num_blocks: int, lane_blocks: int) -> int:
+    """Lanes of `lane_blocks` blocks a pool of `num_blocks` holds (at least one)."""
+    lanes = (num_blocks - 1) // lane_blocks
+    if lanes < 1:
+        raise ValueError(f"{num_blocks} KV blocks hold no lane of {lane_blocks} blocks "
+                         "(one sequence of max_context tokens)")
+    return lanes
+
+
+def lane_block(lane: int, index: int, lane_blocks: int) -> int:
+    """Block id of block `index` of `lane`."""
+    return 1 + lane * lane_blocks + index
+
+
+def lane_position(block_id: int, lane_blocks: int) -> tuple[int, int]:
+    """(lane, index within the lane) of a block."""
+    return divmod(block_id - 1, lane_blocks)
