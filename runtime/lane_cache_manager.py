@@ -10,7 +10,6 @@ executor's `copy_block`, at admission), which costs a memcpy instead of the pref
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from llmopt.runtime.block_pool import Block
@@ -28,8 +27,7 @@ class LaneKVCacheManager(KVCacheManager):
         self.lane_blocks = lane_blocks
         self.num_lanes = num_lanes(num_blocks, lane_blocks)
         self.lanes: dict[str, int] = {}  # request id -> its lane
-        # Free lanes, least recently freed first: the one evicted last keeps its prefix.
-        self.free_lanes: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_lanes))
+        self.free_lanes: set[int] = set(range(self.num_lanes))
         self.copy_listeners: list[CopyBlock] = []  # every executor that holds pool tensors
 
     def lane_block(self, lane: int, index: int) -> int:
@@ -55,13 +53,13 @@ class LaneKVCacheManager(KVCacheManager):
         super().free(request)
         lane = self.lanes.pop(request.request_id, None)
         if lane is not None:
-            self.free_lanes[lane] = None
+            self.free_lanes.add(lane)
 
     def _assign_lane(self, request: Request, hits: Sequence[Block]) -> int:
         """Give `request` a free lane, its table starting with the prefix-cache hits:
         in place where the lane holds them, copied from their lanes otherwise."""
         lane = self._pick_lane(hits)
-        del self.free_lanes[lane]
+        self.free_lanes.remove(lane)
         self.lanes[request.request_id] = lane
         table = self.block_tables.setdefault(request.request_id, [])
         for index, hit in enumerate(hits):
@@ -78,9 +76,14 @@ class LaneKVCacheManager(KVCacheManager):
         return lane
 
     def _pick_lane(self, hits: Sequence[Block]) -> int:
-        """The free lane holding most of the hits in place; else the lowest lane that
-        caches nothing (adjacent lanes batch into one graph call); else the lane freed
-        longest ago."""
+        """The free lane holding most of the hits in place; else the lowest free lane.
+
+        A step runs as one graph call over the lanes from its lowest running lane to its
+        highest, and every idle lane in between still costs a row of every matmul (at
+        int8 activations about as much as a real one). Filling the lowest holes first
+        keeps the running lanes packed; a prefix cached in the lane it overwrites is lost,
+        but a hit held by any other lane is still copied in at admission.
+        """
         in_place: dict[int, int] = {}
         for index, hit in enumerate(hits):
             lane, offset = lane_position(hit.block_id, self.lane_blocks)
@@ -88,6 +91,4 @@ class LaneKVCacheManager(KVCacheManager):
                 in_place[lane] = in_place.get(lane, 0) + 1
         if in_place:
             return max(in_place, key=in_place.__getitem__)
-        empty = [lane for lane in self.free_lanes
-                 if self.block_pool.blocks[self.lane_block(lane, 0)].block_hash is None]
-        return min(empty) if empty else next(iter(self.free_lanes))
+        return min(self.free_lanes)

@@ -51,3 +51,19 @@ def test_requests_wait_when_every_lane_is_taken():
     manager, _ = manager_with_copies(num_lanes=1)
     assert admit(manager, request("a", [5, 6, 7]))
     assert not admit(manager, request("b", [8, 9]))
+
+
+def test_a_new_request_fills_the_lowest_free_lane_so_running_lanes_stay_packed():
+    manager, _ = manager_with_copies(num_lanes=4)
+    reqs = [request(name, [10 * i + t for t in range(5)]) for i, name in enumerate("abcd")]
+    for req in reqs:
+        assert admit(manager, req)
+    lanes = {req.request_id: manager.lanes[req.request_id] for req in reqs}
+    assert sorted(lanes.values()) == [0, 1, 2, 3]
+    for req in reqs[:2]:  # both lanes cache a full block, lane 0 is freed last
+        compute(manager, req, req.num_tokens)
+    manager.free(reqs[1])
+    manager.free(reqs[0])
+    newcomer = request("e", [77, 78, 79])
+    assert admit(manager, newcomer)
+    assert manager.lanes["e"] == min(lanes["a"], lanes["b"])
