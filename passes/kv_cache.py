@@ -1,4 +1,5 @@
-"""KV cache dtype: store each layer's keys and values as float16, fp8 e4m3, int8 or int4.
+"""KV cache dtype: store each layer's keys and values as float16, bfloat16, fp8 e4m3, int8 or
+int4.
 
 Recipe: `- kv_cache: {dtype: int8}`; options:
   group_size     channels per dynamic scale group (divides head_dim; default: one per head)
@@ -28,7 +29,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmopt.compiler.ir import ModelIR
-from llmopt.compiler.kv_cache_format import CODE_MAX, hadamard, kv_sides
+from llmopt.compiler.kv_cache_format import CODE_MAX, FLOAT_KV_DTYPES, hadamard, kv_sides
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes.registry import PassContext, PassResult
 
@@ -36,7 +37,7 @@ from llmopt.passes.registry import PassContext, PassResult
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    dtype: Literal["float16", "fp8_e4m3", "int8", "int4"]
+    dtype: Literal["float16", "bfloat16", "fp8_e4m3", "int8", "int4"]
     group_size: int | None = Field(None, gt=0)
     value_group_size: int | None = Field(None, gt=0)
     key_scales: Literal["token", "channel"] = "token"
@@ -55,7 +56,7 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
                                                                    config.value_scales)
     stats = kv_statistics(ir, config, context) if needs_stats else None
     layers = [i for i in range(ir.arch.num_layers) if i not in config.skip_layers]
-    if config.smooth_keys is not None and config.dtype != "float16":
+    if config.smooth_keys is not None and config.dtype not in FLOAT_KV_DTYPES:
         smooth_keys(out, stats, config.smooth_keys, layers)
     if config.rotate:
         rotate_values(out, layers)
@@ -64,7 +65,7 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
             i, kv_dtype=config.dtype, kv_rotate_keys=config.rotate, kv_group_size=config.group_size,
             kv_value_group_size=config.value_group_size,
             kv_key_scales=config.key_scales, kv_value_scales=config.value_scales)
-        if stats is not None and config.dtype != "float16":
+        if stats is not None and config.dtype not in FLOAT_KV_DTYPES:
             set_static_scales(out, i, stats[i], config)
     return PassResult(out, report(ir, out, time.perf_counter() - started, context))
 

@@ -76,13 +76,14 @@ class LaneKVCacheManager(KVCacheManager):
         return lane
 
     def _pick_lane(self, hits: Sequence[Block]) -> int:
-        """The free lane holding most of the hits in place; else the lowest free lane.
+        """The free lane holding most of the hits in place; else the lowest free lane that
+        caches nothing; else the lowest free lane.
 
         A step runs as one graph call over the lanes from its lowest running lane to its
         highest, and every idle lane in between still costs a row of every matmul (at
-        int8 activations about as much as a real one). Filling the lowest holes first
-        keeps the running lanes packed; a prefix cached in the lane it overwrites is lost,
-        but a hit held by any other lane is still copied in at admission.
+        int8 activations about as much as a real one): taking the lowest lanes keeps the
+        running ones packed. Empty lanes go first so that cached prefixes live longest;
+        once every free lane caches something, the lowest one's prefix is given up.
         """
         in_place: dict[int, int] = {}
         for index, hit in enumerate(hits):
@@ -91,4 +92,6 @@ class LaneKVCacheManager(KVCacheManager):
                 in_place[lane] = in_place.get(lane, 0) + 1
         if in_place:
             return max(in_place, key=in_place.__getitem__)
-        return min(self.free_lanes)
+        empty = [lane for lane in self.free_lanes
+                 if self.block_pool.blocks[self.lane_block(lane, 0)].block_hash is None]
+        return min(empty or self.free_lanes)

@@ -27,6 +27,7 @@ ARTIFACTS = {
     "gemma3-int4": ("gemma3_text", {"dtype": "int4", "group_size": 8, "rotate": True},
                     {"kind": "ngram", "gamma": 3}),
     "qwen2-fp8": ("qwen2", {"dtype": "fp8_e4m3", "key_scales": "channel"}, None),
+    "qwen2-bf16": ("qwen2", {"dtype": "bfloat16"}, {"kind": "ngram", "gamma": 3}),
     # Static channel scales on both sides: ONNX Runtime's GroupQueryAttention stores and
     # reads the int8 codes in place (lanes); the same recipe over blocks beside it.
     "llama-int8-static": ("llama", STATIC_INT8, {"kind": "ngram", "gamma": 3}),
@@ -118,3 +119,12 @@ def test_pools_are_allocated_from_the_manifest(artifacts):
     text = format_description(info)
     assert "(4.00x smaller than float32)" in text
     assert "key uint8[" in text and "key_scale float16[" in text and "key_min float16[" in text
+
+
+def test_bfloat16_pools_hold_the_bit_patterns(artifacts):
+    llm = LLM(artifacts["qwen2-bf16"], speculative=False)
+    pools = llm.engine.executor.pools
+    assert {p.dtype for p in pools.values()} == {np.dtype("uint16")}
+    info = describe(artifacts["qwen2-bf16"], pool_mib=1)
+    assert 2 * info["kv_bytes_per_token"] == info["kv_float32_bytes_per_token"]
+    assert "key uint16[" in format_description(info)
