@@ -23,7 +23,7 @@ from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.quality import QualityProbe
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
-from llmopt.passes import kv_cache, rtn
+from llmopt.passes import gptq, kv_cache, rtn
 from llmopt.passes.registry import PassContext
 
 DATA = REPO_ROOT.parent / "shared" / "data"
@@ -78,18 +78,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--windows", type=int, default=64)
-    parser.add_argument("--rtn-weights", action="store_true",
-                        help="int4 weights first (rtn, group 64): the KV pass on top of them")
+    parser.add_argument("--weights", choices=("float", "rtn", "gptq"), default="float",
+                        help="int4 weights (group 64) after the KV pass: the KV pass's cost on "
+                        "top of them (gptq calibrates on 16 windows of the valid split)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ir = load_checkpoint(MODEL)
-    # With --rtn-weights, int4 weights come after the KV pass (as a recipe orders them, so
-    # that `rotate` folds into float v/o weights); the baseline is rtn alone.
-    weights = (lambda x: rtn.run(x, rtn.Config(bits=4, group_size=64), None).ir
-               ) if args.rtn_weights else (lambda x: x)
     recipe = Recipe(model=MODEL, calibration={"text": str(DATA / "wikitext2-valid.tokens.txt"),
                                               "samples": 16, "seq_len": 512})
     context = PassContext(recipe=recipe, log=print)
+    # Integer weights come after the KV pass (as a recipe orders them, so that `rotate`
+    # folds into float v/o weights); the baseline ("fp32" row) is the weight pass alone.
+    weights = weight_pass(args.weights, context)
     windows = QualityProbe.from_text(ir, DATA / "wikitext2-test.raw.txt", args.windows, 512).windows
     base = ReferenceModel(weights(ir), 512)
     rows = []
@@ -111,9 +111,19 @@ def main() -> None:
         for r in rows:
             r["ppl_increase_pct"] = 100 * (r["ppl"] / fp32 - 1)
             print(f"{r['config']:<20} {r['ppl']:.3f} ({r['ppl_increase_pct']:+.2f} %)")
-    name = "kv_cache_quality_rtn.json" if args.rtn_weights else "kv_cache_quality.json"
+    name = "kv_cache_quality.json" if args.weights == "float" else (
+        f"kv_cache_quality_{args.weights}.json")
     write_json(RESULTS_DIR / name, {"machine": machine_info(), "rows": rows,
-                                    "windows": args.windows, "rtn_weights": args.rtn_weights})
+                                    "windows": args.windows, "weights": args.weights})
+
+
+def weight_pass(kind: str, context: PassContext):
+    """The IR -> IR weight quantization applied after each KV configuration."""
+    if kind == "rtn":
+        return lambda ir: rtn.run(ir, rtn.Config(bits=4, group_size=64), None).ir
+    if kind == "gptq":
+        return lambda ir: gptq.run(ir, gptq.Config(bits=4, group_size=64), context).ir
+    return lambda ir: ir
 
 
 if __name__ == "__main__":
