@@ -87,17 +87,25 @@ def check_budget(name: str, report: dict[str, Any], budget: float | None,
                  log: Callable[[str], None]) -> None:
     quality = report.get("quality")
     if "quality" in report and quality is None:
-        log(f"      {name}: quality not measured (no quality.eval_text or calibration.text, "
-            "or quality.measure is false)")
+        log(f"      {name}: quality not measured (quality.measure is false)")
     if not quality:
         return
-    log(f"      {name}: perplexity {quality['ppl_before']} -> {quality['ppl_after']} "
-        f"({quality['ppl_increase_pct']:+.2f} %), KL {quality['kl']}, "
-        f"top-1 agreement {100 * quality['top1_agreement']:.1f} %")
+    log(f"      {name}: {quality_line(quality)}")
     if budget is not None and quality["ppl_increase_pct"] > budget:
         raise QualityBudgetError(
             f"pass {name!r} raised perplexity by {quality['ppl_increase_pct']:.2f} %, over the "
             f"recipe's quality.max_ppl_increase_pct of {budget} % (no artifact written)")
+
+
+def quality_line(quality: dict[str, Any]) -> str:
+    """`perplexity a -> b (+x %), KL k, top-1 agreement t %` and what it was measured on."""
+    samples = quality.get("perplexity_on") == "model samples"
+    ppl = "perplexity of its own samples" if samples else "perplexity"
+    caveat = "; not a text perplexity" if samples else ""
+    line = (f"{ppl} {quality['ppl_before']} -> {quality['ppl_after']} "
+            f"({quality['ppl_increase_pct']:+.2f} %{caveat}), KL {quality['kl']}, "
+            f"top-1 agreement {100 * quality['top1_agreement']:.1f} %")
+    return f"{line}; on {quality['source']}" if "source" in quality else line
 
 
 def check_pass_order(recipe: Recipe) -> None:

@@ -114,6 +114,9 @@ def _exit_on_sigterm() -> None:
 @click.version_option(package_name="llmopt")
 def main() -> None:
     """Ahead-of-time LLM optimization compiler and paged, continuously batched runtime."""
+    # Before anything imports tqdm (it reads its environment once): transformers' GGUF
+    # loader calls tqdm directly, past transformers' own progress-bar switch.
+    os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 @main.command("compile")
@@ -284,6 +287,7 @@ def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_t
         if as_json:
             record = {"prompt": output.prompt, "text": output.text,
                       "token_ids": output.token_ids, "finish_reason": output.finish_reason,
+                      "stop_reason": output.stop_reason,
                       "prompt_tokens": len(output.prompt_token_ids),
                       "prompt_token_ids": output.prompt_token_ids,
                       "ttft_ms": round(1000 * (output.metrics.ttft or 0.0), 3)}

@@ -244,6 +244,27 @@ def test_compile_log_has_no_third_party_progress_bars(tiny_checkpoints, tmp_path
     assert "Loading weights" not in result.stderr and "%|" not in result.stderr
 
 
+def test_a_gguf_compile_log_has_no_dequantizing_progress_bar(family_checkpoints, tmp_path):
+    import subprocess
+    import sys
+
+    recipe = write_recipe(tmp_path, f"model: {family_checkpoints['llama']['gguf']}\n"
+                                    "quality: {measure: false}\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TQDM_DISABLE"}
+    result = subprocess.run([sys.executable, "-c", "from llmopt.cli import main; main()",
+                             "compile", str(recipe), "-o", str(tmp_path / "art")],
+                            capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "de-quantizing" not in result.stderr and "%|" not in result.stderr
+
+
+def test_awq_without_calibration_text_is_refused_before_loading(tmp_path):
+    recipe = write_recipe(tmp_path, f"model: {tmp_path}\npasses:\n  - awq: {{bits: 4}}\n")
+    code, _, err = run("compile", recipe, "-o", tmp_path / "out")
+    assert_one_line_error(code, err, "error: passes.0 (awq) needs calibration.text")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_mistyped_local_path_is_not_taken_for_a_hub_id(tmp_path, monkeypatch):
     (tmp_path / "models").mkdir()
     monkeypatch.chdir(tmp_path)
