@@ -65,7 +65,7 @@ def apply_passes(
     reports = []
     for name, config in steps:
         started = time.perf_counter()
-        context.log(f"      {name}: {config.model_dump()}")
+        context.log(f"      {name}: {options_line(config)}")
         result = load_pass(name).run(ir, config, context)
         ir = result.ir
         report = {"name": name, "config": config.model_dump(mode="json"),
@@ -74,6 +74,13 @@ def apply_passes(
         check_budget(name, report, pass_budget(config, context.recipe.quality.max_ppl_increase_pct),
                      context.log)
     return ir, reports
+
+
+def options_line(config: Any) -> str:
+    """The options the recipe set; the rest are listed in the resolved recipe printed
+    before (a draft has a dozen that do not all apply to its kind)."""
+    given, every = config.model_dump(exclude_unset=True), config.model_dump()
+    return str(given) if given == every else f"{given} (other options at their defaults)"
 
 
 def pass_budget(config: Any, recipe_budget: float | None) -> float | None:

@@ -23,6 +23,7 @@ import torch
 
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.reference import KVCache, ReferenceModel
+from llmopt.compiler.weight_quant import intra_op_threads
 from llmopt.runtime.evaluate import windows_of
 
 if TYPE_CHECKING:
@@ -152,13 +153,18 @@ def sample_sequences(ir: ModelIR, sequences: int, tokens: int, seed: int,
     progress = _Progress(log, tokens - 1, unit="tokens sampled",
                          opening=f"sampling {sequences} sequences of {tokens} tokens from "
                                  f"the input model (seed {seed}), to measure on")
-    logits = model.forward(columns[0], cache, all_logits=False)
-    for _ in range(tokens - 1):
-        logits[:, banned] = -math.inf
-        drawn = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=generator)
-        columns.append(drawn)
-        logits = model.forward(drawn, cache, all_logits=False)
-        progress.done_one()
+    # One token per sequence a step is many small ops: torch's thread pool costs more than
+    # it gives there, and on shared cores it collapses (SmolLM2, batch 16, load 3.8:
+    # 146-496 ms a step on one thread, 2.9-4.7 s on two).
+    with intra_op_threads(1):
+        logits = model.forward(columns[0], cache, all_logits=False)
+        for _ in range(tokens - 1):
+            logits[:, banned] = -math.inf
+            drawn = torch.multinomial(torch.softmax(logits.float(), -1), 1,
+                                      generator=generator)
+            columns.append(drawn)
+            logits = model.forward(drawn, cache, all_logits=False)
+            progress.done_one()
     return torch.cat(columns, dim=1).tolist()
 
 

@@ -377,8 +377,10 @@ def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: 
 
 @main.command("serve")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="TCP port to listen on.")
 @click.option("--served-model-name", default=None,
               help="The model name clients send (default: the artifact directory's name).")
 @click.option("--api-key", default=None, envvar="LLMOPT_API_KEY",

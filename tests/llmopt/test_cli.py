@@ -309,3 +309,12 @@ def test_a_dry_run_names_a_missing_model_and_writes_nothing(tmp_path):
     code, out, err = run("compile", recipe, "-o", tmp_path / "out", "--dry-run")
     assert_one_line_error(code, err, "error: model path not found: ./models/smollm2-typo")
     assert "resolved recipe:" in out and not (tmp_path / "out").exists()
+
+
+def test_every_option_of_every_command_has_help_text():
+    import click
+
+    missing = [f"{name} {param.opts[0]}" for name, command in main.commands.items()
+               for param in command.params
+               if isinstance(param, click.Option) and param.name != "help" and not param.help]
+    assert missing == []
