@@ -55,6 +55,8 @@ def run_passes(
     ir: ModelIR, recipe: Recipe, log: Callable[[str], None]
 ) -> tuple[ModelIR, list[dict[str, Any]]]:
     log(f"[2/3] running {len(recipe.passes)} pass(es)")
+    if recipe.passes:
+        log(f"      quality of lossy passes: {recipe.quality_source()}")
     return apply_passes(ir, recipe.passes, PassContext(recipe, log, apply_passes))
 
 

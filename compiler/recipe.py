@@ -108,6 +108,18 @@ class Recipe(_Strict):
                              "perplexity of the model's own samples is not a text perplexity")
         return self
 
+    def quality_source(self) -> str:
+        """What lossy passes will be measured on (compiler/quality.py), in words."""
+        if not self.quality.measure:
+            return "not measured (quality.measure: false)"
+        if self.quality.eval_text is not None:
+            return f"quality.eval_text {self.quality.eval_text}"
+        if self.calibration.text is not None:
+            return (f"the held-out tail of calibration.text {self.calibration.text} (model "
+                    "samples if no window is left past calibration)")
+        return (f"{self.quality.sampled_sequences} x {self.quality.sampled_tokens} tokens "
+                "sampled from the model")
+
     def quality_text(self) -> str | None:
         """The text passes measure their cost on: eval_text, else calibration.text (None:
         the input model's own samples)."""

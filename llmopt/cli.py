@@ -145,6 +145,7 @@ def compile_command(recipe: Path, out: Path, overrides: tuple[str, ...], dry_run
     if dry_run:
         where = ref.location + (f"/{ref.gguf_file}" if ref.gguf_file else "")
         output = "an artifact, replaced at the end" if out.exists() else "new"
+        click.echo(f"quality of lossy passes: {resolved.quality_source()}")
         click.echo(f"dry run: recipe valid, {len(resolved.passes)} pass(es) in a valid order, "
                    f"model at {where}, output {out} ({output}); nothing compiled")
         return
