@@ -134,13 +134,13 @@ def compile_command(recipe: Path, out: Path, overrides: tuple[str, ...], dry_run
     import yaml
 
     _exit_on_sigterm()
+    from llmopt.compiler.preflight import check_output_directory, check_recipe
     from llmopt.compiler.recipe import load_recipe, resolved_dict
 
+    check_output_directory(out)  # needs no recipe; passes' options import torch
     resolved = load_recipe(recipe, list(overrides))  # before torch loads: errors in < 1 s
     click.echo("resolved recipe:")
     click.echo(yaml.safe_dump(resolved_dict(resolved), sort_keys=False).rstrip())
-    from llmopt.compiler.preflight import check_recipe
-
     ref = check_recipe(resolved, out)  # still before torch: the model and output named
     if dry_run:
         where = ref.location + (f"/{ref.gguf_file}" if ref.gguf_file else "")

@@ -318,3 +318,10 @@ def test_every_option_of_every_command_has_help_text():
                for param in command.params
                if isinstance(param, click.Option) and param.name != "help" and not param.help]
     assert missing == []
+
+
+def test_the_output_folder_is_checked_before_the_passes_options(tmp_path):
+    (tmp_path / "mine").mkdir()
+    recipe = write_recipe(tmp_path, f"model: {tmp_path}\npasses:\n  - awq: {{bits: 3}}\n")
+    code, _, err = run("compile", recipe, "-o", tmp_path / "mine")
+    assert_one_line_error(code, err, "is not an llmopt artifact; not replacing it")
