@@ -55,6 +55,8 @@ def run_passes(
     ir: ModelIR, recipe: Recipe, log: Callable[[str], None]
 ) -> tuple[ModelIR, list[dict[str, Any]]]:
     log(f"[2/3] running {len(recipe.passes)} pass(es)")
+    if recipe.passes:
+        log(f"      quality of lossy passes: {recipe.quality_source()}")
     return apply_passes(ir, recipe.passes, PassContext(recipe, log, apply_passes))
 
 
@@ -65,7 +67,7 @@ def apply_passes(
     reports = []
     for name, config in steps:
         started = time.perf_counter()
-        context.log(f"      {name}: {config.model_dump()}")
+        context.log(f"      {name}: {options_line(config)}")
         result = load_pass(name).run(ir, config, context)
         ir = result.ir
         report = {"name": name, "config": config.model_dump(mode="json"),
@@ -74,6 +76,13 @@ def apply_passes(
         check_budget(name, report, pass_budget(config, context.recipe.quality.max_ppl_increase_pct),
                      context.log)
     return ir, reports
+
+
+def options_line(config: Any) -> str:
+    """The options the recipe set; the rest are listed in the resolved recipe printed
+    before (a draft has a dozen that do not all apply to its kind)."""
+    given, every = config.model_dump(exclude_unset=True), config.model_dump()
+    return str(given) if given == every else f"{given} (other options at their defaults)"
 
 
 def pass_budget(config: Any, recipe_budget: float | None) -> float | None:
@@ -87,17 +96,25 @@ def check_budget(name: str, report: dict[str, Any], budget: float | None,
                  log: Callable[[str], None]) -> None:
     quality = report.get("quality")
     if "quality" in report and quality is None:
-        log(f"      {name}: quality not measured (no quality.eval_text or calibration.text, "
-            "or quality.measure is false)")
+        log(f"      {name}: quality not measured (quality.measure is false)")
     if not quality:
         return
-    log(f"      {name}: perplexity {quality['ppl_before']} -> {quality['ppl_after']} "
-        f"({quality['ppl_increase_pct']:+.2f} %), KL {quality['kl']}, "
-        f"top-1 agreement {100 * quality['top1_agreement']:.1f} %")
+    log(f"      {name}: {quality_line(quality)}")
     if budget is not None and quality["ppl_increase_pct"] > budget:
         raise QualityBudgetError(
             f"pass {name!r} raised perplexity by {quality['ppl_increase_pct']:.2f} %, over the "
             f"recipe's quality.max_ppl_increase_pct of {budget} % (no artifact written)")
+
+
+def quality_line(quality: dict[str, Any]) -> str:
+    """`perplexity a -> b (+x %), KL k, top-1 agreement t %` and what it was measured on."""
+    samples = quality.get("perplexity_on") == "model samples"
+    ppl = "perplexity of its own samples" if samples else "perplexity"
+    caveat = "; not a text perplexity" if samples else ""
+    line = (f"{ppl} {quality['ppl_before']} -> {quality['ppl_after']} "
+            f"({quality['ppl_increase_pct']:+.2f} %{caveat}), KL {quality['kl']}, "
+            f"top-1 agreement {100 * quality['top1_agreement']:.1f} %")
+    return f"{line}; on {quality['source']}" if "source" in quality else line
 
 
 def check_pass_order(recipe: Recipe) -> None:

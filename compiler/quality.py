@@ -1,5 +1,14 @@
 """What a lossy pass costs: perplexity, KL divergence and top-1 agreement against the IR
-it started from, on held-out text (the recipe's `quality.eval_text`)."""
+it started from, on held-out text (`quality.eval_text`, else the tail of
+`calibration.text`) or, with neither, on text sampled from the input model itself.
+
+Why the model's own samples, not a text shipped in the package: they exist for every
+model (any language, code, chat), need no file, and they are exactly the distribution
+the KL divergence is defined over — E_p[log p - log q] on text drawn from p: KL and top-1
+agreement there are unbiased estimates. Perplexity is not a text perplexity there (on its
+own samples a model's perplexity is exp of its entropy, and the increase is about
+exp(KL) - 1), so it is labelled as such, and a recipe's perplexity budget needs real text.
+"""
 
 from __future__ import annotations
 
@@ -8,28 +17,81 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from llmopt.compiler.ir import ModelIR
-from llmopt.compiler.reference import ReferenceModel
+from llmopt.compiler.reference import KVCache, ReferenceModel
+from llmopt.compiler.weight_quant import intra_op_threads
 from llmopt.runtime.evaluate import windows_of
 
+if TYPE_CHECKING:
+    from llmopt.compiler.recipe import Recipe
+
 PROGRESS_EVERY_S = 10.0  # a measurement takes minutes on SmolLM2: say how far it got
+SAMPLES = "samples"  # QualityProbe.kind of the model's own samples
 
 
 @dataclass(frozen=True)
 class QualityProbe:
     windows: list[list[int]]  # token windows of held-out text
     log: Callable[[str], None] | None = None  # progress lines for the compile log
+    source: str = "eval_text"  # what the windows are, for the report
+    kind: str = "text"  # "text", or SAMPLES: perplexity is then not a text perplexity
+
+    @classmethod
+    def for_recipe(cls, recipe: Recipe, ir: ModelIR,
+                   log: Callable[[str], None] | None = None) -> QualityProbe | None:
+        """The recipe's probe: `quality.eval_text`, else the part of `calibration.text`
+        past what the passes calibrate on, else samples of `ir`; None with
+        `quality.measure: false`."""
+        quality = recipe.quality
+        if not quality.measure:
+            return None
+        if quality.eval_text is not None:
+            return cls.from_text(ir, quality.eval_text, quality.eval_windows,
+                                 quality.eval_seq_len, log=log)
+        if recipe.calibration.text is not None:
+            probe = cls.held_out(ir, recipe.calibration.text, calibration_span(recipe),
+                                 quality.eval_windows, quality.eval_seq_len, log)
+            if probe is not None:
+                return probe
+        return cls.from_samples(ir, quality.sampled_sequences, quality.sampled_tokens,
+                                quality.seed, log)
 
     @classmethod
     def from_text(cls, ir: ModelIR, text_file: str | Path, windows: int, seq_len: int,
                   tail: bool = False, log: Callable[[str], None] | None = None) -> QualityProbe:
-        """The first `windows` windows of the text; its last ones with `tail` (held out
-        from calibration, which takes the first)."""
+        """The first `windows` windows of the text; its last ones with `tail`."""
         every = windows_of(ir.text_token_ids(text_file), seq_len, source=str(text_file))
-        return cls(every[-windows:] if tail else every[:windows], log)
+        chosen = every[-windows:] if tail else every[:windows]
+        where = "last" if tail else "first"
+        return cls(chosen, log, f"the {where} {len(chosen)} windows of {text_file}")
+
+    @classmethod
+    def held_out(cls, ir: ModelIR, text_file: str, skip: int, windows: int, seq_len: int,
+                 log: Callable[[str], None] | None = None) -> QualityProbe | None:
+        """The last `windows` windows of the text after its first `skip` tokens (what
+        calibration reads), fewer if fewer fit; None if none does."""
+        rest = ir.text_token_ids(text_file)[skip:]
+        every = windows_of(rest, seq_len, minimum=0)
+        if not every:
+            if log is not None:
+                log(f"      quality: calibration.text has no {seq_len}-token window past the "
+                    f"{skip} tokens calibration reads; measuring on model samples instead")
+            return None
+        chosen = every[-windows:]
+        return cls(chosen, log, f"the last {len(chosen)} windows of {text_file} (held out: "
+                                f"calibration reads its first {skip} tokens)")
+
+    @classmethod
+    def from_samples(cls, ir: ModelIR, sequences: int, tokens: int, seed: int,
+                     log: Callable[[str], None] | None = None) -> QualityProbe:
+        tokens = min(tokens, ir.arch.max_position)
+        windows = sample_sequences(ir, sequences, tokens, seed, log)
+        return cls(windows, log, f"{sequences} sequences of {tokens} tokens sampled from "
+                   f"the input model (seed {seed})", SAMPLES)
 
     @torch.no_grad()
     def compare(self, before: ModelIR, after: ModelIR) -> dict[str, float]:
@@ -38,7 +100,9 @@ class QualityProbe:
                                                                                 len(self.windows[0]))
         nll_before = nll_after = kl = agree = 0.0
         count = 0
-        progress = _Progress(self.log, len(self.windows), len(self.windows[0]))
+        progress = _Progress(self.log, len(self.windows), "windows",
+                             f"measuring {len(self.windows)} windows of {len(self.windows[0])} "
+                             "tokens (the pass's input and output models)")
         for window in self.windows:
             ids = torch.tensor([window])
             logp = torch.log_softmax(ref.forward(ids)[0, :-1], dim=-1)
@@ -49,7 +113,7 @@ class QualityProbe:
             kl += (logp.exp() * (logp - logq)).sum().item()
             agree += (logp.argmax(-1) == logq.argmax(-1)).sum().item()
             count += len(window) - 1
-            progress.window_done()
+            progress.done_one()
         ppl_before, ppl_after = math.exp(nll_before / count), math.exp(nll_after / count)
         return {
             "ppl_before": round(ppl_before, 4),
@@ -58,24 +122,67 @@ class QualityProbe:
             "kl": round(kl / count, 5),
             "top1_agreement": round(agree / count, 5),
             "tokens": count,
+            "source": self.source,
+            "perplexity_on": "model samples" if self.kind == SAMPLES else "text",
         }
 
 
-class _Progress:
-    """`quality: i/n windows` lines: at the start, every PROGRESS_EVERY_S, and at the end."""
+def calibration_span(recipe: Recipe) -> int:
+    """Tokens at the start of calibration.text that the recipe's passes may read: every
+    calibration window, if any pass calibrates (the registry's `calibrates`)."""
+    from llmopt.passes.registry import PASSES
 
-    def __init__(self, log: Callable[[str], None] | None, total: int, seq_len: int):
-        self.log, self.total, self.done = log, total, 0
+    if not any(PASSES[step.name].calibrates for step in recipe.passes):
+        return 0
+    return recipe.calibration.samples * recipe.calibration.seq_len
+
+
+@torch.no_grad()
+def sample_sequences(ir: ModelIR, sequences: int, tokens: int, seed: int,
+                     log: Callable[[str], None] | None = None) -> list[list[int]]:
+    """`sequences` sequences of `tokens` tokens drawn from `ir` at temperature 1, together
+    with a KV cache, seeded. Each starts at the BOS token (else the first EOS, the document
+    separator of tokenizers without BOS); EOS is never drawn, so each stays one document."""
+    arch = ir.arch
+    start = arch.bos_token_id if arch.bos_token_id is not None else (
+        arch.eos_token_ids[0] if arch.eos_token_ids else 0)
+    model, cache = ReferenceModel(ir, tokens), KVCache()
+    generator = torch.Generator().manual_seed(seed)
+    columns = [torch.full((sequences, 1), start, dtype=torch.int64)]
+    banned = [i for i in arch.eos_token_ids if i < arch.vocab_size]
+    progress = _Progress(log, tokens - 1, unit="tokens sampled",
+                         opening=f"sampling {sequences} sequences of {tokens} tokens from "
+                                 f"the input model (seed {seed}), to measure on")
+    # One token per sequence a step is many small ops: torch's thread pool costs more than
+    # it gives there, and on shared cores it collapses (SmolLM2, batch 16, load 3.8:
+    # 146-496 ms a step on one thread, 2.9-4.7 s on two).
+    with intra_op_threads(1):
+        logits = model.forward(columns[0], cache, all_logits=False)
+        for _ in range(tokens - 1):
+            logits[:, banned] = -math.inf
+            drawn = torch.multinomial(torch.softmax(logits.float(), -1), 1,
+                                      generator=generator)
+            columns.append(drawn)
+            logits = model.forward(drawn, cache, all_logits=False)
+            progress.done_one()
+    return torch.cat(columns, dim=1).tolist()
+
+
+class _Progress:
+    """`quality: i/n <unit>` lines: at the start, every PROGRESS_EVERY_S, and at the end."""
+
+    def __init__(self, log: Callable[[str], None] | None, total: int, unit: str,
+                 opening: str):
+        self.log, self.total, self.unit, self.done = log, total, unit, 0
         self.started = self.last = time.perf_counter()
         if log is not None:
-            log(f"      quality: measuring {total} windows of {seq_len} tokens "
-                "(the pass's input and output models)")
+            log(f"      quality: {opening}")
 
-    def window_done(self) -> None:
+    def done_one(self) -> None:
         self.done += 1
         now = time.perf_counter()
         if self.log is not None and (self.done == self.total
                                      or now - self.last >= PROGRESS_EVERY_S):
-            self.log(f"      quality: {self.done}/{self.total} windows, "
+            self.log(f"      quality: {self.done}/{self.total} {self.unit}, "
                      f"{now - self.started:.0f} s")
             self.last = now

@@ -54,16 +54,25 @@ class TargetConfig(_Strict):
 
 
 class QualityConfig(_Strict):
+    # Every lossy pass is measured against its input (perplexity, KL, top-1 agreement),
+    # printed and stored in the manifest; `measure: false` turns it off.
+    measure: bool = True
     # Budget for each lossy pass, in % perplexity. Default None: no budget — the cost is
     # measured, printed and stored, never fails the compile (int4 weights cost SmolLM2-135M
-    # about 15-40 %, so a budget is a measured choice, not a constant).
+    # about 15-40 %, so a budget is a measured choice, not a constant). A budget needs
+    # real text (eval_text or calibration.text): the perplexity of the model's own samples
+    # is not a text perplexity.
     max_ppl_increase_pct: float | None = Field(None, ge=0)
-    # Held-out text the passes measure their cost on; None: the last `eval_windows`
-    # windows of calibration.text (none measured without either, or with measure: false).
+    # What the passes measure on, the first of: `eval_text` (held-out text), the last
+    # `eval_windows` windows of calibration.text (held out from calibration, which takes
+    # the first), else `sampled_sequences` sequences of `sampled_tokens` tokens sampled
+    # from the input model itself (temperature 1, `seed`): always available, any language.
     eval_text: str | None = None
     eval_windows: int = Field(8, gt=0)
     eval_seq_len: int = Field(512, gt=0)
-    measure: bool = True
+    sampled_sequences: int = Field(16, gt=0)
+    sampled_tokens: int = Field(256, ge=2)
+    seed: int = 0
 
 
 class Recipe(_Strict):
@@ -95,11 +104,25 @@ class Recipe(_Strict):
         if quality.max_ppl_increase_pct is not None and (
                 not quality.measure or self.quality_text() is None):
             raise ValueError("quality.max_ppl_increase_pct needs quality.eval_text or "
-                             "calibration.text to measure on (and quality.measure on)")
+                             "calibration.text to measure on (and quality.measure on): "
+                             "perplexity of the model's own samples is not a text perplexity")
         return self
 
+    def quality_source(self) -> str:
+        """What lossy passes will be measured on (compiler/quality.py), in words."""
+        if not self.quality.measure:
+            return "not measured (quality.measure: false)"
+        if self.quality.eval_text is not None:
+            return f"quality.eval_text {self.quality.eval_text}"
+        if self.calibration.text is not None:
+            return (f"the held-out tail of calibration.text {self.calibration.text} (model "
+                    "samples if no window is left past calibration)")
+        return (f"{self.quality.sampled_sequences} x {self.quality.sampled_tokens} tokens "
+                "sampled from the model")
+
     def quality_text(self) -> str | None:
-        """The text passes measure their cost on: eval_text, else calibration.text."""
+        """The text passes measure their cost on: eval_text, else calibration.text (None:
+        the input model's own samples)."""
         return self.quality.eval_text or self.calibration.text
 
 

@@ -64,22 +64,25 @@ def float_weight(ir: ModelIR, linear: str):
 
 
 def quantization_report(before: ModelIR, after: ModelIR, errors: dict[str, float],
-                        seconds: float, context: Any) -> dict[str, Any]:
-    """Per-linear weight error, cost, bytes, and quality against the input IR."""
-    probe = context.quality_probe(before) if context is not None else None
+                        seconds: float, context: Any, lossless: bool = False) -> dict[str, Any]:
+    """Per-linear weight error, cost, bytes, and quality against the input IR (not for a
+    `lossless` pass, whose weights were checked equal to its input's)."""
     quantized = [after.quantized[n] for n in errors]
     float_bytes = sum(4 * q.shape[0] * q.shape[1] for q in quantized)
     packed_bytes = sum(q.shape[0] * q.shape[1] * q.bits // 8 + 8 * q.scales.numel()
                        for q in quantized)
-    return {
+    report = {
         "linears": len(errors),
         "mean_relative_error": round(sum(errors.values()) / max(1, len(errors)), 5),
         "per_layer_relative_error": {n: round(e, 5) for n, e in errors.items()},
         "quantize_seconds": round(seconds, 2),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "weight_bytes": {"float32": float_bytes, "quantized": packed_bytes},
-        "quality": probe.compare(before, after) if probe else None,
     }
+    if not lossless:
+        probe = context.quality_probe(before) if context is not None else None
+        report["quality"] = probe.compare(before, after) if probe else None
+    return report
 
 
 @contextlib.contextmanager

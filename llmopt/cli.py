@@ -114,6 +114,9 @@ def _exit_on_sigterm() -> None:
 @click.version_option(package_name="llmopt")
 def main() -> None:
     """Ahead-of-time LLM optimization compiler and paged, continuously batched runtime."""
+    # Before anything imports tqdm (it reads its environment once): transformers' GGUF
+    # loader calls tqdm directly, past transformers' own progress-bar switch.
+    os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 @main.command("compile")
@@ -131,17 +134,18 @@ def compile_command(recipe: Path, out: Path, overrides: tuple[str, ...], dry_run
     import yaml
 
     _exit_on_sigterm()
+    from llmopt.compiler.preflight import check_output_directory, check_recipe
     from llmopt.compiler.recipe import load_recipe, resolved_dict
 
+    check_output_directory(out)  # needs no recipe; passes' options import torch
     resolved = load_recipe(recipe, list(overrides))  # before torch loads: errors in < 1 s
     click.echo("resolved recipe:")
     click.echo(yaml.safe_dump(resolved_dict(resolved), sort_keys=False).rstrip())
-    from llmopt.compiler.preflight import check_recipe
-
     ref = check_recipe(resolved, out)  # still before torch: the model and output named
     if dry_run:
         where = ref.location + (f"/{ref.gguf_file}" if ref.gguf_file else "")
         output = "an artifact, replaced at the end" if out.exists() else "new"
+        click.echo(f"quality of lossy passes: {resolved.quality_source()}")
         click.echo(f"dry run: recipe valid, {len(resolved.passes)} pass(es) in a valid order, "
                    f"model at {where}, output {out} ({output}); nothing compiled")
         return
@@ -284,6 +288,7 @@ def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_t
         if as_json:
             record = {"prompt": output.prompt, "text": output.text,
                       "token_ids": output.token_ids, "finish_reason": output.finish_reason,
+                      "stop_reason": output.stop_reason,
                       "prompt_tokens": len(output.prompt_token_ids),
                       "prompt_token_ids": output.prompt_token_ids,
                       "ttft_ms": round(1000 * (output.metrics.ttft or 0.0), 3)}
@@ -373,8 +378,10 @@ def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: 
 
 @main.command("serve")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="TCP port to listen on.")
 @click.option("--served-model-name", default=None,
               help="The model name clients send (default: the artifact directory's name).")
 @click.option("--api-key", default=None, envvar="LLMOPT_API_KEY",

@@ -56,6 +56,9 @@ class Config(WeightQuantConfig):
     # off: s = mean|x|^α as in the paper. On SmolLM2 g128: perplexity 35.6 on, 36.4 off.
     duo_scaling: bool = True
 
+    def needs_calibration_text(self) -> bool:  # checked before loading (preflight)
+        return True
+
 
 @dataclass(frozen=True)
 class ScaleGroup:

@@ -67,7 +67,8 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
         errors[linear] = float((dequantized - w).norm() / w.norm())
         kept[kind] = kept.get(kind, 0) + 1
         out.set_quantized(linear, q)
-    report = quantization_report(ir, out, errors, time.perf_counter() - started, context)
+    report = quantization_report(ir, out, errors, time.perf_counter() - started, context,
+                                 lossless=True)
     report.update(
         gguf_file=path, architecture=architecture,
         file_tensor_types=dict(Counter(t.tensor_type.name for t in reader.tensors)),

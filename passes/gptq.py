@@ -48,6 +48,9 @@ class Config(WeightQuantConfig):
     damp: float = Field(0.01, gt=0)  # added to H's diagonal, times its mean
     block_size: int = Field(128, gt=0)  # columns per lazy batch update
 
+    def needs_calibration_text(self) -> bool:  # checked before loading (preflight)
+        return True
+
 
 class HessianAccumulator:
     """Σ x xᵀ over the tokens seen, in float64; memory is one [K, K] matrix."""

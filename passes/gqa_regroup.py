@@ -64,6 +64,10 @@ class Config(BaseModel):
             raise ValueError("layers lists a layer twice")
         return self
 
+    def needs_calibration_text(self) -> bool:
+        """Only mean-pooling given layers without a fit needs no statistics."""
+        return not (self.method == "mean" and self.layers != "auto" and not self.fit_steps)
+
 
 def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     started = time.perf_counter()
@@ -118,7 +122,7 @@ def _statistics(ir: ModelIR, candidates: list[int], config: Config, context: Pas
                 ) -> tuple[dict[int, torch.Tensor], list[torch.Tensor], int]:
     """Input moments of the candidate layers and the kept residual streams, from the
     calibration text; none needed to mean-pool a given set of layers without a fit."""
-    if config.method == "mean" and config.layers != "auto" and not config.fit_steps:
+    if not config.needs_calibration_text():
         return {}, [], 0
     started = time.perf_counter()
     windows = calibration_windows(ir, context.recipe.calibration)

@@ -47,14 +47,17 @@ class Config(BaseModel):
     rotate: bool = False
     calibration_samples: int = Field(16, gt=0)  # windows of calibration.text for statistics
 
+    def needs_calibration_text(self) -> bool:
+        """Static (channel) scales and smooth_keys come from calibration statistics."""
+        return self.smooth_keys is not None or "channel" in (self.key_scales,
+                                                              self.value_scales)
+
 
 def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     started = time.perf_counter()
     check_config(ir, config)
     out = ir.copy()
-    needs_stats = config.smooth_keys is not None or "channel" in (config.key_scales,
-                                                                   config.value_scales)
-    stats = kv_statistics(ir, config, context) if needs_stats else None
+    stats = kv_statistics(ir, config, context) if config.needs_calibration_text() else None
     layers = [i for i in range(ir.arch.num_layers) if i not in config.skip_layers]
     if config.smooth_keys is not None and config.dtype not in FLOAT_KV_DTYPES:
         smooth_keys(out, stats, config.smooth_keys, layers)

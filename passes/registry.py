@@ -37,22 +37,23 @@ class PassEntry:
     last: bool = False  # must be the recipe's last pass
     before: tuple[str, ...] = ()  # facts whose providers must come after this pass
     path_keys: tuple[str, ...] = ()  # config keys holding file paths (resolved by the recipe)
+    calibrates: bool = False  # may read calibration.text (so quality is measured past it)
 
 
 PASSES: dict[str, PassEntry] = {
     # Weight quantization: one per recipe.
     "rtn": PassEntry("llmopt.passes.rtn", provides=("quantized_weights",)),
     "gguf_weights": PassEntry("llmopt.passes.gguf_weights", provides=("quantized_weights",)),
-    "awq": PassEntry("llmopt.passes.awq", provides=("quantized_weights",)),
-    "gptq": PassEntry("llmopt.passes.gptq", provides=("quantized_weights",)),
+    "awq": PassEntry("llmopt.passes.awq", provides=("quantized_weights",), calibrates=True),
+    "gptq": PassEntry("llmopt.passes.gptq", provides=("quantized_weights",), calibrates=True),
     # Structural rewrites: they change shapes that quantization and the draft then see.
     "gqa_regroup": PassEntry("llmopt.passes.gqa_regroup",
-                             before=("quantized_weights", "kv_cache", "draft")),
+                             before=("quantized_weights", "kv_cache", "draft"), calibrates=True),
     # KV cache storage dtype (float16, fp8, int8, int4), per layer.
-    "kv_cache": PassEntry("llmopt.passes.kv_cache", provides=("kv_cache",)),
+    "kv_cache": PassEntry("llmopt.passes.kv_cache", provides=("kv_cache",), calibrates=True),
     # Speculative decoding: pair a draft with the final target (it measures against it).
     "draft": PassEntry("llmopt.passes.draft", provides=("draft",), last=True,
-                       path_keys=("model", "corpus")),
+                       path_keys=("model", "corpus"), calibrates=True),
 }
 
 # Facts that at most one pass of a recipe may provide, and what they mean to a user.
@@ -85,17 +86,13 @@ class PassContext:
     _probe: QualityProbe | None = None
 
     def quality_probe(self, ir: ModelIR) -> QualityProbe | None:
-        """Held-out windows to measure a pass's cost on: `quality.eval_text`, else the tail
-        of `calibration.text`; None with neither, or with `quality.measure: false`."""
+        """What to measure a pass's cost on: `quality.eval_text`, else the tail of
+        `calibration.text`, else samples of the first measured pass's input model; built
+        once per compile. None with `quality.measure: false`."""
         from llmopt.compiler.quality import QualityProbe
 
-        quality, text = self.recipe.quality, self.recipe.quality_text()
-        if text is None or not quality.measure:
-            return None
         if self._probe is None:
-            self._probe = QualityProbe.from_text(ir, text, quality.eval_windows,
-                                                 quality.eval_seq_len,
-                                                 tail=quality.eval_text is None, log=self.log)
+            self._probe = QualityProbe.for_recipe(self.recipe, ir, self.log)
         return self._probe
 
 

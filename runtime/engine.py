@@ -20,7 +20,13 @@ import numpy as np
 
 from llmopt.runtime.kv_cache_manager import KVCacheManager
 from llmopt.runtime.logprobs import token_logprobs
-from llmopt.runtime.output import OutputText, RequestMetrics, RequestOutput, SpeculationMetrics
+from llmopt.runtime.output import (
+    OutputText,
+    RequestMetrics,
+    RequestOutput,
+    SpeculationMetrics,
+    stop_reason,
+)
 from llmopt.runtime.paging import cdiv
 from llmopt.runtime.request import Request
 from llmopt.runtime.sampler import log_softmax, sample
@@ -104,7 +110,8 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer")
         request = Request(str(next(self._ids)), list(prompt_token_ids), params, score_only)
         self.scheduler.add_request(request)  # raises on a prompt too long for the context
-        text = OutputText(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        text = (OutputText(self.tokenizer, params.stop, params.include_stop_str_in_output)
+                if self.tokenizer is not None else None)
         self.requests[request.request_id] = _Tracked(request, prompt, text)
         return request.request_id
 
@@ -229,6 +236,8 @@ def make_output(tracked: _Tracked) -> RequestOutput:
         prompt_logprobs=request.prompt_logprobs,
         logprobs=(list(request.output_logprobs)
                   if request.sampling_params.logprobs is not None else None),
+        stop_reason=stop_reason(request.finish_reason, request.output_token_ids,
+                                request.sampling_params.stop_token_ids, text),
     )
 
 

@@ -22,6 +22,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = off; HF semantics over prompt + output tokens
     seed: int | None = None
     stop: list[str] = field(default_factory=list)  # stop strings, excluded from the text
+    include_stop_str_in_output: bool = False  # True: the text ends with the stop string
     stop_token_ids: list[int] = field(default_factory=list)  # kept in the output, like eos
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k = each output token's logprob and k best

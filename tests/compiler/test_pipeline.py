@@ -107,3 +107,13 @@ def test_the_quality_measurement_reports_its_progress(tiny_checkpoints, word_tex
     assert progress[0] == ("quality: measuring 3 windows of 64 tokens (the pass's input and "
                            "output models)")
     assert progress[-1].startswith("quality: 3/3 windows, ")
+
+
+def test_the_log_names_only_the_options_a_recipe_set():
+    from llmopt.compiler.pipeline import options_line
+
+    recipe = Recipe(model="m", passes=[
+        {"draft": {"kind": "ngram", "ngram": {"max_n": 4}}},
+    ])
+    assert options_line(recipe.passes[0].config) == (
+        "{'ngram': {'max_n': 4}, 'kind': 'ngram'} (other options at their defaults)")

@@ -87,3 +87,14 @@ def test_a_budget_measures_on_the_calibration_texts_tail(tmp_path):
     assert recipe.quality_text() == str(tmp_path / "calib.txt")
     with pytest.raises(RecipeError, match="needs quality.eval_text or calibration.text"):
         load_recipe(write(tmp_path, "model: m\nquality: {max_ppl_increase_pct: 5}\n"))
+
+
+def test_the_recipe_says_what_lossy_passes_will_be_measured_on(tmp_path):
+    (tmp_path / "calib.txt").write_text("words")
+    assert Recipe(model="m").quality_source() == "16 x 256 tokens sampled from the model"
+    assert Recipe(model="m", quality={"measure": False}).quality_source() == (
+        "not measured (quality.measure: false)")
+    recipe = Recipe(model="m", calibration={"text": str(tmp_path / "calib.txt")})
+    assert recipe.quality_source().startswith("the held-out tail of calibration.text ")
+    recipe = Recipe(model="m", quality={"eval_text": "e.txt"})
+    assert recipe.quality_source() == "quality.eval_text e.txt"

@@ -244,6 +244,27 @@ def test_compile_log_has_no_third_party_progress_bars(tiny_checkpoints, tmp_path
     assert "Loading weights" not in result.stderr and "%|" not in result.stderr
 
 
+def test_a_gguf_compile_log_has_no_dequantizing_progress_bar(family_checkpoints, tmp_path):
+    import subprocess
+    import sys
+
+    recipe = write_recipe(tmp_path, f"model: {family_checkpoints['llama']['gguf']}\n"
+                                    "quality: {measure: false}\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TQDM_DISABLE"}
+    result = subprocess.run([sys.executable, "-c", "from llmopt.cli import main; main()",
+                             "compile", str(recipe), "-o", str(tmp_path / "art")],
+                            capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "de-quantizing" not in result.stderr and "%|" not in result.stderr
+
+
+def test_awq_without_calibration_text_is_refused_before_loading(tmp_path):
+    recipe = write_recipe(tmp_path, f"model: {tmp_path}\npasses:\n  - awq: {{bits: 4}}\n")
+    code, _, err = run("compile", recipe, "-o", tmp_path / "out")
+    assert_one_line_error(code, err, "error: passes.0 (awq) needs calibration.text")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_mistyped_local_path_is_not_taken_for_a_hub_id(tmp_path, monkeypatch):
     (tmp_path / "models").mkdir()
     monkeypatch.chdir(tmp_path)
@@ -288,3 +309,19 @@ def test_a_dry_run_names_a_missing_model_and_writes_nothing(tmp_path):
     code, out, err = run("compile", recipe, "-o", tmp_path / "out", "--dry-run")
     assert_one_line_error(code, err, "error: model path not found: ./models/smollm2-typo")
     assert "resolved recipe:" in out and not (tmp_path / "out").exists()
+
+
+def test_every_option_of_every_command_has_help_text():
+    import click
+
+    missing = [f"{name} {param.opts[0]}" for name, command in main.commands.items()
+               for param in command.params
+               if isinstance(param, click.Option) and param.name != "help" and not param.help]
+    assert missing == []
+
+
+def test_the_output_folder_is_checked_before_the_passes_options(tmp_path):
+    (tmp_path / "mine").mkdir()
+    recipe = write_recipe(tmp_path, f"model: {tmp_path}\npasses:\n  - awq: {{bits: 3}}\n")
+    code, _, err = run("compile", recipe, "-o", tmp_path / "mine")
+    assert_one_line_error(code, err, "is not an llmopt artifact; not replacing it")
