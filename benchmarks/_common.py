@@ -57,9 +57,13 @@ def run_json_worker(args: list[str], env: dict[str, str]) -> dict[str, Any]:
 def compile_artifact(path: Path, recipe: Path, overrides: list[str],
                      recompile: bool = False) -> Path:
     """`path`, compiled from `recipe` with `--set` overrides through the llmopt CLI unless it
-    already holds an artifact (or `recompile`: then built beside it and swapped in)."""
+    already holds an artifact (or `recompile`: then built beside it and swapped in). The
+    compiler's default quality measurement is off unless an override sets `quality`:
+    benchmarks measure speed here, and quality on the shared protocol elsewhere."""
     if (path / "manifest.json").is_file() and not recompile:
         return path
+    if not any(o.startswith("quality") for o in overrides):
+        overrides = [*overrides, "quality.measure=false"]
     fresh = path.with_name(path.name + ".new")
     shutil.rmtree(fresh, ignore_errors=True)
     cmd = [sys.executable, "-c", "from llmopt.cli import main; main()", "compile", str(recipe),
