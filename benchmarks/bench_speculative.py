@@ -101,6 +101,8 @@ def main() -> None:
     parser.add_argument("--sweep-gen", type=int, default=48,
                         help="New tokens per prompt in the batch sweep (EOS ignored).")
     parser.add_argument("--max-context", type=int, default=1024)
+    parser.add_argument("--sweep-only", action="store_true",
+                        help="Only the batch sweep and step costs (no per-category batch 1).")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_speculative.json")
     parser.add_argument("--worker", nargs=2, metavar=("NAME", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -117,6 +119,7 @@ def main() -> None:
                        "--batches", args.batches, "--mixes", args.mixes,
                        "--sweep-gen", str(args.sweep_gen),
                        "--max-context", str(args.max_context),
+                       *(["--sweep-only"] if args.sweep_only else []),
                        "--worker", name, path]
         results["artifacts"][name] = run_json_worker(worker_args, thread_env(args.threads))
     results["loadavg_at_end"] = list(__import__("os").getloadavg())
@@ -145,8 +148,9 @@ def run_worker(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         llm.generate([first], SamplingParams(temperature=0.0, max_tokens=8))
 
     costs = step_costs(spec_llm, spec.gamma)
-    results = {name: batch1_mix(spec_llm, plain_llm, encoded, params, args.rounds, spec.gamma,
-                                costs) for name, encoded in mixes.items()}
+    results = {} if args.sweep_only else {
+        name: batch1_mix(spec_llm, plain_llm, encoded, params, args.rounds, spec.gamma, costs)
+        for name, encoded in mixes.items()}
     sweep_mix = [p for prompts in next(iter(mixes.values())).values() for p in prompts]
     by_batch = {batch: batch_sweep(spec_llm, plain_llm, sweep_mix, batch, steady, args.rounds)
                 for batch in batches}
@@ -213,7 +217,13 @@ def batch_sweep(spec_llm, plain_llm, mix: list[list[int]], batch: int, params,
              for mode in ("on", "off")}
     return {"plain_tok_s": speed["off"], "spec_tok_s": speed["on"],
             "speedup": speed["on"] / speed["off"], "prompts": count,
-            "speculated": any(p["on"]["spec_steps"] for p in pairs)}
+            "speculated": any(p["on"]["spec_steps"] for p in pairs),
+            # Load-robust: each sequence's output tokens per target step it took part in,
+            # and the share of those steps that verified drafts.
+            "tokens_per_step": sum(p["on"]["output_tokens"] for p in pairs)
+            / sum(p["on"]["decode_steps"] for p in pairs),
+            "spec_step_share": sum(p["on"]["spec_steps"] for p in pairs)
+            / sum(p["on"]["decode_steps"] for p in pairs)}
 
 
 def as_messages(prompt: Prompt) -> list[dict[str, str]]:
@@ -222,12 +232,14 @@ def as_messages(prompt: Prompt) -> list[dict[str, str]]:
 
 def timed_pair(spec_llm, plain_llm, prompts: list[list[int]], params,
                rounds: int) -> dict[str, dict[str, Any]]:
-    """Each mode `rounds` times, interleaved (so load changes hit both alike); the run of
-    median speed of each."""
+    """Each mode `rounds` times, interleaved (so load changes hit both alike) and in
+    alternating order (off first, then on first: whichever runs second may find the
+    other's weights in cache or its cores warm); the run of median speed of each."""
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
-    for _ in range(rounds):
-        runs["off"].append(timed_generate(plain_llm, prompts, params))
-        runs["on"].append(timed_generate(spec_llm, prompts, params))
+    llms = {"off": plain_llm, "on": spec_llm}
+    for round_ in range(rounds):
+        for mode in ("off", "on") if round_ % 2 == 0 else ("on", "off"):
+            runs[mode].append(timed_generate(llms[mode], prompts, params))
     return {mode: sorted(r, key=lambda run: run["tok_s"])[len(r) // 2]
             for mode, r in runs.items()}
 
@@ -357,13 +369,14 @@ def print_tables(results: dict[str, Any]) -> None:
     print("\nbatch sweep (the first mix, aggregate decode tok/s; speculation off above the "
           "manifest's max_batch_size)")
     print("| draft | max_batch_size | batch | prompts | plain tok/s | spec tok/s | speedup | "
-          "speculated |")
-    print("|---|---|---|---|---|---|---|---|")
+          "tokens/step | speculative steps |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in results["artifacts"].items():
         for batch, b in r["by_batch"].items():
             print(f"| {name} | {r['max_batch_size']} | {batch} | {b['prompts']} | "
                   f"{b['plain_tok_s']:.1f} | "
-                  f"{b['spec_tok_s']:.1f} | {b['speedup']:.2f}x | {b['speculated']} |")
+                  f"{b['spec_tok_s']:.1f} | {b['speedup']:.2f}x | {b['tokens_per_step']:.2f} | "
+                  f"{b['spec_step_share']:.0%} |")
     print("\nstep costs (batch 1, context 128): (q)-token step / 1-token step")
     for name, r in results["artifacts"].items():
         c = r["step_costs"]
