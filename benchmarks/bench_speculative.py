@@ -25,6 +25,7 @@ Prints a table and writes JSON to benchmarks/results/bench_speculative.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -101,6 +102,8 @@ def main() -> None:
     parser.add_argument("--sweep-gen", type=int, default=48,
                         help="New tokens per prompt in the batch sweep (EOS ignored).")
     parser.add_argument("--max-context", type=int, default=1024)
+    parser.add_argument("--build-first", choices=("spec", "plain"), default="spec",
+                        help="Which engine the worker builds first (it tends to run slower).")
     parser.add_argument("--sweep-only", action="store_true",
                         help="Only the batch sweep and step costs (no per-category batch 1).")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_speculative.json")
@@ -120,6 +123,7 @@ def main() -> None:
                        "--sweep-gen", str(args.sweep_gen),
                        "--max-context", str(args.max_context),
                        *(["--sweep-only"] if args.sweep_only else []),
+                       "--build-first", args.build_first,
                        "--worker", name, path]
         results["artifacts"][name] = run_json_worker(worker_args, thread_env(args.threads))
     results["loadavg_at_end"] = list(__import__("os").getloadavg())
@@ -137,8 +141,15 @@ def run_worker(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     # garbage into pool blocks; decode speed is what is measured.
     common = {"num_threads": args.threads, "max_num_seqs": max(batches, default=1),
               "max_context": args.max_context, "enable_prefix_caching": False}
-    spec_llm = LLM(path, **common)
-    plain_llm = LLM(path, speculative=False, **common)
+    # Measured (2026-11-24): of three identical engines built in one process, the first
+    # built ran batch-2 decoding 12-16 % slower than the third, whichever had
+    # speculation on; so the order is a flag, and a fair figure runs both orders.
+    if args.build_first == "spec":
+        spec_llm = LLM(path, **common)
+        plain_llm = LLM(path, speculative=False, **common)
+    else:
+        plain_llm = LLM(path, speculative=False, **common)
+        spec_llm = LLM(path, **common)
     spec = spec_llm.manifest.speculative
     params = SamplingParams(temperature=0.0, max_tokens=args.gen)
     steady = SamplingParams(temperature=0.0, max_tokens=args.sweep_gen, ignore_eos=True)
@@ -210,8 +221,9 @@ def batch_sweep(spec_llm, plain_llm, mix: list[list[int]], batch: int, params,
     """Every prompt of the mix at least once, in batches of `batch` (cycling the mix)."""
     count = -(-len(mix) // batch) * batch
     cycled = (mix * (count // len(mix) + 1))[:count]
-    pairs = [timed_pair(spec_llm, plain_llm, cycled[i : i + batch], params, rounds)
-             for i in range(0, count, batch)]
+    with modelled_costs(spec_llm, plain_llm) as modelled:
+        pairs = [timed_pair(spec_llm, plain_llm, cycled[i : i + batch], params, rounds)
+                 for i in range(0, count, batch)]
     speed = {mode: sum(p[mode]["decode_tokens"] for p in pairs)
              / sum(p[mode]["decode_tokens"] / p[mode]["tok_s"] for p in pairs)
              for mode in ("on", "off")}
@@ -220,10 +232,38 @@ def batch_sweep(spec_llm, plain_llm, mix: list[list[int]], batch: int, params,
             "speculated": any(p["on"]["spec_steps"] for p in pairs),
             # Load-robust: each sequence's output tokens per target step it took part in,
             # and the share of those steps that verified drafts.
+            "modelled_speedup": modelled["off"] / modelled["on"] if modelled["on"] else None,
             "tokens_per_step": sum(p["on"]["output_tokens"] for p in pairs)
             / sum(p["on"]["decode_steps"] for p in pairs),
             "spec_step_share": sum(p["on"]["spec_steps"] for p in pairs)
             / sum(p["on"]["decode_steps"] for p in pairs)}
+
+
+@contextlib.contextmanager
+def modelled_costs(spec_llm, plain_llm):
+    """Sum, per mode, what every executed step costs by the speculation policy's step
+    model (the compiler's batch × width table, calls padded as the executors pad them).
+    Both modes emit the same tokens (EOS ignored), so off/on of these sums is a speedup
+    that no load swing touches; it trusts the model's costs, not its acceptance guesses."""
+    policy = spec_llm.engine.speculator and spec_llm.engine.speculator.policy
+    totals = {"on": 0.0, "off": 0.0}
+    if policy is None:
+        yield totals
+        return
+    originals = {}
+    for mode, llm in (("on", spec_llm), ("off", plain_llm)):
+        executor = llm.engine.executor
+        originals[mode] = executor, executor.execute
+
+        def execute(batch, mode=mode, run=executor.execute):
+            totals[mode] += policy.step_model.step_cost(batch.query_lens)
+            return run(batch)
+        executor.execute = execute
+    try:
+        yield totals
+    finally:
+        for executor, run in originals.values():
+            executor.execute = run
 
 
 def as_messages(prompt: Prompt) -> list[dict[str, str]]:
@@ -369,13 +409,14 @@ def print_tables(results: dict[str, Any]) -> None:
     print("\nbatch sweep (the first mix, aggregate decode tok/s; speculation off above the "
           "manifest's max_batch_size)")
     print("| draft | max_batch_size | batch | prompts | plain tok/s | spec tok/s | speedup | "
-          "tokens/step | speculative steps |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "modelled | tokens/step | speculative steps |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results["artifacts"].items():
         for batch, b in r["by_batch"].items():
             print(f"| {name} | {r['max_batch_size']} | {batch} | {b['prompts']} | "
                   f"{b['plain_tok_s']:.1f} | "
-                  f"{b['spec_tok_s']:.1f} | {b['speedup']:.2f}x | {b['tokens_per_step']:.2f} | "
+                  f"{b['spec_tok_s']:.1f} | {b['speedup']:.2f}x | "
+                  f"{b['modelled_speedup'] or 0:.2f}x | {b['tokens_per_step']:.2f} | "
                   f"{b['spec_step_share']:.0%} |")
     print("\nstep costs (batch 1, context 128): (q)-token step / 1-token step")
     for name, r in results["artifacts"].items():
