@@ -27,6 +27,7 @@ from llmopt.runtime.spec.drafter import (
     FallbackDrafter,
     ModelDrafter,
     NgramDrafter,
+    Proposal,
     SuffixDrafter,
 )
 from llmopt.runtime.spec.governor import SpeculationGovernor
@@ -102,7 +103,7 @@ class Speculator:
         return scheduled
 
     def _step_cap(self, scheduled: list[ScheduledRequest], speculating: list[int],
-                  proposals: list) -> int:
+                  proposals: list[Proposal]) -> int:
         """The most drafts a sequence keeps this step (the policy's price of the step;
         without a policy, γ)."""
         if self.policy is None:
