@@ -25,6 +25,7 @@ Prints a table and writes JSON to benchmarks/results/bench_speculative.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -101,6 +102,10 @@ def main() -> None:
     parser.add_argument("--sweep-gen", type=int, default=48,
                         help="New tokens per prompt in the batch sweep (EOS ignored).")
     parser.add_argument("--max-context", type=int, default=1024)
+    parser.add_argument("--build-first", choices=("spec", "plain"), default="spec",
+                        help="Which engine the worker builds first (it tends to run slower).")
+    parser.add_argument("--sweep-only", action="store_true",
+                        help="Only the batch sweep and step costs (no per-category batch 1).")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_speculative.json")
     parser.add_argument("--worker", nargs=2, metavar=("NAME", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -117,6 +122,8 @@ def main() -> None:
                        "--batches", args.batches, "--mixes", args.mixes,
                        "--sweep-gen", str(args.sweep_gen),
                        "--max-context", str(args.max_context),
+                       *(["--sweep-only"] if args.sweep_only else []),
+                       "--build-first", args.build_first,
                        "--worker", name, path]
         results["artifacts"][name] = run_json_worker(worker_args, thread_env(args.threads))
     results["loadavg_at_end"] = list(__import__("os").getloadavg())
@@ -134,8 +141,15 @@ def run_worker(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     # garbage into pool blocks; decode speed is what is measured.
     common = {"num_threads": args.threads, "max_num_seqs": max(batches, default=1),
               "max_context": args.max_context, "enable_prefix_caching": False}
-    spec_llm = LLM(path, **common)
-    plain_llm = LLM(path, speculative=False, **common)
+    # Measured (2026-11-24): of three identical engines built in one process, the first
+    # built ran batch-2 decoding 12-16 % slower than the third, whichever had
+    # speculation on; so the order is a flag, and a fair figure runs both orders.
+    if args.build_first == "spec":
+        spec_llm = LLM(path, **common)
+        plain_llm = LLM(path, speculative=False, **common)
+    else:
+        plain_llm = LLM(path, speculative=False, **common)
+        spec_llm = LLM(path, **common)
     spec = spec_llm.manifest.speculative
     params = SamplingParams(temperature=0.0, max_tokens=args.gen)
     steady = SamplingParams(temperature=0.0, max_tokens=args.sweep_gen, ignore_eos=True)
@@ -145,8 +159,9 @@ def run_worker(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         llm.generate([first], SamplingParams(temperature=0.0, max_tokens=8))
 
     costs = step_costs(spec_llm, spec.gamma)
-    results = {name: batch1_mix(spec_llm, plain_llm, encoded, params, args.rounds, spec.gamma,
-                                costs) for name, encoded in mixes.items()}
+    results = {} if args.sweep_only else {
+        name: batch1_mix(spec_llm, plain_llm, encoded, params, args.rounds, spec.gamma, costs)
+        for name, encoded in mixes.items()}
     sweep_mix = [p for prompts in next(iter(mixes.values())).values() for p in prompts]
     by_batch = {batch: batch_sweep(spec_llm, plain_llm, sweep_mix, batch, steady, args.rounds)
                 for batch in batches}
@@ -206,14 +221,49 @@ def batch_sweep(spec_llm, plain_llm, mix: list[list[int]], batch: int, params,
     """Every prompt of the mix at least once, in batches of `batch` (cycling the mix)."""
     count = -(-len(mix) // batch) * batch
     cycled = (mix * (count // len(mix) + 1))[:count]
-    pairs = [timed_pair(spec_llm, plain_llm, cycled[i : i + batch], params, rounds)
-             for i in range(0, count, batch)]
+    with modelled_costs(spec_llm, plain_llm) as modelled:
+        pairs = [timed_pair(spec_llm, plain_llm, cycled[i : i + batch], params, rounds)
+                 for i in range(0, count, batch)]
     speed = {mode: sum(p[mode]["decode_tokens"] for p in pairs)
              / sum(p[mode]["decode_tokens"] / p[mode]["tok_s"] for p in pairs)
              for mode in ("on", "off")}
     return {"plain_tok_s": speed["off"], "spec_tok_s": speed["on"],
             "speedup": speed["on"] / speed["off"], "prompts": count,
-            "speculated": any(p["on"]["spec_steps"] for p in pairs)}
+            "speculated": any(p["on"]["spec_steps"] for p in pairs),
+            # Load-robust: each sequence's output tokens per target step it took part in,
+            # and the share of those steps that verified drafts.
+            "modelled_speedup": modelled["off"] / modelled["on"] if modelled["on"] else None,
+            "tokens_per_step": sum(p["on"]["output_tokens"] for p in pairs)
+            / sum(p["on"]["decode_steps"] for p in pairs),
+            "spec_step_share": sum(p["on"]["spec_steps"] for p in pairs)
+            / sum(p["on"]["decode_steps"] for p in pairs)}
+
+
+@contextlib.contextmanager
+def modelled_costs(spec_llm, plain_llm):
+    """Sum, per mode, what every executed step costs by the speculation policy's step
+    model (the compiler's batch × width table, calls padded as the executors pad them).
+    Both modes emit the same tokens (EOS ignored), so off/on of these sums is a speedup
+    that no load swing touches; it trusts the model's costs, not its acceptance guesses."""
+    policy = spec_llm.engine.speculator and spec_llm.engine.speculator.policy
+    totals = {"on": 0.0, "off": 0.0}
+    if policy is None:
+        yield totals
+        return
+    originals = {}
+    for mode, llm in (("on", spec_llm), ("off", plain_llm)):
+        executor = llm.engine.executor
+        originals[mode] = executor, executor.execute
+
+        def execute(batch, mode=mode, run=executor.execute):
+            totals[mode] += policy.step_model.step_cost(batch.query_lens)
+            return run(batch)
+        executor.execute = execute
+    try:
+        yield totals
+    finally:
+        for executor, run in originals.values():
+            executor.execute = run
 
 
 def as_messages(prompt: Prompt) -> list[dict[str, str]]:
@@ -222,12 +272,14 @@ def as_messages(prompt: Prompt) -> list[dict[str, str]]:
 
 def timed_pair(spec_llm, plain_llm, prompts: list[list[int]], params,
                rounds: int) -> dict[str, dict[str, Any]]:
-    """Each mode `rounds` times, interleaved (so load changes hit both alike); the run of
-    median speed of each."""
+    """Each mode `rounds` times, interleaved (so load changes hit both alike) and in
+    alternating order (off first, then on first: whichever runs second may find the
+    other's weights in cache or its cores warm); the run of median speed of each."""
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
-    for _ in range(rounds):
-        runs["off"].append(timed_generate(plain_llm, prompts, params))
-        runs["on"].append(timed_generate(spec_llm, prompts, params))
+    llms = {"off": plain_llm, "on": spec_llm}
+    for round_ in range(rounds):
+        for mode in ("off", "on") if round_ % 2 == 0 else ("on", "off"):
+            runs[mode].append(timed_generate(llms[mode], prompts, params))
     return {mode: sorted(r, key=lambda run: run["tok_s"])[len(r) // 2]
             for mode, r in runs.items()}
 
@@ -357,13 +409,15 @@ def print_tables(results: dict[str, Any]) -> None:
     print("\nbatch sweep (the first mix, aggregate decode tok/s; speculation off above the "
           "manifest's max_batch_size)")
     print("| draft | max_batch_size | batch | prompts | plain tok/s | spec tok/s | speedup | "
-          "speculated |")
-    print("|---|---|---|---|---|---|---|---|")
+          "modelled | tokens/step | speculative steps |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results["artifacts"].items():
         for batch, b in r["by_batch"].items():
             print(f"| {name} | {r['max_batch_size']} | {batch} | {b['prompts']} | "
                   f"{b['plain_tok_s']:.1f} | "
-                  f"{b['spec_tok_s']:.1f} | {b['speedup']:.2f}x | {b['speculated']} |")
+                  f"{b['spec_tok_s']:.1f} | {b['speedup']:.2f}x | "
+                  f"{b['modelled_speedup'] or 0:.2f}x | {b['tokens_per_step']:.2f} | "
+                  f"{b['spec_step_share']:.0%} |")
     print("\nstep costs (batch 1, context 128): (q)-token step / 1-token step")
     for name, r in results["artifacts"].items():
         c = r["step_costs"]

@@ -9,7 +9,8 @@ bucket (1, 2-3, 4-7, 8-15, ...), keeps
 
 - the plain step's time (interleaving a plain probe step now and then keeps it current),
 - a *cost scale*: the measured extra time of speculative steps over a plain step,
-  divided by the extra the manifest's `verify_cost` predicted for them,
+  divided by the extra the step cost model (`step_cost`: the compiler's table, every call
+  padded to its widest query) predicted for them,
 - the draft's step cost, measured the same way against the plain step.
 
 The policy multiplies verification's predicted extra cost by the scale and uses the
@@ -28,12 +29,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from llmopt.runtime.spec.step_cost import StepCostModel
+
+OUTLIER = 2.0  # one step moves the scale towards at most this factor of it
+
 
 @dataclass
 class _Bucket:
     plain_step_s: float | None = None  # decayed mean time of a plain pure-decode step
     measured_extra: float = 0.0  # decayed sum of (speculative step / plain step - 1)
-    predicted_extra: float = 0.0  # decayed sum of what verify_cost predicted for those
+    predicted_extra: float = 0.0  # decayed sum of what the step model predicted for those
     draft_time: float = 0.0  # decayed sum of drafting time / plain step time
     draft_steps: float = 0.0  # decayed sum of sequential draft steps behind it
     steps: int = 0
@@ -41,18 +46,19 @@ class _Bucket:
 
 @dataclass(frozen=True)
 class Prices:
-    cost_scale: float  # multiplies verify_cost[k] - 1
+    cost_scale: float  # multiplies the predicted extra cost of drafts
     draft_cost: float  # one draft step, in plain target steps
 
 
 class SpeculationGovernor:
     def __init__(self, verify_cost: Sequence[float], draft_cost: float, *,
                  decay: float = 0.98, prior_weight: float = 0.25, plain_decay: float = 0.8,
-                 probe_every: int = 32):
+                 probe_every: int = 16, step_model: StepCostModel | None = None):
         """`verify_cost[k]`: the manifest's (k+1)-token step over a 1-token step;
-        `draft_cost`: its draft step over a target step. `prior_weight` is how much
+        `draft_cost`: its draft step over a target step; `step_model`: what a whole step
+        costs (None: `verify_cost` at every batch size). `prior_weight` is how much
         predicted extra cost (in plain steps) the manifest's numbers count as."""
-        self.verify_cost = list(verify_cost)
+        self.step_model = step_model or StepCostModel.from_verify_cost(verify_cost)
         self.prior_draft_cost = draft_cost
         self.decay = decay
         self.prior_weight = prior_weight
@@ -69,10 +75,9 @@ class SpeculationGovernor:
     def prices(self, batch_size: int) -> Prices:
         bucket = self._bucket(batch_size)
         prior = self.prior_weight
-        scale = (bucket.measured_extra + prior) / (bucket.predicted_extra + prior)
         draft_cost = ((bucket.draft_time + prior * self.prior_draft_cost)
                       / (bucket.draft_steps + prior))
-        return Prices(max(scale, 0.0), max(draft_cost, 0.0))
+        return Prices(self._scale(bucket), max(draft_cost, 0.0))
 
     def record(self, num_drafts: Sequence[int], step_seconds: float,
                draft_seconds: float = 0.0) -> None:
@@ -92,11 +97,27 @@ class SpeculationGovernor:
         plain = bucket.plain_step_s
         if plain is None:
             return
-        predicted = sum(self.verify_cost[k] - 1 for k in num_drafts) / len(num_drafts)
-        bucket.measured_extra += max(step_seconds / plain - 1, 0.0)
+        predicted = self.step_model.relative([1 + k for k in num_drafts],
+                                             [1] * len(num_drafts)) - 1
+        bucket.measured_extra += self._measured_extra(bucket, step_seconds / plain - 1,
+                                                      predicted)
         bucket.predicted_extra += predicted
         bucket.draft_time += draft_seconds / plain
         bucket.draft_steps += max(num_drafts)  # drafts are proposed one position at a time
+
+    def _measured_extra(self, bucket: _Bucket, measured: float, predicted: float) -> float:
+        """One step's evidence, within `OUTLIER`× of the bucket's current scale either way.
+
+        On a shared machine one step can take several times its neighbours (another
+        process's burst), and the plain reference can be stale by `probe_every` steps
+        when the load changed since: unclipped, a few such steps set the scale for the
+        next hundred (measured: 0.13 and 2.9 from the same run)."""
+        scale = self._scale(bucket)
+        return min(max(measured, predicted * scale / OUTLIER), predicted * scale * OUTLIER)
+
+    def _scale(self, bucket: _Bucket) -> float:
+        prior = self.prior_weight
+        return max((bucket.measured_extra + prior) / (bucket.predicted_extra + prior), 0.0)
 
     def _bucket(self, batch_size: int) -> _Bucket:
         return self.buckets.setdefault(max(batch_size, 1).bit_length(), _Bucket())

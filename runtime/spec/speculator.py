@@ -2,7 +2,8 @@
 
 Per step: `max_drafts` gives the scheduler each sequence's draft budget (None: no
 speculation this step — above the batch-size limit, or a plain probe step of the
-governor); `propose` fills the draft slots the scheduler reserved; `verify` applies the
+governor); `propose` fills the draft slots the scheduler reserved, then trims the drafts
+to what pays for the step as a whole (`SpeculationPolicy.cap`); `verify` applies the
 exact rule to a sequence's logits rows; `observe` and `record_step` feed the policy
 (acceptance per sequence and source) and the governor (step timings per batch size).
 """
@@ -26,11 +27,13 @@ from llmopt.runtime.spec.drafter import (
     FallbackDrafter,
     ModelDrafter,
     NgramDrafter,
+    Proposal,
     SuffixDrafter,
 )
 from llmopt.runtime.spec.governor import SpeculationGovernor
 from llmopt.runtime.spec.policy import SpeculationPolicy
 from llmopt.runtime.spec.rejection_sampler import verify_drafts
+from llmopt.runtime.spec.step_cost import StepCostModel
 from llmopt.runtime.spec.suffix import SuffixSettings
 from llmopt.runtime.step_batch import Executor
 
@@ -85,17 +88,32 @@ class Speculator:
         proposals = self.drafter.propose(
             requests, [scheduled[i].num_spec_tokens for i in speculating],
             policy.num_drafts if policy is not None else None)
+        cap = self._step_cap(scheduled, speculating, proposals)
         scheduled = list(scheduled)
         for i, request, proposal in zip(speculating, requests, proposals, strict=True):
             spec = request.spec
-            spec.token_ids, spec.source = list(proposal.token_ids), proposal.source
-            spec.probs = proposal.probs if proposal.token_ids else None
-            unused = scheduled[i].num_spec_tokens - len(proposal.token_ids)
+            spec.token_ids, spec.source = list(proposal.token_ids[:cap]), proposal.source
+            spec.probs = proposal.probs[:cap] if spec.token_ids and proposal.probs is not None \
+                else None
+            unused = scheduled[i].num_spec_tokens - len(spec.token_ids)
             scheduled[i] = dataclasses.replace(
                 scheduled[i], num_tokens=scheduled[i].num_tokens - unused,
-                num_spec_tokens=len(proposal.token_ids))
+                num_spec_tokens=len(spec.token_ids))
         self.draft_seconds = time.perf_counter() - started
         return scheduled
+
+    def _step_cap(self, scheduled: list[ScheduledRequest], speculating: list[int],
+                  proposals: list[Proposal]) -> int:
+        """The most drafts a sequence keeps this step (the policy's price of the step;
+        without a policy, γ)."""
+        if self.policy is None:
+            return self.gamma
+        drafted = [(scheduled[i].request, p.source, len(p.token_ids))
+                   for i, p in zip(speculating, proposals, strict=True) if p.token_ids]
+        chosen = set(speculating)
+        others = [item.num_tokens for i, item in enumerate(scheduled) if i not in chosen]
+        others += [1] * (len(speculating) - len(drafted))  # reserved slots, no draft
+        return self.policy.cap(drafted, others)
 
     def verify(self, request: Request, logits: np.ndarray) -> list[int]:
         """The tokens a sequence with drafts emits: its accepted drafts plus one."""
@@ -155,8 +173,11 @@ def build_speculator(
     policy = governor = None
     if priced:
         prior = equivalent_alpha(spec.acceptance, gamma) if spec.acceptance else 0.5
-        policy = SpeculationPolicy(gamma, spec.verify_cost, spec.cost_ratio or 0.0, prior)
-        governor = SpeculationGovernor(spec.verify_cost, spec.cost_ratio or 0.0)
+        steps = StepCostModel.from_measured(spec.measured, spec.verify_cost)
+        policy = SpeculationPolicy(gamma, spec.verify_cost, spec.cost_ratio or 0.0, prior,
+                                   step_model=steps)
+        governor = SpeculationGovernor(spec.verify_cost, spec.cost_ratio or 0.0,
+                                       step_model=steps)
     limit = max_batch_size if max_batch_size is not None else spec.max_batch_size
     return Speculator(drafter, gamma, limit, policy, governor)
 

@@ -81,3 +81,16 @@ def test_the_draft_step_cost_is_measured_against_the_plain_step():
     for _ in range(200):
         governor.record([2], 0.013, draft_seconds=0.004)  # two draft steps of 2 ms
     assert governor.prices(1).draft_cost == pytest.approx(0.2, rel=0.05)
+
+
+def test_a_burst_of_load_on_a_few_steps_does_not_set_the_price():
+    governor = SpeculationGovernor(VERIFY_COST, 0.0)
+    governor.record([0], 0.010)
+    for i in range(100):  # costs what the manifest says, but every 10th step is 10x slow
+        governor.record([4], 0.015 * (10 if i % 10 == 0 else 1))
+    assert governor.prices(1).cost_scale < 1.5
+    stale = SpeculationGovernor(VERIFY_COST, 0.0)
+    stale.record([0], 0.030)  # the plain reference was timed under load that then ended
+    for _ in range(20):
+        stale.record([4], 0.015)
+    assert stale.prices(1).cost_scale > 0.15  # unclipped: 0.03

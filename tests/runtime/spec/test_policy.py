@@ -78,3 +78,20 @@ def test_the_engine_backs_off_a_useless_draft_and_keeps_the_output():
         spec = out.metrics.speculation
         assert spec.num_accepted_tokens == 0
         assert spec.num_spec_steps < spec.num_decode_steps / 2
+
+
+def test_a_new_sequence_starts_from_what_the_engine_has_seen():
+    policy = SpeculationPolicy(4, [1.0, 1.15, 1.3, 1.45, 1.6], 0.0, prior_alpha=0.8)
+    for i in range(20):  # earlier sequences' drafts mostly failed
+        policy.observe(Request(str(i), [1, 2, 3], SamplingParams()), "ngram2", 2, 0)
+    fresh = request()
+    assert policy.alpha(fresh, "ngram2") < 0.4
+    assert policy.alpha(fresh, "ngram5") < 0.8  # an unseen source: the engine's average
+
+
+def test_a_step_whose_drafts_barely_pay_stays_plain():
+    policy = SpeculationPolicy(1, [1.0, 1.3], 0.0, prior_alpha=0.32)  # 1.32 / 1.3: +1.5 %
+    assert policy.num_drafts(request()) == 1
+    assert policy.cap([(request(), "ngram1", 1)]) == 0
+    generous = SpeculationPolicy(1, [1.0, 1.3], 0.0, prior_alpha=0.32, min_gain=1.0)
+    assert generous.cap([(request(), "ngram1", 1)]) == 1
