@@ -198,7 +198,6 @@ def targets_check(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if ref is None:
             continue
         rate = ref["rate"]
-        ref = by[(anchor, rate)]
         for system in LLMOPT:
             ours = by.get((system, rate))
             if ours is None or not ours["throughput_tok_s"]:
