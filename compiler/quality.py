@@ -46,13 +46,13 @@ class QualityProbe:
         """The recipe's probe: `quality.eval_text`, else the part of `calibration.text`
         past what the passes calibrate on, else samples of `ir`; None with
         `quality.measure: false`."""
-        quality = recipe.quality
-        if not quality.measure:
+        quality, kind = recipe.quality, recipe.quality_kind()
+        if kind == "off":
             return None
-        if quality.eval_text is not None:
+        if kind == "eval_text":
             return cls.from_text(ir, quality.eval_text, quality.eval_windows,
                                  quality.eval_seq_len, log=log)
-        if recipe.calibration.text is not None:
+        if kind == "calibration_tail":
             probe = cls.held_out(ir, recipe.calibration.text, calibration_span(recipe),
                                  quality.eval_windows, quality.eval_seq_len, log)
             if probe is not None:

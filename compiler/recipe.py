@@ -108,17 +108,27 @@ class Recipe(_Strict):
                              "perplexity of the model's own samples is not a text perplexity")
         return self
 
-    def quality_source(self) -> str:
-        """What lossy passes will be measured on (compiler/quality.py), in words."""
+    def quality_kind(self) -> str:
+        """What lossy passes are measured on: "off", "eval_text", "calibration_tail" (model
+        samples if no window is left past calibration) or "samples" — the one decision
+        `QualityProbe.for_recipe` builds its probe from."""
         if not self.quality.measure:
-            return "not measured (quality.measure: false)"
+            return "off"
         if self.quality.eval_text is not None:
-            return f"quality.eval_text {self.quality.eval_text}"
-        if self.calibration.text is not None:
-            return (f"the held-out tail of calibration.text {self.calibration.text} (model "
-                    "samples if no window is left past calibration)")
-        return (f"{self.quality.sampled_sequences} x {self.quality.sampled_tokens} tokens "
-                "sampled from the model")
+            return "eval_text"
+        return "calibration_tail" if self.calibration.text is not None else "samples"
+
+    def quality_source(self) -> str:
+        """What lossy passes will be measured on, in words."""
+        quality = self.quality
+        return {
+            "off": "not measured (quality.measure: false)",
+            "eval_text": f"quality.eval_text {quality.eval_text}",
+            "calibration_tail": f"the held-out tail of calibration.text {self.calibration.text} "
+                                "(model samples if no window is left past calibration)",
+            "samples": f"{quality.sampled_sequences} x {quality.sampled_tokens} tokens sampled "
+                       "from the model",
+        }[self.quality_kind()]
 
     def quality_text(self) -> str | None:
         """The text passes measure their cost on: eval_text, else calibration.text (None:

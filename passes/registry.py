@@ -49,7 +49,7 @@ PASSES: dict[str, PassEntry] = {
     # Structural rewrites: they change shapes that quantization and the draft then see.
     "gqa_regroup": PassEntry("llmopt.passes.gqa_regroup",
                              before=("quantized_weights", "kv_cache", "draft"), calibrates=True),
-    # KV cache storage dtype (float16, fp8, int8, int4), per layer.
+    # KV cache storage dtype (float16, bfloat16, fp8, int8, int4), per layer.
     "kv_cache": PassEntry("llmopt.passes.kv_cache", provides=("kv_cache",), calibrates=True),
     # Speculative decoding: pair a draft with the final target (it measures against it).
     "draft": PassEntry("llmopt.passes.draft", provides=("draft",), last=True,

@@ -16,9 +16,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmopt.runtime.paging import cdiv
-from llmopt.runtime.spec.drafter import (
-    NgramDrafter,  # the simulation proposes what the runtime will
-)
 from llmopt.runtime.step_batch import Executor, SequenceStep, make_step_batch
 
 
@@ -76,12 +73,10 @@ NgramLookup = Callable[[], Callable[[Sequence[int], int], list[int]]]
 
 
 def simulate(trajectories: list[Trajectory], gamma: int,
-             ngram: NgramLookup | tuple[int, int] | None) -> SimulatedSteps:
-    """Walk each trajectory as the runtime would: n-gram proposal first when it matches,
-    else the draft model's (when there is one), else a plain step. `ngram`: the n-gram
-    drafter's lookup, or (min_n, max_n) of prompt lookup."""
-    if isinstance(ngram, tuple):
-        ngram = NgramDrafter(*ngram).lookup
+             ngram: NgramLookup | None) -> SimulatedSteps:
+    """Walk each trajectory as the runtime would: n-gram proposal first when it matches
+    (`ngram`: the runtime drafter's `lookup`), else the draft model's (when there is one),
+    else a plain step."""
     steps = SimulatedSteps()
     for traj in trajectories:
         t = traj.prompt_len

@@ -133,8 +133,9 @@ class SpeculationPolicy:
             extra = self.step_model.relative(lens, base) - 1.0
             return tokens / (1.0 + self.cost_scale * extra)
 
-        best = max(range(max(counts) + 1), key=gain)
-        return best if gain(best) >= self.min_gain * gain(0) else 0
+        gains = [gain(cap) for cap in range(max(counts) + 1)]
+        best = max(range(len(gains)), key=gains.__getitem__)
+        return best if gains[best] >= self.min_gain * gains[0] else 0
 
     def observe(self, request: Request, source: str, num_drafts: int,
                 num_accepted: int) -> None:

@@ -93,8 +93,8 @@ class Speculator:
         for i, request, proposal in zip(speculating, requests, proposals, strict=True):
             spec = request.spec
             spec.token_ids, spec.source = list(proposal.token_ids[:cap]), proposal.source
-            spec.probs = proposal.probs[:cap] if spec.token_ids and proposal.probs is not None \
-                else None
+            spec.probs = (proposal.probs[:cap]
+                          if spec.token_ids and proposal.probs is not None else None)
             unused = scheduled[i].num_spec_tokens - len(spec.token_ids)
             scheduled[i] = dataclasses.replace(
                 scheduled[i], num_tokens=scheduled[i].num_tokens - unused,

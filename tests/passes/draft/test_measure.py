@@ -14,6 +14,7 @@ from llmopt.passes.draft.measure import (
     run_lengths,
     simulate,
 )
+from llmopt.runtime.spec.drafter import NgramDrafter
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -28,13 +29,14 @@ def test_acceptance_per_position_from_run_lengths():
 
 def test_ngram_simulation_on_a_repeating_trajectory():
     tokens = [5, 6, 7, 8] * 6
-    steps = simulate([Trajectory(tokens, prompt_len=8)], gamma=4, ngram=(1, 3))
+    steps = simulate([Trajectory(tokens, prompt_len=8)], gamma=4, ngram=NgramDrafter(1, 3).lookup)
     assert set(steps.sources) == {"ngram"} and steps.accepted == [4] * 3 + [0]
     assert steps.tokens_per_step() == pytest.approx(16 / 4)
     # With no match and a model draft, the model's teacher-forced agreement decides.
     agree = np.zeros(10, dtype=bool)
     agree[3:6] = True
-    steps = simulate([Trajectory(list(range(10)), 3, agree)], gamma=2, ngram=(1, 2))
+    steps = simulate([Trajectory(list(range(10)), 3, agree)], gamma=2,
+                     ngram=NgramDrafter(1, 2).lookup)
     assert steps.sources == ["model"] * 5 and steps.accepted == [2, 0, 0, 0, 0]  # 5: a bonus
 
 
