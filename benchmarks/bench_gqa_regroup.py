@@ -6,10 +6,10 @@ and decode speed before and after.
    process's peak-RSS growth over the loaded model, each layer's measured sensitivity and
    the layers chosen. `--from-artifact DIR` takes that report from an artifact compiled
    with the pass instead (on a loaded machine the pass is the slow part).
-2. The curve: the N least sensitive layers merged (N in `--curve`) — aligned and fitted,
-   aligned, and mean-pooled — perplexity of the torch reference on the first
-   `--curve-windows` windows of WikiText-2 test (512 tokens; fewer than the shared
-   protocol's 64 when the machine is loaded: say so).
+2. The curve: the N least sensitive layers merged (N in `--curve`) — aligned with the pass's
+   end-to-end fit (`--fit-steps`, fitted anew for each N), aligned, and mean-pooled —
+   perplexity of the torch reference on the first `--curve-windows` windows of WikiText-2
+   test (512 tokens; fewer than the shared protocol's 64 when the machine is loaded: say so).
 3. `--artifacts`: compile fp32, the `--reduction` merge and its mean-pooled twin through
    `llmopt compile`, score each with `llmopt eval` on `--eval-windows` windows (64: the
    shared protocol; 0: skip), and time decode at batch 8 with a 2048-token context (a
@@ -46,6 +46,7 @@ from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes import gqa_regroup
+from llmopt.passes.gqa_regroup.fit import fit_end_to_end
 from llmopt.passes.registry import PassContext
 from llmopt.runtime.evaluate import windows_of
 
@@ -61,7 +62,7 @@ def main() -> None:
     parser.add_argument("--reduction", type=float, default=0.33)
     parser.add_argument("--curve", default="5,10,15,20,25,30")
     parser.add_argument("--curve-windows", type=int, default=8)
-    parser.add_argument("--fit-steps", type=int, default=60)
+    parser.add_argument("--fit-steps", type=int, default=gqa_regroup.DEFAULT_FIT_STEPS)
     parser.add_argument("--eval-windows", type=int, default=64)
     parser.add_argument("--from-artifact", type=Path, default=None,
                         help="take the pass's report (sensitivity, cost) from this artifact's "
@@ -81,7 +82,7 @@ def main() -> None:
         return save(results, "bench_gqa_regroup_decode.json")
     ir = load_checkpoint(MODEL)
     results["pass"] = None if args.from_artifact else run_pass(ir, args)
-    sigmas, fitted = curve_inputs(ir, args)
+    sigmas, calibration = curve_inputs(ir, args)
     if args.from_artifact:  # read last: the artifact may still be compiling meanwhile
         manifest = args.from_artifact / "manifest.json"
         while not manifest.is_file():
@@ -90,8 +91,9 @@ def main() -> None:
         results["pass"] = next(r for r in passes if r["name"] == "gqa_regroup")
     order = sorted(results["pass"]["sensitivity_kl"],
                    key=results["pass"]["sensitivity_kl"].get)
-    results["curve"] = curve(ir, sigmas, fitted, [int(i) for i in order],
-                             [int(n) for n in args.curve.split(",")], args.curve_windows)
+    results["curve"] = curve(ir, sigmas, calibration, [int(i) for i in order],
+                             [int(n) for n in args.curve.split(",")], args.curve_windows,
+                             pass_setup(args)[1])
     if args.artifacts:
         results["artifacts"] = artifacts(args, results["pass"]["layers_merged"])
     save(results, "bench_gqa_regroup.json")
@@ -124,17 +126,12 @@ def run_pass(ir: ModelIR, args: argparse.Namespace) -> dict[str, Any]:
     return {**report, "wall_s": round(seconds, 1), "rss_growth_mib": round(growth)}
 
 
-def curve_inputs(ir: ModelIR, args: argparse.Namespace) -> tuple[dict, ModelIR]:
-    """The pass's statistics, and every layer merged and fitted once (a layer's fit reads
-    only the original model's activations, so it does not depend on the others)."""
-    recipe, config = pass_setup(args)
+def curve_inputs(ir: ModelIR, args: argparse.Namespace) -> tuple[dict, torch.Tensor]:
+    """The pass's statistics (every layer's input moments) and its calibration windows."""
+    recipe, _ = pass_setup(args)
     windows = calibration_windows(ir, recipe.calibration)
-    moments, hidden = gqa_regroup.collect_statistics(ir, windows, config.fit_windows)
-    sigmas = {i: m.matrix() for i, m in enumerate(moments)}
-    every = list(range(ir.arch.num_layers))
-    fitted = gqa_regroup.fit_layers(ir, gqa_regroup.regroup(ir, every, 1, sigmas, "aligned"),
-                                    every, hidden, config, PassContext(recipe, print), {})
-    return sigmas, fitted
+    moments, _ = gqa_regroup.collect_statistics(ir, windows, 0)
+    return {i: m.matrix() for i, m in enumerate(moments)}, windows
 
 
 @torch.no_grad()
@@ -148,18 +145,8 @@ def mean_nll(ir: ModelIR, windows: list[list[int]]) -> float:
     return total / (len(windows) * (len(windows[0]) - 1))
 
 
-def with_layers_of(ir: ModelIR, merged: ModelIR, layers: list[int]) -> ModelIR:
-    """`ir` with `layers` (weights and KV heads) taken from `merged`."""
-    out = ir.copy()
-    for i in layers:
-        prefix = f"layers.{i}."
-        out.weights.update({n: t for n, t in merged.weights.items() if n.startswith(prefix)})
-        out.arch = out.arch.replace_layer(i, num_kv_heads=merged.arch.layers[i].num_kv_heads)
-    return out
-
-
-def curve(ir: ModelIR, sigmas: dict, fitted: ModelIR, order: list[int], counts: list[int],
-          n_windows: int) -> list[dict[str, Any]]:
+def curve(ir: ModelIR, sigmas: dict, calibration: torch.Tensor, order: list[int],
+          counts: list[int], n_windows: int, config: gqa_regroup.Config) -> list[dict[str, Any]]:
     windows = windows_of(ir.text_token_ids(TEST), 512, n_windows)
     base = math.exp(mean_nll(ir, windows))
     rows = []
@@ -171,11 +158,13 @@ def curve(ir: ModelIR, sigmas: dict, fitted: ModelIR, order: list[int], counts: 
         layers = sorted(order[:n])
         row: dict[str, Any] = {"layers": n, "indices": layers, "kv_cut": round(n / 30 * 2 / 3, 3),
                                "unmerged_ppl": round(base, 3)}
-        row["fitted_ppl"] = round(math.exp(mean_nll(with_layers_of(ir, fitted, layers),
-                                                    windows)), 3)
-        for method in ("aligned", "mean"):
-            merged = gqa_regroup.regroup(ir, layers, 1, sigmas, method)
-            row[f"{method}_ppl"] = round(math.exp(mean_nll(merged, windows)), 3)
+        merged = {method: gqa_regroup.regroup(ir, layers, 1, sigmas, method)
+                  for method in ("aligned", "mean")}
+        fitted, _ = fit_end_to_end(ir, merged["aligned"], layers, calibration, config.fit_steps,
+                                   config.learning_rate(), config.fit_scope, print)
+        row["fitted_ppl"] = round(math.exp(mean_nll(fitted, windows)), 3)
+        for method, model in merged.items():
+            row[f"{method}_ppl"] = round(math.exp(mean_nll(model, windows)), 3)
         rows.append(row)
         cells = [f"{row[k]:.2f} | {100 * (row[k] / base - 1):+.1f} %"
                  for k in ("fitted_ppl", "aligned_ppl", "mean_ppl")]
@@ -192,7 +181,7 @@ def artifacts(args: argparse.Namespace, layers: list[int]) -> dict[str, Any]:
                                                 "kv_cache_reduction": args.reduction}}]},
         "mean": {"model": MODEL, "calibration": calibration, "quality": {"measure": False},
                  "passes": [{"gqa_regroup": {"kv_heads": 1, "layers": layers,
-                                             "method": "mean"}}]},
+                                             "method": "mean", "fit_steps": 0}}]},
     }
     out: dict[str, Any] = {}
     for name, recipe in recipes.items():

@@ -14,6 +14,7 @@ from llmopt.compiler.recipe import Recipe
     {"kv_cache": {"dtype": "int8", "key_scales": "channel"}},
     {"kv_cache": {"dtype": "int4", "smooth_keys": 0.5}},
     {"gqa_regroup": {"kv_heads": 1, "kv_cache_reduction": 0.5}},
+    {"gqa_regroup": {"kv_heads": 1, "layers": [0], "method": "mean"}},  # the fit reads text
 ])
 def test_a_calibrating_pass_without_calibration_text_is_refused(step):
     (name,) = step
@@ -27,7 +28,7 @@ def test_a_calibrating_pass_without_calibration_text_is_refused(step):
 @pytest.mark.parametrize("step", [
     {"rtn": {"bits": 4}},
     {"kv_cache": {"dtype": "int8"}},
-    {"gqa_regroup": {"kv_heads": 1, "layers": [0], "method": "mean"}},
+    {"gqa_regroup": {"kv_heads": 1, "layers": [0], "method": "mean", "fit_steps": 0}},
 ])
 def test_passes_that_need_no_text_pass(step):
     check_calibration_text(Recipe(model="m", passes=[step]))

@@ -128,7 +128,7 @@ def test_artifact_computes_the_regrouped_model(case, mha_checkpoint, tiny_checkp
                                                tmp_path):
     checkpoint = tiny_checkpoints["qwen2"] if case.startswith("qwen2") else mha_checkpoint
     kv_heads = int(case[-1])
-    options = {"kv_heads": kv_heads, "layers": [0, 2]}
+    options = {"kv_heads": kv_heads, "layers": [0, 2], "fit_steps": 20}
     manifest = compile_recipe(recipe(checkpoint, word_text, [{"gqa_regroup": options}]),
                               tmp_path / "a", log=lambda _: None)
     report = manifest.passes[0]
@@ -154,7 +154,8 @@ def test_artifact_computes_the_regrouped_model(case, mha_checkpoint, tiny_checkp
 
 def test_auto_choice_meets_the_reduction_by_sensitivity(tiny_checkpoints, word_text):
     _, result = regrouped(tiny_checkpoints["llama"], word_text, kv_heads=1,
-                          kv_cache_reduction=0.3, sensitivity_windows=2, fit_steps=5)
+                          kv_cache_reduction=0.3, sensitivity_windows=2, fit="layer",
+                          fit_steps=5)
     report = result.report
     sensitivity = {int(i): v for i, v in report["sensitivity_kl"].items()}
     assert sorted(sensitivity) == [0, 1, 2] and all(v >= 0 for v in sensitivity.values())
@@ -164,6 +165,19 @@ def test_auto_choice_meets_the_reduction_by_sensitivity(tiny_checkpoints, word_t
     assert sensitivity[left] >= max(sensitivity[i] for i in chosen)
     assert set(report["fit_relative_error"]) == {str(i) for i in chosen}
     assert "quality_before_fit" in report and "quality_mean_pooling" in report
+
+
+def test_end_to_end_fit_brings_the_merged_model_closer_to_the_original(tiny_checkpoints,
+                                                                       word_text):
+    """The fit lowers the calibration KL it minimizes, and the held-out quality probe (the
+    recipe's eval text, not the calibration windows) agrees: lower KL than before the fit."""
+    _, result = regrouped(tiny_checkpoints["llama"], word_text, kv_heads=1, layers=[0, 1],
+                          fit_steps=40, fit_lr=3e-3)
+    report = result.report
+    first, last = report["fit_kl"]
+    assert last < 0.8 * first
+    assert report["quality"]["kl"] < report["quality_before_fit"]["kl"]
+    assert report["quality"]["kl"] < report["quality_mean_pooling"]["kl"]
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
@@ -191,17 +205,18 @@ def test_runs_before_quantization_and_the_draft():
         check_order(["draft", "gqa_regroup"])
 
 
-def test_with_gptq_reports_each_cost_and_the_budget_fails_the_compile(
+def test_with_gptq_and_int8_kv_reports_each_cost_and_the_budget_fails_the_compile(
         tiny_checkpoints, word_text, tmp_path):
-    passes = [{"gqa_regroup": {"kv_heads": 1, "layers": [1]}},
-              {"gptq": {"bits": 4, "group_size": 32}}]
+    passes = [{"gqa_regroup": {"kv_heads": 1, "layers": [1], "fit_steps": 20}},
+              {"gptq": {"bits": 4, "group_size": 32}}, {"kv_cache": {"dtype": "int8"}}]
     manifest = compile_recipe(recipe(tiny_checkpoints["qwen2"], word_text, passes),
                               tmp_path / "a", log=lambda _: None)
-    assert [r["name"] for r in manifest.passes] == ["gqa_regroup", "gptq"]
+    assert [r["name"] for r in manifest.passes] == ["gqa_regroup", "gptq", "kv_cache"]
+    assert [t.dtype for t in manifest.kv_cache.layers[1].tensors][0] == "int8"
     assert all(r["seconds"] > 0 and r["quality"]["tokens"] for r in manifest.passes)
     assert LLM(tmp_path / "a").generate([list(range(3, 13))])[0]
     mean = [{"gqa_regroup": {"kv_heads": 1, "layers": [0, 1, 2], "method": "mean",
-                             "max_ppl_increase_pct": 1.0}}]
+                             "fit_steps": 0, "max_ppl_increase_pct": 1.0}}]
     with pytest.raises(QualityBudgetError, match="gqa_regroup"):
         compile_recipe(recipe(tiny_checkpoints["qwen2"], word_text, mean), tmp_path / "b",
                        log=lambda _: None)

@@ -1,7 +1,7 @@
 """GQA head regrouping: fewer KV heads per layer, without retraining.
 
 Recipe: `- gqa_regroup: {kv_heads: 1, kv_cache_reduction: 0.33, layers: auto, method: aligned,
-fit_steps: 0, max_ppl_increase_pct: null}` with a `calibration:` block.
+fit: end_to_end, fit_steps: 200, max_ppl_increase_pct: null}` with a `calibration:` block.
 
 Each chosen layer's KV heads are merged into `kv_heads` (MHA → GQA, or GQA → fewer), query
 heads keeping their order: new KV head j serves the query heads of old KV heads
@@ -10,9 +10,9 @@ subspaces to the calibration activations (compiler/head_merge.py); `mean` mean-p
 K/V projections (the GQA paper's initialization), the baseline. With `layers: auto`, each
 layer's merge is measured alone (KL of the final logits on a few calibration windows) and
 the cheapest layers are merged until at least `kv_cache_reduction` of the KV bytes is saved.
-`fit_steps` > 0 then tunes each merged layer's q/k/v/o with Adam against the original
-layer's attention output on those windows. The result is a standard GQA checkpoint with
-per-layer KV head counts.
+A short fit then tunes the merged layers on the calibration windows (fit.py: by default a
+distillation of the final logits from the original model). The result is a standard GQA
+checkpoint with per-layer KV head counts.
 
 Refused: qk-norm (Qwen3, Gemma 3) normalizes each key head between k_proj and RoPE, so a
 merged head cannot be folded into k_proj exactly.
@@ -36,8 +36,11 @@ from llmopt.compiler.head_merge import (
     merge_heads,
 )
 from llmopt.compiler.ir import ModelIR
-from llmopt.compiler.reference import ReferenceModel, rms_norm
+from llmopt.compiler.reference import ReferenceModel
+from llmopt.passes.gqa_regroup.fit import FitScope, fit_end_to_end, fit_layers
 from llmopt.passes.registry import PassContext, PassResult
+
+DEFAULT_FIT_STEPS = 200
 
 
 class Config(BaseModel):
@@ -47,9 +50,11 @@ class Config(BaseModel):
     kv_cache_reduction: float | None = Field(None, gt=0, lt=1)  # with layers: auto
     layers: Literal["auto"] | list[int] = "auto"
     method: Method = "aligned"
-    fit_steps: int = Field(0, ge=0)  # Adam steps per merged layer; 0: no fit
-    fit_lr: float = Field(1e-3, gt=0)
-    fit_windows: int = Field(8, gt=0)  # calibration windows the fit draws from
+    fit: Literal["end_to_end", "layer"] = "end_to_end"  # see fit.py
+    fit_scope: FitScope = "layer"  # end_to_end: what of each merged layer it tunes
+    fit_steps: int = Field(DEFAULT_FIT_STEPS, ge=0)  # Adam steps (per layer for fit: layer)
+    fit_lr: float | None = Field(None, gt=0)  # default: 1e-4 end_to_end, 1e-3 layer
+    fit_windows: int | None = Field(None, gt=0)  # default: all (end_to_end), 8 (layer)
     sensitivity_windows: int = Field(2, gt=0)  # calibration windows each layer is measured on
     baseline: bool = True  # also measure mean pooling on the same layers
     max_ppl_increase_pct: float | None = Field(None, ge=0)  # this pass's own budget
@@ -64,6 +69,9 @@ class Config(BaseModel):
             raise ValueError("layers lists a layer twice")
         return self
 
+    def learning_rate(self) -> float:
+        return self.fit_lr or (1e-4 if self.fit == "end_to_end" else 1e-3)
+
     def needs_calibration_text(self) -> bool:
         """Only mean-pooling given layers without a fit needs no statistics."""
         return not (self.method == "mean" and self.layers != "auto" and not self.fit_steps)
@@ -72,7 +80,7 @@ class Config(BaseModel):
 def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     started = time.perf_counter()
     candidates = _candidates(ir, config)
-    sigmas, hidden, tokens = _statistics(ir, candidates, config, context)
+    sigmas, hidden, windows = _statistics(ir, candidates, config, context)
     sensitivity: dict[int, float] = {}
     if config.layers == "auto":
         sensitivity = measure_sensitivity(ir, [h[:config.sensitivity_windows] for h in hidden],
@@ -81,17 +89,13 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     else:
         chosen = sorted(config.layers)
     merged = regroup(ir, chosen, config.kv_heads, sigmas, config.method)
-    fit_errors: dict[str, list[float]] = {}
-    fitted = (fit_layers(ir, merged, chosen, [h[:config.fit_windows] for h in hidden], config,
-                         context, fit_errors)
-              if config.fit_steps else None)
+    fitted, fit_report = _fit(ir, merged, chosen, hidden, windows, config, context)
     result = fitted or merged
     report = _report(ir, result, merged if fitted else None, chosen, sensitivity, sigmas,
                      config, context)
-    if fitted:
-        report["fit_relative_error"] = fit_errors  # layer -> [first step, last step]
+    report.update(fit_report)
     report["pass_seconds"] = round(time.perf_counter() - started, 2)
-    report["calibration_tokens"] = tokens
+    report["calibration_tokens"] = int(windows.numel())
     report["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     return PassResult(result, report)
 
@@ -119,18 +123,19 @@ def _candidates(ir: ModelIR, config: Config) -> list[int]:
 
 
 def _statistics(ir: ModelIR, candidates: list[int], config: Config, context: PassContext
-                ) -> tuple[dict[int, torch.Tensor], list[torch.Tensor], int]:
-    """Input moments of the candidate layers and the kept residual streams, from the
-    calibration text; none needed to mean-pool a given set of layers without a fit."""
+                ) -> tuple[dict[int, torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Input moments of the candidate layers, the kept residual streams and the calibration
+    windows; none needed to mean-pool a given set of layers without a fit."""
     if not config.needs_calibration_text():
-        return {}, [], 0
+        return {}, [], torch.empty(0, 0, dtype=torch.long)
     started = time.perf_counter()
     windows = calibration_windows(ir, context.recipe.calibration)
-    keep = max(config.sensitivity_windows, config.fit_windows if config.fit_steps else 0)
+    layer_fit = config.fit == "layer" and config.fit_steps
+    keep = max(config.sensitivity_windows, (config.fit_windows or 8) if layer_fit else 0)
     moments, hidden = collect_statistics(ir, windows, keep)
     context.log(f"      gqa_regroup: input moments of {len(candidates)} layers over "
                 f"{windows.numel()} tokens ({time.perf_counter() - started:.1f} s)")
-    return {i: moments[i].matrix() for i in candidates}, hidden, int(windows.numel())
+    return {i: moments[i].matrix() for i in candidates}, hidden, windows
 
 
 @torch.no_grad()
@@ -223,43 +228,27 @@ def choose_layers(ir: ModelIR, sensitivity: dict[int, float], config: Config) ->
     return sorted(chosen)
 
 
-def fit_layers(ir: ModelIR, merged: ModelIR, layers: list[int], hidden: list[torch.Tensor],
-               config: Config, context: PassContext, errors: dict[str, list[float]]
-               ) -> ModelIR:
-    """Adam on each merged layer's q/k/v/o against the original attention output
-    (relative squared error of each layer's first and last step into `errors`)."""
-    out = merged.copy()
-    seq = hidden[0].shape[1]
-    positions = torch.arange(seq)
-    reference = ReferenceModel(ir, seq)
-    for i in layers:
-        started = time.perf_counter()
-        x = rms_norm(hidden[i], ir.weights[f"layers.{i}.attn_norm"], ir.arch.norm_eps)
-        with torch.no_grad():
-            target = reference.attention(i, x, positions, None)
-        names = [n for n in out.weights if n.startswith(f"layers.{i}.")
-                 and n.split(".")[2] in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        params = {n: out.weights[n].clone().requires_grad_(True) for n in names}
-        trial = out.copy()
-        trial.weights.update(params)
-        model = ReferenceModel(trial, seq)
-        optimizer = torch.optim.Adam(params.values(), lr=config.fit_lr)
-        scale = float(target.pow(2).mean())
-        first = last = 0.0
-        for step in range(config.fit_steps):
-            sample = step % x.shape[0]
-            loss = (model.attention(i, x[sample:sample + 1], positions, None)
-                    - target[sample:sample + 1]).pow(2).mean() / scale
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            value = float(loss.detach())
-            first, last = (value if step == 0 else first), value
-        out.weights.update({n: p.detach() for n, p in params.items()})
-        errors[str(i)] = [round(first, 6), round(last, 6)]
-        context.log(f"      gqa_regroup: fit layer {i}: relative error {first:.4g} -> "
-                    f"{last:.4g} ({time.perf_counter() - started:.1f} s)")
-    return out
+def _fit(ir: ModelIR, merged: ModelIR, chosen: list[int], hidden: list[torch.Tensor],
+         windows: torch.Tensor, config: Config, context: PassContext
+         ) -> tuple[ModelIR | None, dict[str, Any]]:
+    """The merged layers tuned as `config.fit` says (None: no fit), and what the fit reports."""
+    chosen = [i for i in chosen if merged.arch.layers[i].num_kv_heads
+              != ir.arch.layers[i].num_kv_heads]  # a layer left as it was stays exact
+    if not (config.fit_steps and chosen):
+        return None, {}
+    started = time.perf_counter()
+    if config.fit == "layer":
+        errors: dict[str, list[float]] = {}  # layer -> relative error [first, last step]
+        fitted = fit_layers(ir, merged, chosen, [h[:config.fit_windows or 8] for h in hidden],
+                            config.fit_steps, config.learning_rate(), context.log, errors)
+        report: dict[str, Any] = {"fit_relative_error": errors}
+    else:
+        fitted, kl = fit_end_to_end(ir, merged, chosen, windows[:config.fit_windows],
+                                    config.fit_steps, config.learning_rate(), config.fit_scope,
+                                    context.log)
+        report = {"fit_kl": kl}  # calibration KL over the first and last tenth of the steps
+    report["fit_seconds"] = round(time.perf_counter() - started, 1)
+    return fitted, report
 
 
 def _report(ir: ModelIR, result: ModelIR, unfitted: ModelIR | None, chosen: list[int],

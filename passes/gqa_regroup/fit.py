@@ -1,0 +1,127 @@
+"""Tuning merged layers after the merge, on the calibration windows.
+
+`fit: layer` tunes each merged layer's q/k/v/o alone against the original layer's attention
+output. It is cheap and the layers are independent, but a layer cannot see what its error
+does downstream.
+
+`fit: end_to_end` tunes all merged layers at once to minimize KL(original ‖ merged) of the
+final logits: a short distillation from the original model. Later merged layers learn to
+absorb earlier ones' errors, and the loss weighs an error by what it does to the next-token
+distribution. `fit_scope: layer` also frees the merged layers' MLPs and norms, which gives
+the merge more room to compensate. Layers below the first merged one are frozen, so their
+output is computed without gradients.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+
+from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.reference import ReferenceModel, rms_norm
+
+FitScope = Literal["attention", "layer"]
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_LAYER = (*_ATTENTION, "gate_proj", "up_proj", "down_proj", "attn_norm", "mlp_norm",
+          "post_attn_norm", "post_mlp_norm")
+Log = Callable[[str], None]
+
+
+def trainable(ir: ModelIR, layers: list[int], scope: FitScope) -> list[str]:
+    """Names of the weights (and biases) a fit of `layers` may change."""
+    parts = _ATTENTION if scope == "attention" else _LAYER
+    return [n for n in ir.weights if n.startswith("layers.")
+            and int(n.split(".")[1]) in layers and n.split(".")[2] in parts]
+
+
+def fit_layers(ir: ModelIR, merged: ModelIR, layers: list[int], hidden: list[torch.Tensor],
+               steps: int, lr: float, log: Log, errors: dict[str, list[float]]) -> ModelIR:
+    """Adam on each merged layer's q/k/v/o against the original attention output
+    (relative squared error of each layer's first and last step into `errors`)."""
+    out = merged.copy()
+    seq = hidden[0].shape[1]
+    positions = torch.arange(seq)
+    reference = ReferenceModel(ir, seq)
+    for i in layers:
+        started = time.perf_counter()
+        x = rms_norm(hidden[i], ir.weights[f"layers.{i}.attn_norm"], ir.arch.norm_eps)
+        with torch.no_grad():
+            target = reference.attention(i, x, positions, None)
+        params, model = _trainable_copy(out, trainable(out, [i], "attention"), seq)
+        optimizer = torch.optim.Adam(params.values(), lr=lr)
+        scale = float(target.pow(2).mean())
+        first = last = 0.0
+        for step in range(steps):
+            sample = step % x.shape[0]
+            loss = (model.attention(i, x[sample:sample + 1], positions, None)
+                    - target[sample:sample + 1]).pow(2).mean() / scale
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            value = float(loss.detach())
+            first, last = (value if step == 0 else first), value
+        out.weights.update({n: p.detach() for n, p in params.items()})
+        errors[str(i)] = [round(first, 6), round(last, 6)]
+        log(f"      gqa_regroup: fit layer {i}: relative error {first:.4g} -> {last:.4g} "
+            f"({time.perf_counter() - started:.1f} s)")
+    return out
+
+
+def fit_end_to_end(ir: ModelIR, merged: ModelIR, layers: list[int], windows: torch.Tensor,
+                   steps: int, lr: float, scope: FitScope, log: Log) -> tuple[ModelIR, list[float]]:
+    """Adam on the merged layers against KL(original ‖ merged) of the final logits, one
+    calibration window a step, cosine-decayed learning rate. Returns the tuned model and the
+    mean KL of the first and the last tenth of the steps."""
+    seq = windows.shape[1]
+    positions = torch.arange(seq)
+    teacher = ReferenceModel(ir, seq)
+    params, student = _trainable_copy(merged, trainable(merged, layers, scope), seq)
+    optimizer = torch.optim.Adam(params.values(), lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps)))
+    first = min(layers)
+    kls: list[float] = []
+    started = last_log = time.perf_counter()
+    for step in range(steps):
+        ids = windows[step % windows.shape[0]][None]
+        with torch.no_grad():
+            h = _run_layers(teacher, teacher.embed(ids), range(first), positions)
+            target = torch.log_softmax(
+                teacher.logits(_run_layers(teacher, h, range(first, ir.arch.num_layers),
+                                           positions)), -1)
+        out = _run_layers(student, h, range(first, ir.arch.num_layers), positions)
+        loss = torch.sum(target.exp() * (target - torch.log_softmax(student.logits(out), -1)),
+                         -1).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        kls.append(float(loss.detach()))
+        if time.perf_counter() - last_log > 30 or step == steps - 1:
+            last_log = time.perf_counter()
+            log(f"      gqa_regroup: end-to-end fit step {step + 1}/{steps}: KL "
+                f"{sum(kls[-10:]) / len(kls[-10:]):.4f} ({last_log - started:.0f} s)")
+    tuned = merged.copy()
+    tuned.weights.update({n: p.detach() for n, p in params.items()})
+    tenth = max(1, steps // 10)
+    return tuned, [round(sum(kls[:tenth]) / tenth, 6), round(sum(kls[-tenth:]) / tenth, 6)]
+
+
+def _trainable_copy(ir: ModelIR, names: list[str], seq: int
+                    ) -> tuple[dict[str, torch.Tensor], ReferenceModel]:
+    """Leaf tensors for `names`, and a reference model of `ir` that reads them."""
+    params = {n: ir.weights[n].clone().requires_grad_(True) for n in names}
+    trial = ir.copy()
+    trial.weights.update(params)
+    return params, ReferenceModel(trial, seq)
+
+
+def _run_layers(model: ReferenceModel, hidden: torch.Tensor, layers: range,
+                positions: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        hidden = model.layer_forward(layer, hidden, positions, None)
+    return hidden
