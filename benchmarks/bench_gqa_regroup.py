@@ -128,9 +128,9 @@ def run_pass(ir: ModelIR, args: argparse.Namespace) -> dict[str, Any]:
 
 def curve_inputs(ir: ModelIR, args: argparse.Namespace) -> tuple[dict, torch.Tensor]:
     """The pass's statistics (every layer's input moments) and its calibration windows."""
-    recipe, _ = pass_setup(args)
+    recipe, config = pass_setup(args)
     windows = calibration_windows(ir, recipe.calibration)
-    moments, _ = gqa_regroup.collect_statistics(ir, windows, 0)
+    moments, _ = gqa_regroup.collect_statistics(ir, windows[:config.moment_windows], 0)
     return {i: m.matrix() for i, m in enumerate(moments)}, windows
 
 

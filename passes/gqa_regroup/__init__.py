@@ -1,7 +1,7 @@
 """GQA head regrouping: fewer KV heads per layer, without retraining.
 
 Recipe: `- gqa_regroup: {kv_heads: 1, kv_cache_reduction: 0.33, layers: auto, method: aligned,
-fit: end_to_end, fit_steps: 200, max_ppl_increase_pct: null}` with a `calibration:` block.
+fit: end_to_end, fit_steps: 300, max_ppl_increase_pct: null}` with a `calibration:` block.
 
 Each chosen layer's KV heads are merged into `kv_heads` (MHA → GQA, or GQA → fewer), query
 heads keeping their order: new KV head j serves the query heads of old KV heads
@@ -40,7 +40,7 @@ from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes.gqa_regroup.fit import FitScope, fit_end_to_end, fit_layers
 from llmopt.passes.registry import PassContext, PassResult
 
-DEFAULT_FIT_STEPS = 200
+DEFAULT_FIT_STEPS = 300
 
 
 class Config(BaseModel):
@@ -55,6 +55,7 @@ class Config(BaseModel):
     fit_steps: int = Field(DEFAULT_FIT_STEPS, ge=0)  # Adam steps (per layer for fit: layer)
     fit_lr: float | None = Field(None, gt=0)  # default: 1e-4 end_to_end, 1e-3 layer
     fit_windows: int | None = Field(None, gt=0)  # default: all (end_to_end), 8 (layer)
+    moment_windows: int = Field(32, gt=0)  # calibration windows the input moments average
     sensitivity_windows: int = Field(2, gt=0)  # calibration windows each layer is measured on
     baseline: bool = True  # also measure mean pooling on the same layers
     max_ppl_increase_pct: float | None = Field(None, ge=0)  # this pass's own budget
@@ -132,9 +133,10 @@ def _statistics(ir: ModelIR, candidates: list[int], config: Config, context: Pas
     windows = calibration_windows(ir, context.recipe.calibration)
     layer_fit = config.fit == "layer" and config.fit_steps
     keep = max(config.sensitivity_windows, (config.fit_windows or 8) if layer_fit else 0)
-    moments, hidden = collect_statistics(ir, windows, keep)
+    averaged = windows[:config.moment_windows]
+    moments, hidden = collect_statistics(ir, averaged, keep)
     context.log(f"      gqa_regroup: input moments of {len(candidates)} layers over "
-                f"{windows.numel()} tokens ({time.perf_counter() - started:.1f} s)")
+                f"{averaged.numel()} tokens ({time.perf_counter() - started:.1f} s)")
     return {i: moments[i].matrix() for i in candidates}, hidden, windows
 
 
