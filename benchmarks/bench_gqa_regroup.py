@@ -161,7 +161,8 @@ def curve(ir: ModelIR, sigmas: dict, calibration: torch.Tensor, order: list[int]
         merged = {method: gqa_regroup.regroup(ir, layers, 1, sigmas, method)
                   for method in ("aligned", "mean")}
         fitted, _ = fit_end_to_end(ir, merged["aligned"], layers, calibration, config.fit_steps,
-                                   config.learning_rate(), config.fit_scope, print)
+                                   config.learning_rate(), config.fit_scope, print,
+                                   config.precision())
         row["fitted_ppl"] = round(math.exp(mean_nll(fitted, windows)), 3)
         for method, model in merged.items():
             row[f"{method}_ppl"] = round(math.exp(mean_nll(model, windows)), 3)

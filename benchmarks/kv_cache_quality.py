@@ -44,6 +44,10 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "int8-kchannel": {"dtype": "int8", "key_scales": "channel"},
     # Static channel scales on both sides: what GroupQueryAttention reads in place (lanes).
     "int8-static": {"dtype": "int8", "key_scales": "channel", "value_scales": "channel"},
+    "int8-static-rot": {"dtype": "int8", "key_scales": "channel", "value_scales": "channel",
+                        "rotate": True},
+    "int4-static-rot": {"dtype": "int4", "key_scales": "channel", "value_scales": "channel",
+                        "rotate": True},
     "int4-g64-rot": {"dtype": "int4", "rotate": True},
     "int4-g32-rot": {"dtype": "int4", "group_size": 32, "rotate": True},
     "int8-rot": {"dtype": "int8", "rotate": True},

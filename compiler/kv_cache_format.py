@@ -247,6 +247,16 @@ def emit_encode(g: GraphBuilder, x: str, side: KVSide, static_scale: str | None
     return stored
 
 
+def emit_round_trip(g: GraphBuilder, x: str, side: KVSide, flat_static_scale: str) -> str:
+    """x [B, S, W] as the pool will hold it, in float32: what a fused attention that stores
+    a step's keys itself must attend to, so that a token's key does not depend on which
+    step computed it. Static int8/int4 (flat_static_scale [W]): a rounded value re-encodes
+    to the same code."""
+    low, high = {"int8": (-127, 127), "int4": (-8, 7)}[side.dtype]
+    codes = _clip(g, g.op("Round", [g.op("Div", [x, flat_static_scale])]), low, high)
+    return g.op("Mul", [codes, flat_static_scale], name=f"{side.name}_rounded")
+
+
 def emit_decode(g: GraphBuilder, stored: dict[str, str], side: KVSide,
                 static_scale: str | None) -> str:
     """float32 [B, L, W] from the pool entries `stored` (each [B, L, *slot_shape])."""

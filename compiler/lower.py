@@ -22,6 +22,7 @@ from llmopt.compiler.kv_cache_format import (
     emit_decode,
     emit_encode,
     emit_rotate_heads,
+    emit_round_trip,
     kv_sides,
     static_scale_initializer,
 )
@@ -90,16 +91,24 @@ def lanes_unsupported(operator_set: str, arch: ArchSpec) -> str | None:
     if operator_set != "onnxruntime":
         return "needs the onnxruntime operator set (GroupQueryAttention is a contrib operator)"
     for index, spec in enumerate(arch.layers):
-        static_int8 = (spec.kv_dtype == "int8" and spec.kv_key_scales == "channel"
-                       and spec.kv_value_scales == "channel")
-        if spec.kv_dtype != "float32" and not static_int8 or spec.kv_rotate_keys:
-            return ("needs float32 or int8 with static channel scales on both sides, "
-                    f"unrotated (layer {index} stores {spec.kv_dtype})")
+        if not lane_storable(spec):
+            return ("needs float32, or int8/int4 with static channel scales on both sides "
+                    f"(layer {index} stores {spec.kv_dtype})")
         if spec.num_heads % spec.num_kv_heads:
             return f"needs query heads in whole groups per KV head (layer {index})"
         if spec.head_dim % 16:  # ONNX Runtime's CPU kernel refuses other sizes
             return f"needs a head size that is a multiple of 16 (layer {index}: {spec.head_dim})"
     return None
+
+
+def lane_storable(spec: LayerSpec) -> bool:
+    """Whether ONNX Runtime's CPU GroupQueryAttention stores this layer's KV dtype in place:
+    float32 as is, int8 and int4 (two codes a byte, low nibble first, code + 8: the static
+    int4 of kv_cache_format) with one static scale per channel. Not float16: with a float16
+    cache under float32 queries it rewrites every row's lane from the step's first position
+    to the end (ONNX Runtime 1.32), which would clobber idle lanes in a call's span."""
+    static = spec.kv_key_scales == "channel" and spec.kv_value_scales == "channel"
+    return spec.kv_dtype == "float32" or (spec.kv_dtype in ("int8", "int4") and static)
 
 
 def kv_cache_spec(arch: ArchSpec, layout: str) -> dict:
@@ -117,12 +126,14 @@ def cache_tensors(spec: LayerSpec, layout: str = "blocks") -> list[dict]:
 
     Blocks: a slot holds all KV heads of a token side by side, [kv_heads * head_dim]
     (packed for int4, plus per-group scales for dynamically scaled dtypes; see
-    kv_cache_format). Lanes: keys and values in the layer's dtype (float32, or int8 with
-    static scales baked into the graph), [kv_heads, head_dim] per token.
+    kv_cache_format). Lanes: keys and values as the layer stores them (float32, or
+    int8/int4 codes with static scales baked into the graph), [kv_heads, head_dim] per
+    token ([kv_heads, head_dim / 2] bytes for int4).
     """
     if layout == "lanes":
-        return [{"name": name, "dtype": spec.kv_dtype, "slot_shape": [spec.num_kv_heads,
-                                                                     spec.head_dim]}
+        dtype = kv_sides(spec)[0].tensors()[0]["dtype"]  # the codes' dtype
+        dim = spec.head_dim // 2 if spec.kv_dtype == "int4" else spec.head_dim
+        return [{"name": name, "dtype": dtype, "slot_shape": [spec.num_kv_heads, dim]}
                 for name in ("key", "value")]
     return [t for side in kv_sides(spec) for t in side.tensors()]
 
@@ -134,6 +145,7 @@ class _DecoderLowering:
         self.g = GraphBuilder("llmopt_decoder", ops_type.opset)
         self.ops: StandardOps = ops_type(self.g, self.arch.norm_eps)
         self._masks: dict[int | None, str] = {}
+        self._positions: str | None = None  # lanes: the step's positions, built once
         self.lanes = options.kv_layout == "lanes"
 
     def build(self) -> onnx.ModelProto:
@@ -183,11 +195,11 @@ class _DecoderLowering:
         g.input(C.QUERY_SEQLENS, TensorProto.INT32, ["batch"])
         g.input(C.LOGITS_INDICES, TensorProto.INT64, ["num_logits"])
         for i, spec in enumerate(self.arch.layers):
-            lane = ["batch", spec.num_kv_heads, "capacity", spec.head_dim]
-            elem = NP_TO_ONNX[np.dtype(spec.kv_dtype)]
-            for name in ("key", "value"):
-                g.input(C.past_name(i, name), elem, lane)
-                g.output(C.present_name(i, name), elem, lane)
+            for t in cache_tensors(spec, "lanes"):
+                lane = ["batch", t["slot_shape"][0], "capacity", t["slot_shape"][1]]
+                elem = NP_TO_ONNX[np.dtype(t["dtype"])]
+                g.input(C.past_name(i, t["name"]), elem, lane)
+                g.output(C.present_name(i, t["name"]), elem, lane)
         g.output(C.LOGITS, TensorProto.FLOAT, ["num_logits", self.arch.vocab_size])
 
     def _rope_tables(self) -> None:
@@ -337,37 +349,69 @@ class _DecoderLowering:
     def _lane_attention(self, index: int, qkv: str) -> str:
         """One GroupQueryAttention node: qk-norm and RoPE, the step's valid keys and values
         appended to each row's lane in place, attention over the lane's first
-        seqlens_k + 1 entries (`query_seqlens` marks right padding and idle rows)."""
+        seqlens_k + 1 entries (`query_seqlens` marks right padding and idle rows).
+
+        A quantized layer must attend to its step's keys and values as the lane holds them
+        (a token's key then does not depend on which step computed it, and the reference
+        model is matched): RoPE, the key rotation and the storage rounding run before the
+        node, whose own quantization of the rounded values is then exact."""
         g, spec, p = self.g, self.arch.layers[index], f"layers.{index}."
         heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         table = f"rope.{spec.rope}"
-        qkv_inputs = [qkv, "", ""]  # packed: the node splits it
-        if self.arch.qk_norm:  # (ONNX Runtime's CPU kernel does not fuse the norms)
+        quantized = spec.kv_dtype != "float32"  # int8/int4, static per-channel scales
+        scales = [self._lane_kv_scale(index, s) for s in kv_sides(spec)] if quantized else []
+        qkv_inputs, rotary = [qkv, "", ""], [f"{table}.cos", f"{table}.sin"]  # packed
+        if self.arch.qk_norm or quantized:
             q, k, v = g.op("Split", [qkv, g.const([heads * dim, kv_heads * dim,
                                                    kv_heads * dim])], axis=-1, outputs=3)
-            qkv_inputs = [self._head_norm(q, heads, dim, p + "q_norm"),
-                          self._head_norm(k, kv_heads, dim, p + "k_norm"), v]
+            if self.arch.qk_norm:  # (ONNX Runtime's CPU kernel does not fuse the norms)
+                q = self._head_norm(q, heads, dim, p + "q_norm")
+                k = self._head_norm(k, kv_heads, dim, p + "k_norm")
+            qkv_inputs = [q, k, v]
+        if quantized:
+            positions = self._lane_positions()
+            q = self.ops.rotary(q, heads, dim, table, positions)
+            k = self.ops.rotary(k, kv_heads, dim, table, positions)
+            if spec.kv_rotate_keys:  # the lane stores rotated keys; q·k is unchanged
+                q, k = emit_rotate_heads(g, q, heads, dim), emit_rotate_heads(g, k, kv_heads, dim)
+            k, v = (emit_round_trip(g, x, side, scale)
+                    for x, side, scale in zip((k, v), kv_sides(spec), scales, strict=True))
+            qkv_inputs, rotary = [q, k, v], ["", ""]
         attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": self.arch.attn_scale,
-                 "do_rotary": 1, "rotary_interleaved": 0}
+                 "do_rotary": int(not quantized), "rotary_interleaved": 0}
         if self.arch.attn_softcap:
             attrs["softcap"] = self.arch.attn_softcap
         if spec.sliding_window is not None:  # keys at distance < window, as `_in_window`
             attrs["local_window_size"] = spec.sliding_window
-        scales = ["", ""]
-        if spec.kv_dtype == "int8":  # codes = round(x / scale) per channel, in the node
-            scales = [self._lane_kv_scale(index, side) for side in kv_sides(spec)]
+        if quantized:
             attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL",
-                         kv_cache_bit_width=8)
+                         kv_cache_bit_width=8 if spec.kv_dtype == "int8" else 4)
         out = g.fresh("attention")
         inputs = [*qkv_inputs, C.past_name(index, "key"), C.past_name(index, "value"),
-                  C.SEQLENS_K, C.TOTAL_SEQUENCE_LENGTH, f"{table}.cos", f"{table}.sin",
+                  C.SEQLENS_K, C.TOTAL_SEQUENCE_LENGTH, *rotary,
                   "", "", "",  # position_ids, attention_bias, head_sink
-                  *scales, "", "",  # q/k norm weights (not fused on CPU)
+                  *(scales or ["", ""]), "", "",  # q/k norm weights (not fused on CPU)
                   C.QUERY_SEQLENS]
         g.op_into("GroupQueryAttention", inputs,
                   [out, C.present_name(index, "key"), C.present_name(index, "value")],
                   domain=MS_DOMAIN, **attrs)
         return out
+
+    def _lane_positions(self) -> str:
+        """Row s of sequence b is at position seqlens_k[b] + 1 - query_seqlens[b] + s, as
+        GroupQueryAttention counts (padding rows clamped into the rotary tables), [B, S]."""
+        if self._positions is None:
+            g = self.g
+            start = g.op("Sub", [g.op("Add", [C.SEQLENS_K, g.const(1, np.int32)]),
+                                 C.QUERY_SEQLENS])
+            start = g.op("Unsqueeze", [g.op("Cast", [start], to=TensorProto.INT64),
+                                       g.const([1])])
+            length = g.op("Gather", [g.op("Shape", [C.INPUT_IDS]), g.const(1)], axis=0)
+            rows = g.op("Range", [g.const(0), length, g.const(1)])
+            last = (self.options.max_position or self.arch.max_position) - 1
+            self._positions = g.op("Min", [g.op("Add", [start, rows]), g.const(last)],
+                                   name="lane_positions")
+        return self._positions
 
     def _lane_kv_scale(self, index: int, side: KVSide) -> str:
         """A static per-channel KV scale, [kv_heads * head_dim], for GroupQueryAttention."""

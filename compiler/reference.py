@@ -45,7 +45,8 @@ class ReferenceModel:
         self.arch = ir.arch
         # Called with (layer index, linear name, input) before every decoder linear.
         self.observer: Callable[[int, str, torch.Tensor], None] | None = None
-        # Called with (layer index, q, k, v) after RoPE, before the KV cache stores k and v.
+        # Called with (layer index, q, k, v) after RoPE (and the key rotation), before the KV
+        # cache stores k and v.
         self.kv_observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = (
             None)
         positions = max_position or self.arch.max_position
@@ -105,10 +106,10 @@ class ReferenceModel:
             k = rms_norm(k, w["k_norm"], self.arch.norm_eps)
         cos, sin = (t[positions] for t in self.rope_tables[spec.rope])
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.kv_observer is not None:
-            self.kv_observer(index, q, k, v)
         if spec.kv_rotate_keys:
             q, k = rotate_heads(q), rotate_heads(k)
+        if self.kv_observer is not None:  # sees the keys the cache stores
+            self.kv_observer(index, q, k, v)
         k, v = self._stored_kv(index, spec, k), self._stored_kv(index, spec, v, side=1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:

@@ -57,12 +57,14 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     started = time.perf_counter()
     check_config(ir, config)
     out = ir.copy()
-    stats = kv_statistics(ir, config, context) if config.needs_calibration_text() else None
     layers = [i for i in range(ir.arch.num_layers) if i not in config.skip_layers]
+    if config.rotate:  # first: static scales are calibrated on what the cache stores
+        rotate_values(out, layers)
+        for i in layers:
+            out.arch = out.arch.replace_layer(i, kv_rotate_keys=True)
+    stats = kv_statistics(out, config, context) if config.needs_calibration_text() else None
     if config.smooth_keys is not None and config.dtype not in FLOAT_KV_DTYPES:
         smooth_keys(out, stats, config.smooth_keys, layers)
-    if config.rotate:
-        rotate_values(out, layers)
     for i in layers:
         out.arch = out.arch.replace_layer(
             i, kv_dtype=config.dtype, kv_rotate_keys=config.rotate, kv_group_size=config.group_size,
@@ -84,9 +86,9 @@ def check_config(ir: ModelIR, config: Config) -> None:
         if quantized:
             raise ValueError(f"kv_cache.rotate: {quantized[0]} is already quantized; put "
                              "kv_cache before the weight-quantization pass")
-        if config.key_scales == "channel" or config.smooth_keys is not None:
-            raise ValueError("kv_cache.rotate: combine it with dynamic key scales only "
-                             "(no key_scales: channel, no smooth_keys)")
+        if config.smooth_keys is not None:
+            raise ValueError("kv_cache.rotate: cannot be combined with smooth_keys "
+                             "(the rotation spreads the channels smoothing would scale)")
         for spec in ir.arch.layers:
             if spec.head_dim & (spec.head_dim - 1):
                 raise ValueError(f"kv_cache.rotate: head_dim {spec.head_dim} is not a power "

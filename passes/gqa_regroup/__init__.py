@@ -1,7 +1,8 @@
 """GQA head regrouping: fewer KV heads per layer, without retraining.
 
 Recipe: `- gqa_regroup: {kv_heads: 1, kv_cache_reduction: 0.33, layers: auto, method: aligned,
-fit: end_to_end, fit_steps: 300, max_ppl_increase_pct: null}` with a `calibration:` block.
+fit: end_to_end, fit_steps: 600, max_ppl_increase_pct: null}` with a `calibration:` block
+(the end-to-end fit reads one window a step: give it as many windows as steps).
 
 Each chosen layer's KV heads are merged into `kv_heads` (MHA → GQA, or GQA → fewer), query
 heads keeping their order: new KV head j serves the query heads of old KV heads
@@ -37,10 +38,10 @@ from llmopt.compiler.head_merge import (
 )
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.reference import ReferenceModel
-from llmopt.passes.gqa_regroup.fit import FitScope, fit_end_to_end, fit_layers
+from llmopt.passes.gqa_regroup.fit import FitPrecision, FitScope, fit_end_to_end, fit_layers
 from llmopt.passes.registry import PassContext, PassResult
 
-DEFAULT_FIT_STEPS = 300
+DEFAULT_FIT_STEPS = 600
 
 
 class Config(BaseModel):
@@ -54,6 +55,8 @@ class Config(BaseModel):
     fit_scope: FitScope = "layer"  # end_to_end: what of each merged layer it tunes
     fit_steps: int = Field(DEFAULT_FIT_STEPS, ge=0)  # Adam steps (per layer for fit: layer)
     fit_lr: float | None = Field(None, gt=0)  # default: 1e-4 end_to_end, 1e-3 layer
+    # end_to_end matmuls in bfloat16 (mixed precision); auto: where the CPU has it natively
+    fit_precision: Literal["auto"] | FitPrecision = "auto"
     fit_windows: int | None = Field(None, gt=0)  # default: all (end_to_end), 8 (layer)
     moment_windows: int = Field(32, gt=0)  # calibration windows the input moments average
     sensitivity_windows: int = Field(2, gt=0)  # calibration windows each layer is measured on
@@ -72,6 +75,12 @@ class Config(BaseModel):
 
     def learning_rate(self) -> float:
         return self.fit_lr or (1e-4 if self.fit == "end_to_end" else 1e-3)
+
+    def precision(self) -> FitPrecision:
+        if self.fit_precision != "auto":
+            return self.fit_precision
+        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        return "bfloat16" if native else "float32"
 
     def needs_calibration_text(self) -> bool:
         """Only mean-pooling given layers without a fit needs no statistics."""
@@ -245,10 +254,16 @@ def _fit(ir: ModelIR, merged: ModelIR, chosen: list[int], hidden: list[torch.Ten
                             config.fit_steps, config.learning_rate(), context.log, errors)
         report: dict[str, Any] = {"fit_relative_error": errors}
     else:
-        fitted, kl = fit_end_to_end(ir, merged, chosen, windows[:config.fit_windows],
-                                    config.fit_steps, config.learning_rate(), config.fit_scope,
-                                    context.log)
-        report = {"fit_kl": kl}  # calibration KL over the first and last tenth of the steps
+        windows = windows[:config.fit_windows]
+        if config.fit_steps > len(windows):
+            context.log(f"      gqa_regroup: {config.fit_steps} fit steps over {len(windows)} "
+                        "calibration windows: each is seen more than once (more calibration "
+                        "samples, up to fit_steps, generalize better)")
+        fitted, kl = fit_end_to_end(ir, merged, chosen, windows, config.fit_steps,
+                                    config.learning_rate(), config.fit_scope, context.log,
+                                    config.precision())
+        # calibration KL over the first and last tenth of the steps
+        report = {"fit_kl": kl, "fit_precision": config.precision()}
     report["fit_seconds"] = round(time.perf_counter() - started, 1)
     return fitted, report
 

@@ -24,7 +24,6 @@ from llmopt.compiler.kv_cache_format import (
     encode,
     fake_quantize,
     kv_sides,
-    rotate_heads,
 )
 from llmopt.compiler.reference import KVCache, ReferenceModel
 from llmopt.runtime import contract as C
@@ -147,8 +146,6 @@ def assert_codes_match(driver, ir: ModelIR, prompt: list[int]) -> None:
                             for b in driver.block_tables[0]])[: len(prompt)]
     for i, spec in enumerate(ir.arch.layers):
         for side, x in zip(kv_sides(spec), captured[i], strict=True):
-            if side.name == "key" and spec.kv_rotate_keys:  # observed before the rotation
-                x = rotate_heads(x)
             static = ir.weights.get(f"layers.{i}.{side.static_scale_weight}")
             expected = encode(x.reshape(len(prompt), -1), side, static)
             got = {name: torch.from_numpy(np.ascontiguousarray(driver.pools[C.past_name(

@@ -167,13 +167,16 @@ def test_auto_choice_meets_the_reduction_by_sensitivity(tiny_checkpoints, word_t
     assert "quality_before_fit" in report and "quality_mean_pooling" in report
 
 
-def test_end_to_end_fit_brings_the_merged_model_closer_to_the_original(tiny_checkpoints,
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_end_to_end_fit_brings_the_merged_model_closer_to_the_original(precision,
+                                                                       tiny_checkpoints,
                                                                        word_text):
     """The fit lowers the calibration KL it minimizes, and the held-out quality probe (the
     recipe's eval text, not the calibration windows) agrees: lower KL than before the fit."""
     _, result = regrouped(tiny_checkpoints["llama"], word_text, kv_heads=1, layers=[0, 1],
-                          fit_steps=40, fit_lr=3e-3)
+                          fit_steps=40, fit_lr=3e-3, fit_precision=precision)
     report = result.report
+    assert report["fit_precision"] == precision
     first, last = report["fit_kl"]
     assert last < 0.8 * first
     assert report["quality"]["kl"] < report["quality_before_fit"]["kl"]

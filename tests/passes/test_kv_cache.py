@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from llmopt.compiler.calibration import calibration_windows
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.recipe import Recipe, RecipeError, load_recipe
 from llmopt.compiler.reference import ReferenceModel
@@ -111,3 +112,21 @@ def test_rotation_is_exact_before_quantization(load, arch):
                                ReferenceModel(ir).forward(IDS), rtol=0, atol=1e-4)
     quantized = ReferenceModel(out).forward(IDS)
     assert not torch.allclose(quantized, ReferenceModel(ir).forward(IDS), atol=1e-3)
+
+
+def test_static_scales_with_rotation_are_those_of_the_rotated_cache(load, context):
+    """With `rotate`, static scales are calibrated on what the cache stores (rotated keys,
+    values through the rotated v_proj): no calibration token clips at the top code."""
+    ir = load("llama")
+    config = kv_cache.Config(dtype="int8", key_scales="channel", value_scales="channel",
+                             rotate=True, calibration_samples=2)
+    out = kv_cache.run(ir, config, context).ir
+    model, seen = ReferenceModel(with_float_kv(out)), {}
+    model.kv_observer = lambda i, q, k, v: seen.setdefault(i, (k, v))
+    window = calibration_windows(out, context.recipe.calibration)[:1]
+    model.forward(window)
+    for side, x in zip(("key", "value"), seen[0], strict=True):
+        amax = x.abs().flatten(0, 1).amax(0).flatten()
+        scale = out.weights[f"layers.0.{side}_cache_scale"]
+        assert (amax <= 127 * scale * (1 + 1e-5)).all()
+        assert (amax >= 0.5 * 127 * scale).any()  # tight, not a loose bound
