@@ -1,5 +1,6 @@
 """KV cache dtype: decode speed and pool capacity of SmolLM2 int4-weight artifacts whose
-KV pools are float32, float16, int8 and int4 (the `kv_cache` pass), side by side, 1 thread.
+KV pools are float32, float16, int8 and int4 (the `kv_cache` pass), side by side, 1 thread;
+`-static` choices (static channel scales) run on the lanes layout, the others gather blocks.
 
 For each context (128, 1024, 2048) and batch (1, 8), every artifact decodes `--gen-len`
 greedy tokens (ending at that context) for `batch` sequences whose prompts share all but
@@ -33,6 +34,8 @@ KV = {"float32": None, "float16": {"dtype": "float16"}, "int8": {"dtype": "int8"
       "int8-static": {"dtype": "int8", "key_scales": "channel", "value_scales": "channel"},
       # the same with Hadamard-rotated keys and values (lanes: RoPE + rotation before the node)
       "int8-static-rot": {"dtype": "int8", "key_scales": "channel", "value_scales": "channel",
+                          "rotate": True},
+      "int4-static-rot": {"dtype": "int4", "key_scales": "channel", "value_scales": "channel",
                           "rotate": True},
       "int4": {"dtype": "int4", "group_size": 32, "rotate": True}}
 POOL_MIB, POOL_CONTEXT = 256, 2048
@@ -98,7 +101,7 @@ def main() -> None:
                         "sequences": spec.sequences_in_pool(POOL_MIB * 2**20, POOL_CONTEXT, 16)}
     base = capacity["float32"]["sequences"]
     for kv, c in capacity.items():
-        print(f"{kv:<8} {c['bytes_per_token']:6d} bytes/token, {c['sequences']:3d} sequences of "
+        print(f"{kv:<16} {c['bytes_per_token']:6d} bytes/token, {c['sequences']:3d} sequences of "
               f"{POOL_CONTEXT} tokens in {POOL_MIB} MiB ({c['sequences'] / base:.1f}x float32)")
     write_json(RESULTS_DIR / "bench_kv_cache.json",
                {"machine": info, "loadavg_at_end": list(os.getloadavg()), "rows": rows,
