@@ -259,11 +259,12 @@ def _fit(ir: ModelIR, merged: ModelIR, chosen: list[int], hidden: list[torch.Ten
             context.log(f"      gqa_regroup: {config.fit_steps} fit steps over {len(windows)} "
                         "calibration windows: each is seen more than once (more calibration "
                         "samples, up to fit_steps, generalize better)")
+        precision = config.precision()
         fitted, kl = fit_end_to_end(ir, merged, chosen, windows, config.fit_steps,
                                     config.learning_rate(), config.fit_scope, context.log,
-                                    config.precision())
+                                    precision)
         # calibration KL over the first and last tenth of the steps
-        report = {"fit_kl": kl, "fit_precision": config.precision()}
+        report = {"fit_kl": kl, "fit_precision": precision}
     report["fit_seconds"] = round(time.perf_counter() - started, 1)
     return fitted, report
 
