@@ -37,6 +37,10 @@ KV = {"float32": None, "float16": {"dtype": "float16"}, "int8": {"dtype": "int8"
                           "rotate": True},
       "int4-static-rot": {"dtype": "int4", "key_scales": "channel", "value_scales": "channel",
                           "rotate": True},
+      "int4-static": {"dtype": "int4", "key_scales": "channel", "value_scales": "channel"},
+      # the 6 layers whose int4 cache costs most (measured at compile time) kept in int8
+      "int4-static-skip6": {"dtype": "int4", "key_scales": "channel", "value_scales": "channel",
+                            "skip_dtype": "int8", "auto_skip": 6},
       "int4": {"dtype": "int4", "group_size": 32, "rotate": True}}
 POOL_MIB, POOL_CONTEXT = 256, 2048
 

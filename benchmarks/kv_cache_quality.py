@@ -48,6 +48,18 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
                         "rotate": True},
     "int4-static-rot": {"dtype": "int4", "key_scales": "channel", "value_scales": "channel",
                         "rotate": True},
+    # Static scales chosen by absmax (nothing clips) instead of the attention-weighted search.
+    "int8-static-rot-absmax": {"dtype": "int8", "key_scales": "channel",
+                               "value_scales": "channel", "rotate": True,
+                               "static_scales": "absmax"},
+    "int4-static-absmax": {"dtype": "int4", "key_scales": "channel", "value_scales": "channel",
+                           "static_scales": "absmax"},
+    "int4-static": {"dtype": "int4", "key_scales": "channel", "value_scales": "channel"},
+    # The most sensitive layers (measured on calibration windows) kept in int8.
+    "int4-static-skip4": {"dtype": "int4", "key_scales": "channel", "value_scales": "channel",
+                          "skip_dtype": "int8", "auto_skip": 4},
+    "int4-static-skip6": {"dtype": "int4", "key_scales": "channel", "value_scales": "channel",
+                          "skip_dtype": "int8", "auto_skip": 6},
     "int4-g64-rot": {"dtype": "int4", "rotate": True},
     "int4-g32-rot": {"dtype": "int4", "group_size": 32, "rotate": True},
     "int8-rot": {"dtype": "int8", "rotate": True},

@@ -61,3 +61,32 @@ def observing(model: ReferenceModel, observer: Observer | None) -> Iterator[None
         yield
     finally:
         model.observer = previous
+
+
+@torch.no_grad()
+def residual_streams(ir: ModelIR, windows: torch.Tensor) -> list[torch.Tensor]:
+    """The residual stream entering each layer, and leaving the last: num_layers + 1 tensors
+    [windows, seq, hidden]."""
+    model = ReferenceModel(ir, windows.shape[1])
+    positions = torch.arange(windows.shape[1])
+    states = [model.embed(windows)]
+    for layer in range(ir.arch.num_layers):
+        states.append(model.layer_forward(layer, states[-1], positions, None))
+    return states
+
+
+@torch.no_grad()
+def final_kl_from_layer(model: ReferenceModel, start: int, hidden: torch.Tensor,
+                        target: list[torch.Tensor]) -> float:
+    """Mean KL(target || model) of the final next-token distributions, running `model` from
+    layer `start` on `hidden` [windows, seq, hidden] (what enters that layer unchanged);
+    `target` holds each window's log-probabilities."""
+    positions = torch.arange(hidden.shape[1])
+    kl = 0.0
+    for w, h in enumerate(hidden):
+        h = h[None]
+        for layer in range(start, model.arch.num_layers):
+            h = model.layer_forward(layer, h, positions, None)
+        logq = torch.log_softmax(model.logits(h), -1)
+        kl += float((target[w].exp() * (target[w] - logq)).sum(-1).mean())
+    return kl / len(hidden)

@@ -20,6 +20,7 @@ from llmopt.runtime.inspect import describe, format_description
 
 STATIC_INT8 = {"dtype": "int8", "key_scales": "channel", "value_scales": "channel"}
 STATIC_INT4 = {**STATIC_INT8, "dtype": "int4"}
+MIXED_INT4 = {**STATIC_INT4, "skip_dtype": "int8", "auto_skip": 1}
 QUICK_DRAFT = {"prompts": 2, "new_tokens": 12, "batch_sizes": [1, 2], "cost_repeats": 1}
 ARTIFACTS = {
     # name -> (architecture, kv_cache options, draft options)
@@ -39,8 +40,12 @@ ARTIFACTS = {
     "llama-int4-static-rot": ("llama", {**STATIC_INT4, "rotate": True},
                               {"kind": "ngram", "gamma": 3}),
     "llama-int4-static-rot/blocks": ("llama", {**STATIC_INT4, "rotate": True}, None),
+    # int4 with the most sensitive layer kept in int8: lanes of both widths in one model.
+    "llama-int4-mixed": ("llama", MIXED_INT4, {"kind": "ngram", "gamma": 3}),
+    "llama-int4-mixed/blocks": ("llama", MIXED_INT4, None),
 }
-LANES_TWINS = ["llama-int8-static", "llama-int8-static-rot", "llama-int4-static-rot"]
+LANES_TWINS = ["llama-int8-static", "llama-int8-static-rot", "llama-int4-static-rot",
+               "llama-int4-mixed"]
 
 
 @pytest.fixture(scope="module")
@@ -80,26 +85,27 @@ def test_batching_and_preemption_are_invisible(name, artifacts):
 def test_lanes_store_what_the_gathered_graph_stores(name, artifacts):
     """The same codes in both pools (layer 0's keys: the same inputs; an occasional
     rounding tie differs by one code). Both graphs attend to the stored values, so the
-    scores agree up to such a tie (measured: 1e-3 at most, 1e-5 without one)."""
+    scores agree up to such a tie (measured: 4e-3 at most, 1e-5 without one)."""
     lanes, blocks = (LLM(artifacts[n], speculative=False) for n in (name, f"{name}/blocks"))
     assert (lanes.manifest.kv_cache.layout, blocks.manifest.kv_cache.layout) == ("lanes",
                                                                                "blocks")
-    stored = lanes.manifest.kv_cache.layers[0].tensors[0].dtype
-    assert {p.dtype for p in lanes.engine.executor.pools.values()} == {np.dtype(stored)}
+    pools = lanes.engine.executor.pools
+    for i, layer in enumerate(lanes.manifest.kv_cache.layers):  # each in its own dtype
+        assert pools[f"past.{i}.key"].dtype == np.dtype(layer.tensors[0].dtype)
     tokens = (shared_prefix_requests()[1] * 3)[:120]
-    np.testing.assert_allclose(lanes.score(tokens), blocks.score(tokens), atol=2e-3)
+    np.testing.assert_allclose(lanes.score(tokens), blocks.score(tokens), atol=5e-3)
     in_lane = lanes.engine.executor.pools["past.0.key"][0]  # lane 0: [kv_heads, pos, dim]
     in_lane = in_lane.transpose(1, 0, 2).reshape(in_lane.shape[1], -1)[: len(tokens)]
     in_blocks = blocks.engine.executor.pools["past.0.key"].reshape(-1, in_lane.shape[1])
     in_blocks = in_blocks[4 : 4 + len(tokens)]  # blocks 1.. of block size 4, in order
-    if name.startswith("llama-int4"):  # two codes a byte in both layouts: compare nibbles
+    if in_lane.dtype == np.uint8:  # int4, two codes a byte in both layouts: compare nibbles
         in_lane, in_blocks = (np.stack([a & 15, a >> 4], -1) for a in (in_lane, in_blocks))
     differs = np.abs(in_lane.astype(int) - in_blocks.astype(int))
     assert differs.max() <= 1 and (differs == 0).mean() > 0.9
 
 
 @pytest.mark.parametrize("name", ["llama-int8", "gemma3-int4", "llama-int8-static",
-                                  "llama-int4-static-rot"])
+                                  "llama-int4-static-rot", "llama-int4-mixed"])
 def test_speculation_changes_no_greedy_output(name, artifacts):
     requests = shared_prefix_requests()
     expected = [o.token_ids for o in LLM(artifacts[name], speculative=False).generate(
@@ -130,6 +136,16 @@ def test_pools_are_allocated_from_the_manifest(artifacts):
     text = format_description(info)
     assert "(4.00x smaller than float32)" in text
     assert "key uint8[" in text and "key_scale float16[" in text and "key_min float16[" in text
+
+
+def test_mixed_int4_reads_int8_and_int4_lanes_in_place(artifacts):
+    llm = LLM(artifacts["llama-int4-mixed"], speculative=False)
+    assert llm.manifest.kv_cache.layout == "lanes"
+    dtypes = [p.dtype for name, p in llm.engine.executor.pools.items() if name.endswith("key")]
+    assert sorted(map(str, dtypes)) == ["int8", *["uint8"] * (len(dtypes) - 1)]
+    info = describe(artifacts["llama-int4-mixed"], pool_mib=1)
+    width = info["kv_float32_bytes_per_token"] // (8 * len(dtypes))  # channels per side
+    assert info["kv_bytes_per_token"] == 2 * width * (1 + (len(dtypes) - 1) / 2)
 
 
 def test_bfloat16_pools_hold_the_bit_patterns(artifacts):

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from llmopt.compiler.calibration import calibration_windows
+from llmopt.compiler.calibration import calibration_windows, final_kl_from_layer
 from llmopt.compiler.head_merge import (
     AttentionWeights,
     InputMoments,
@@ -197,21 +197,13 @@ def measure_sensitivity(ir: ModelIR, hidden: list[torch.Tensor],
                         context: PassContext) -> dict[int, float]:
     """KL(original || this layer alone merged) of the final logits, per layer."""
     reference = ReferenceModel(ir, hidden[0].shape[1])
-    positions = torch.arange(hidden[0].shape[1])
     target = [torch.log_softmax(reference.logits(h[None]), -1) for h in hidden[-1]]
     sensitivity = {}
     for i in sigmas:
         started = time.perf_counter()
         model = ReferenceModel(regroup(ir, [i], config.kv_heads, sigmas, config.method),
                                hidden[0].shape[1])
-        kl = 0.0
-        for w, h in enumerate(hidden[i]):
-            h = h[None]
-            for layer in range(i, ir.arch.num_layers):
-                h = model.layer_forward(layer, h, positions, None)
-            logq = torch.log_softmax(model.logits(h), -1)
-            kl += float((target[w].exp() * (target[w] - logq)).sum(-1).mean())
-        sensitivity[i] = round(kl / len(hidden[i]), 6)
+        sensitivity[i] = round(final_kl_from_layer(model, i, hidden[i], target), 6)
         context.log(f"      gqa_regroup: layer {i} alone: KL {sensitivity[i]:.4g} "
                     f"({time.perf_counter() - started:.1f} s)")
     return sensitivity

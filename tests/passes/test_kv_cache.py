@@ -12,6 +12,7 @@ from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.recipe import Recipe, RecipeError, load_recipe
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes import kv_cache
+from llmopt.passes.kv_cache import calibrate
 from llmopt.passes.registry import PassContext
 
 IDS = torch.tensor([[5, 17, 99, 3, 42, 8, 61, 200, 7, 13, 150, 77]])
@@ -88,7 +89,7 @@ def test_bad_options_name_the_key(load, options, message):
 
 
 def test_static_scales_need_calibration(load):
-    with pytest.raises(ValueError, match="kv_cache: static scales and smooth_keys need"):
+    with pytest.raises(ValueError, match="kv_cache: static scales, smooth_keys and auto_skip need"):
         kv_cache.run(load("llama"), kv_cache.Config(dtype="int8", key_scales="channel"), None)
 
 
@@ -119,7 +120,7 @@ def test_static_scales_with_rotation_are_those_of_the_rotated_cache(load, contex
     values through the rotated v_proj): no calibration token clips at the top code."""
     ir = load("llama")
     config = kv_cache.Config(dtype="int8", key_scales="channel", value_scales="channel",
-                             rotate=True, calibration_samples=2)
+                             rotate=True, calibration_samples=2, static_scales="absmax")
     out = kv_cache.run(ir, config, context).ir
     model, seen = ReferenceModel(with_float_kv(out)), {}
     model.kv_observer = lambda i, q, k, v: seen.setdefault(i, (k, v))
@@ -130,3 +131,55 @@ def test_static_scales_with_rotation_are_those_of_the_rotated_cache(load, contex
         scale = out.weights[f"layers.0.{side}_cache_scale"]
         assert (amax <= 127 * scale * (1 + 1e-5)).all()
         assert (amax >= 0.5 * 127 * scale).any()  # tight, not a loose bound
+
+
+def test_scale_search_clips_outliers_only_where_attention_ignores_them():
+    """One channel: many small entries and one outlier. Unweighted, the search clips the
+    outlier for finer steps; when attention leans on the outlier, it keeps absmax."""
+    x = torch.cat([torch.linspace(-1, 1, 255), torch.tensor([8.0])])[:, None]
+    amax = x.abs().amax(0)
+    for outlier_weight, clipped in ((1.0, True), (1e4, False)):
+        weight = torch.ones_like(x)
+        weight[-1] = outlier_weight
+        stats = {"amax": amax, "int4": calibrate.clip_errors(x, weight, amax, "int4")}
+        scale = calibrate.static_scale(stats, "int4", "search")
+        assert (scale < amax / 7).item() is clipped
+        assert torch.equal(calibrate.static_scale(stats, "int4", "absmax"), amax / 7)
+
+
+def test_attention_weights_follow_the_attention(load):
+    """A key that no query attends to weighs nothing; the position attended weighs most."""
+    spec = load("llama").arch.layers[0]
+    arch = load("llama").arch
+    heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    q = torch.zeros(1, 3, heads, dim)
+    q[..., 0] = 50.0  # every query points at channel 0
+    k = torch.zeros(1, 3, kv_heads, dim)
+    k[0, 1, :, 0] = 1.0  # position 1 matches, positions 0 and 2 do not
+    v = torch.randn(1, 3, kv_heads, dim)
+    key, value = calibrate.attention_weights(arch, spec, q, k, v)
+    per_position = value.reshape(3, -1).sum(-1)
+    assert per_position.argmax() == 1 and per_position[1] > 10 * per_position[2]
+
+
+def test_auto_skip_keeps_the_most_sensitive_layers_in_int8(load, context):
+    ir = load("llama")
+    config = kv_cache.Config(dtype="int4", key_scales="channel", value_scales="channel",
+                             skip_dtype="int8", auto_skip=1, calibration_samples=2)
+    result = kv_cache.run(ir, config, context)
+    sensitivity = result.report["sensitivity_kl"]
+    worst = max(sensitivity, key=sensitivity.get)
+    assert result.report["skipped"] == [worst]
+    dtypes = [s.kv_dtype for s in result.ir.arch.layers]
+    assert dtypes == ["int8" if i == worst else "int4" for i in range(ir.arch.num_layers)]
+    for i in range(ir.arch.num_layers):  # each layer's static scales fit its own codes
+        assert f"layers.{i}.key_cache_scale" in result.ir.weights
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"dtype": "int8", "skip_dtype": "int8"}, "kv_cache.skip_dtype: int8 is the pass's dtype"),
+    ({"dtype": "int4", "auto_skip": 9}, "kv_cache.auto_skip: 9 would leave no layer"),
+])
+def test_bad_skip_options_name_the_key(load, options, message):
+    with pytest.raises(ValueError, match=message):
+        kv_cache.run(load("llama"), kv_cache.Config(**options), None)

@@ -1,0 +1,181 @@
+"""KV cache dtype: store each layer's keys and values as float16, bfloat16, fp8 e4m3, int8 or
+int4.
+
+Recipe: `- kv_cache: {dtype: int8}`; options:
+  group_size     channels per dynamic scale group (divides head_dim; default: one per head)
+  value_group_size   values' group size when it differs (default: group_size)
+  key_scales     "token": dynamic, computed in the graph at write time per token and group;
+                 "channel": static per-channel scales calibrated on `calibration.text`
+  value_scales   the same for values
+  static_scales  how channel scales are chosen: "search" (int8/int4: the clip per channel
+                 that minimises attention-weighted rounding error, calibrate.py) or
+                 "absmax" (nothing clips)
+  skip_layers    layer indices stored in `skip_dtype` (float32, or int8 with the same
+                 scale options) instead of `dtype`
+  auto_skip      N: the N layers whose cache suffers most from `dtype` (each measured alone
+                 on calibration windows, sensitivity.py) join skip_layers. With int4 and
+                 skip_dtype int8, a few layers buy most of int4's loss back (README table).
+  smooth_keys    SmoothAttention strength α (QServe): keys are divided per channel by
+                 amax_c^α and queries multiplied by it, folded into the q/k projections
+                 (or qk-norm weights), shared by each rotary pair: exact in real arithmetic,
+                 it flattens the key outliers that per-token scales suffer from.
+  rotate         Hadamard rotation per head (QuaRot): of queries and keys in the graph
+                 after RoPE (q·k unchanged), of values folded into v_proj rows and o_proj
+                 columns (exact). Spreads outlier channels before per-token quantization.
+The storage formats live in `compiler/kv_cache_format.py`; the reference model simulates
+them, so the measured cost is the artifact's cost.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmopt.compiler.calibration import calibration_windows
+from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.kv_cache_format import FLOAT_KV_DTYPES, kv_sides
+from llmopt.passes.kv_cache.calibrate import (
+    SideStats,
+    kv_absmax,
+    kv_scale_statistics,
+    static_scale,
+)
+from llmopt.passes.kv_cache.folds import rotate_values, smooth_keys
+from llmopt.passes.kv_cache.sensitivity import layer_sensitivity
+from llmopt.passes.registry import PassContext, PassResult
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dtype: Literal["float16", "bfloat16", "fp8_e4m3", "int8", "int4"]
+    group_size: int | None = Field(None, gt=0)
+    value_group_size: int | None = Field(None, gt=0)
+    key_scales: Literal["token", "channel"] = "token"
+    value_scales: Literal["token", "channel"] = "token"
+    static_scales: Literal["search", "absmax"] = "search"  # how channel scales are chosen
+    skip_layers: list[int] = Field(default_factory=list)
+    skip_dtype: Literal["float32", "int8"] = "float32"
+    auto_skip: int = Field(0, ge=0)  # the N most sensitive layers (measured) join skip_layers
+    smooth_keys: float | None = Field(None, gt=0, le=1)
+    rotate: bool = False
+    calibration_samples: int = Field(16, gt=0)  # windows of calibration.text for statistics
+
+    def needs_calibration_text(self) -> bool:
+        """Static (channel) scales, smooth_keys and auto_skip measure calibration windows."""
+        return (self.smooth_keys is not None or self.auto_skip > 0
+                or "channel" in (self.key_scales, self.value_scales))
+
+
+def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
+    started = time.perf_counter()
+    check_config(ir, config)
+    out = ir.copy()
+    kept = [i for i in range(ir.arch.num_layers) if i not in config.skip_layers]
+    stored = {i: config.dtype if i in kept else config.skip_dtype
+              for i in range(ir.arch.num_layers)}
+    if config.rotate:  # first: static scales are calibrated on what the cache stores
+        rotated = [i for i, dtype in stored.items() if dtype != "float32"]
+        rotate_values(out, rotated)
+        for i in rotated:
+            out.arch = out.arch.replace_layer(i, kv_rotate_keys=True)
+    windows = _windows(out, config, context) if config.needs_calibration_text() else None
+    if config.smooth_keys is not None and config.dtype not in FLOAT_KV_DTYPES:
+        smooth_keys(out, kv_absmax(out, windows), config.smooth_keys, kept)
+    stats = None
+    if "channel" in (config.key_scales, config.value_scales):
+        stats = kv_scale_statistics(out, windows, set(stored.values()))
+    float_ir = out.copy()  # every fold made, every cache still float: what auto_skip scores
+    for i, dtype in stored.items():
+        store(out, i, dtype, config, stats)
+    sensitivity = None
+    if config.auto_skip:
+        sensitivity = layer_sensitivity(float_ir, out, kept, windows, context.log)
+        for i in sorted(kept, key=lambda i: -sensitivity[i])[:config.auto_skip]:
+            stored[i] = config.skip_dtype
+            store(out, i, config.skip_dtype, config, stats)
+    extra = {"skipped": sorted(i for i, d in stored.items() if d != config.dtype),
+             "sensitivity_kl": sensitivity}
+    return PassResult(out, report(ir, out, time.perf_counter() - started, context, extra))
+
+
+def _windows(ir: ModelIR, config: Config, context: PassContext | None):
+    if context is None or context.recipe.calibration.text is None:
+        raise ValueError("kv_cache: static scales, smooth_keys and auto_skip need "
+                         "calibration.text")
+    calibration = context.recipe.calibration
+    return calibration_windows(ir, calibration.model_copy(update={
+        "samples": min(config.calibration_samples, calibration.samples)}))
+
+
+def store(ir: ModelIR, index: int, dtype: str, config: Config,
+          stats: list[dict[str, SideStats]] | None) -> None:
+    """Set layer `index` to store its KV cache in `dtype` (float32: as the input IR did)."""
+    for side in ("key", "value"):
+        ir.weights.pop(f"layers.{index}.{side}_cache_scale", None)
+    if dtype == "float32":
+        ir.arch = ir.arch.replace_layer(index, kv_dtype="float32", kv_rotate_keys=False,
+                                        kv_group_size=None, kv_value_group_size=None,
+                                        kv_key_scales="token", kv_value_scales="token")
+        return
+    ir.arch = ir.arch.replace_layer(
+        index, kv_dtype=dtype, kv_rotate_keys=config.rotate, kv_group_size=config.group_size,
+        kv_value_group_size=config.value_group_size,
+        kv_key_scales=config.key_scales, kv_value_scales=config.value_scales)
+    for side in kv_sides(ir.arch.layers[index]):
+        if side.scales == "channel" and side.quantized:
+            ir.weights[f"layers.{index}.{side.static_scale_weight}"] = static_scale(
+                stats[index][side.name], dtype, config.static_scales)
+
+
+def check_config(ir: ModelIR, config: Config) -> None:
+    """One-line errors naming the key, before any work."""
+    for i in config.skip_layers:
+        if not 0 <= i < ir.arch.num_layers:
+            raise ValueError(f"kv_cache.skip_layers: layer {i} does not exist "
+                             f"(the model has {ir.arch.num_layers})")
+    if config.skip_dtype == config.dtype:
+        raise ValueError(f"kv_cache.skip_dtype: {config.dtype} is the pass's dtype already")
+    kept = ir.arch.num_layers - len(set(config.skip_layers))
+    if config.auto_skip >= kept:
+        raise ValueError(f"kv_cache.auto_skip: {config.auto_skip} would leave no layer in "
+                         f"{config.dtype} ({kept} not in skip_layers)")
+    if config.rotate:
+        quantized = [n for n in ir.quantized if n.endswith((".v_proj", ".o_proj"))]
+        if quantized:
+            raise ValueError(f"kv_cache.rotate: {quantized[0]} is already quantized; put "
+                             "kv_cache before the weight-quantization pass")
+        if config.smooth_keys is not None:
+            raise ValueError("kv_cache.rotate: cannot be combined with smooth_keys "
+                             "(the rotation spreads the channels smoothing would scale)")
+        for spec in ir.arch.layers:
+            if spec.head_dim & (spec.head_dim - 1):
+                raise ValueError(f"kv_cache.rotate: head_dim {spec.head_dim} is not a power "
+                                 "of two")
+    for key in ("group_size", "value_group_size"):
+        size = getattr(config, key)
+        for spec in ir.arch.layers if size is not None else ():
+            if spec.head_dim % size or (config.dtype == "int4" and size % 2):
+                raise ValueError(f"kv_cache.{key}: {size} does not divide head_dim "
+                                 f"{spec.head_dim} into groups of whole bytes")
+
+
+def report(before: ModelIR, after: ModelIR, seconds: float, context: PassContext | None,
+           extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    from llmopt.compiler.lower import cache_tensors
+    from llmopt.runtime.manifest import KVCacheSpec
+
+    def bytes_per_token(ir: ModelIR) -> int:
+        return KVCacheSpec.model_validate({"layers": [
+            {"tensors": cache_tensors(s)} for s in ir.arch.layers]}).bytes_per_token()
+
+    probe = context.quality_probe(before) if context is not None else None
+    return {
+        "kv_dtypes": sorted({s.kv_dtype for s in after.arch.layers}),
+        "bytes_per_token": {"before": bytes_per_token(before), "after": bytes_per_token(after)},
+        "calibrate_seconds": round(seconds, 2),
+        **(extra or {}),
+        "quality": probe.compare(before, after) if probe else None,
+    }
