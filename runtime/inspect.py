@@ -114,8 +114,9 @@ def format_description(info: dict[str, Any]) -> str:
         + (" (a lane per sequence, read in place)" if info["kv_layout"]["pool"] == "lanes"
            else " (blocks gathered per step)"),
     ]
-    lines += [f"  layers {group['layers']}: {group['tensors']} ({group['bytes_per_token']} "
-              "bytes/token each)" for group in info["kv_layout"]["groups"]]
+    lines += [f"  {'layers' if '-' in group['layers'] else 'layer'} {group['layers']}: "
+              f"{group['tensors']} ({group['bytes_per_token']} bytes/token each)"
+              for group in info["kv_layout"]["groups"]]
     lines += _weight_lines(info["weights"]) + _speculative_lines(info["speculative"])
     lines += _tokenizer_lines(info["tokenizer"], info["generation"])
     lines.append(f"passes        {len(info['passes'])}")

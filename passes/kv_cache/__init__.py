@@ -8,8 +8,8 @@ Recipe: `- kv_cache: {dtype: int8}`; options:
                  "channel": static per-channel scales calibrated on `calibration.text`
   value_scales   the same for values
   static_scales  how channel scales are chosen: "search" (int8/int4: the clip per channel
-                 that minimises attention-weighted rounding error, calibrate.py) or
-                 "absmax" (nothing clips)
+                 that minimises attention-weighted rounding error, calibrate.py), "absmax"
+                 (nothing clips), "auto" (search for int4, absmax otherwise)
   skip_layers    layer indices stored in `skip_dtype` (float32, or int8 with the same
                  scale options) instead of `dtype`
   auto_skip      N: the N layers whose cache suffers most from `dtype` (each measured alone
@@ -40,6 +40,7 @@ from llmopt.passes.kv_cache.calibrate import (
     SideStats,
     kv_absmax,
     kv_scale_statistics,
+    searches,
     static_scale,
 )
 from llmopt.passes.kv_cache.folds import rotate_values, smooth_keys
@@ -55,7 +56,7 @@ class Config(BaseModel):
     value_group_size: int | None = Field(None, gt=0)
     key_scales: Literal["token", "channel"] = "token"
     value_scales: Literal["token", "channel"] = "token"
-    static_scales: Literal["search", "absmax"] = "search"  # how channel scales are chosen
+    static_scales: Literal["auto", "search", "absmax"] = "auto"  # see calibrate.py
     skip_layers: list[int] = Field(default_factory=list)
     skip_dtype: Literal["float32", "int8"] = "float32"
     auto_skip: int = Field(0, ge=0)  # the N most sensitive layers (measured) join skip_layers
@@ -86,7 +87,8 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
         smooth_keys(out, kv_absmax(out, windows), config.smooth_keys, kept)
     stats = None
     if "channel" in (config.key_scales, config.value_scales):
-        stats = kv_scale_statistics(out, windows, set(stored.values()))
+        searched = {d for d in stored.values() if searches(config.static_scales, d)}
+        stats = kv_scale_statistics(out, windows, searched)
     float_ir = out.copy()  # every fold made, every cache still float: what auto_skip scores
     for i, dtype in stored.items():
         store(out, i, dtype, config, stats)

@@ -7,8 +7,10 @@ attention: a value entry by the squared attention weights it receives (an output
 Σ_j p_j Δv_j), a key entry by how far a score error there moves the attention output
 (`attention_weights`). Clipping a channel's rare
 large entries buys finer steps for all the others; the weights keep that trade from
-sacrificing the positions attention relies on, such as the attention sinks. On SmolLM2's
-int4 cache this halves the perplexity cost of absmax scales (benchmarks/README.md).
+sacrificing the positions attention relies on, such as the attention sinks.
+`auto` searches for int4 only: int8's 255 levels leave clipping nothing to buy (on SmolLM2,
+8 windows: static int8 + rotate +0.15 % searched, -0.02 % absmax), while int4's absmax
+steps are coarse (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ def kv_absmax(ir: ModelIR, windows: torch.Tensor) -> list[dict[str, torch.Tensor
 @torch.no_grad()
 def kv_scale_statistics(ir: ModelIR, windows: torch.Tensor, dtypes: Iterable[str]
                         ) -> list[dict[str, SideStats]]:
-    """Per layer and side: the absmax, and for each dtype in `dtypes` that has a code range
-    the attention-weighted error of every candidate scale (two passes over the windows)."""
+    """Per layer and side: the absmax, and for each dtype in `dtypes` (those searched) the
+    attention-weighted error of every candidate scale (two passes over the windows)."""
     amax = kv_absmax(ir, windows)
-    searched = [d for d in dict.fromkeys(dtypes) if d in CODE_RANGE]
+    searched = list(dict.fromkeys(dtypes))
     stats = [{side: {"amax": amax[i][side]} for side in SIDES} for i in range(len(amax))]
     if not searched:
         return stats
@@ -68,12 +70,17 @@ def kv_scale_statistics(ir: ModelIR, windows: torch.Tensor, dtypes: Iterable[str
 
 
 def static_scale(stats: SideStats, dtype: str, method: str) -> torch.Tensor:
-    """[W] per-channel scale: the searched clip where there is one, else absmax."""
+    """[W] per-channel scale: the searched clip where asked for and measured, else absmax."""
     amax = stats["amax"].clamp(min=1e-6)
-    if method == "search" and dtype in stats:
+    if searches(method, dtype) and dtype in stats:
         best = stats[dtype].argmin(0)  # ties: the smallest clip, listed first
         return CLIP_FRACTIONS[best] * amax / CODE_MAX[dtype]
     return amax / CODE_MAX[dtype]
+
+
+def searches(method: str, dtype: str) -> bool:
+    """Whether `static_scales: method` searches the clip of `dtype`'s channel scales."""
+    return dtype in CODE_RANGE and (method == "search" or (method == "auto" and dtype == "int4"))
 
 
 def attention_weights(arch: ArchSpec, spec: LayerSpec, q: torch.Tensor, k: torch.Tensor,
