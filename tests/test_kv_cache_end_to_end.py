@@ -21,6 +21,7 @@ from llmopt.runtime.inspect import describe, format_description
 STATIC_INT8 = {"dtype": "int8", "key_scales": "channel", "value_scales": "channel"}
 STATIC_INT4 = {**STATIC_INT8, "dtype": "int4"}
 MIXED_INT4 = {**STATIC_INT4, "skip_dtype": "int8", "auto_skip": 1}
+OTHER_ARCHS = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 QUICK_DRAFT = {"prompts": 2, "new_tokens": 12, "batch_sizes": [1, 2], "cost_repeats": 1}
 ARTIFACTS = {
     # name -> (architecture, kv_cache options, draft options)
@@ -43,9 +44,12 @@ ARTIFACTS = {
     # int4 with the most sensitive layer kept in int8: lanes of both widths in one model.
     "llama-int4-mixed": ("llama", MIXED_INT4, {"kind": "ngram", "gamma": 3}),
     "llama-int4-mixed/blocks": ("llama", MIXED_INT4, None),
+    # ... and on every other architecture (biases, qk-norm, sliding windows, softcaps)
+    **{f"{arch}-int4-mixed{twin}": (arch, MIXED_INT4, None)
+       for arch in OTHER_ARCHS for twin in ("", "/blocks")},
 }
 LANES_TWINS = ["llama-int8-static", "llama-int8-static-rot", "llama-int4-static-rot",
-               "llama-int4-mixed"]
+               *(f"{arch}-int4-mixed" for arch in ("llama", *OTHER_ARCHS))]
 
 
 @pytest.fixture(scope="module")
