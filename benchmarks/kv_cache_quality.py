@@ -97,6 +97,9 @@ def main() -> None:
     parser.add_argument("--weights", choices=("float", "rtn", "gptq"), default="float",
                         help="int4 weights (group 64) after the KV pass: the KV pass's cost on "
                         "top of them (gptq calibrates on 16 windows of the valid split)")
+    parser.add_argument("--kv-after-weights", action="store_true",
+                        help="run the weight pass once, first, and each KV configuration on "
+                        "its output (scales calibrated on the quantized weights; no rotate)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ir = load_checkpoint(MODEL)
@@ -107,6 +110,8 @@ def main() -> None:
     # folds into float v/o weights); the baseline ("fp32" row) is the weight pass alone.
     weights = weight_pass(args.weights, context)
     windows = QualityProbe.from_text(ir, DATA / "wikitext2-test.raw.txt", args.windows, 512).windows
+    if args.kv_after_weights:  # the KV pass sees (and calibrates on) the quantized weights
+        ir, weights = weights(ir), (lambda ir: ir)
     base = ReferenceModel(weights(ir), 512)
     rows = []
     for name in args.configs.split(","):
@@ -127,8 +132,9 @@ def main() -> None:
         for r in rows:
             r["ppl_increase_pct"] = 100 * (r["ppl"] / fp32 - 1)
             print(f"{r['config']:<20} {r['ppl']:.3f} ({r['ppl_increase_pct']:+.2f} %)")
+    order = "_kv_after" if args.kv_after_weights else ""
     name = "kv_cache_quality.json" if args.weights == "float" else (
-        f"kv_cache_quality_{args.weights}.json")
+        f"kv_cache_quality_{args.weights}{order}.json")
     write_json(RESULTS_DIR / name, {"machine": machine_info(), "rows": rows,
                                     "windows": args.windows, "weights": args.weights})
 
