@@ -60,6 +60,8 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
                           "skip_dtype": "int8", "auto_skip": 4},
     "int4-static-skip6": {"dtype": "int4", "key_scales": "channel", "value_scales": "channel",
                           "skip_dtype": "int8", "auto_skip": 6},
+    "int4-static-skip8": {"dtype": "int4", "key_scales": "channel", "value_scales": "channel",
+                          "skip_dtype": "int8", "auto_skip": 8},
     "int4-g64-rot": {"dtype": "int4", "rotate": True},
     "int4-g32-rot": {"dtype": "int4", "group_size": 32, "rotate": True},
     "int8-rot": {"dtype": "int8", "rotate": True},
