@@ -94,7 +94,9 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
         store(out, i, dtype, config, stats)
     sensitivity = None
     if config.auto_skip:
-        sensitivity = layer_sensitivity(float_ir, out, kept, windows, context.log)
+        sensitivity = layer_sensitivity(
+            float_ir, lambda ir, i: store(ir, i, config.dtype, config, stats), kept, windows,
+            context.log)
         for i in sorted(kept, key=lambda i: -sensitivity[i])[:config.auto_skip]:
             stored[i] = config.skip_dtype
             store(out, i, config.skip_dtype, config, stats)

@@ -5,7 +5,6 @@ on a few calibration windows, running from that layer's cached input."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 
@@ -19,9 +18,11 @@ SENSITIVITY_WINDOWS = 4
 
 
 @torch.no_grad()
-def layer_sensitivity(float_ir: ModelIR, quantized: ModelIR, layers: list[int],
-                      windows: torch.Tensor, log: Callable[[str], None]) -> dict[int, float]:
-    """KL(float || only layer i's cache quantized) per layer in `layers`."""
+def layer_sensitivity(float_ir: ModelIR, quantize: Callable[[ModelIR, int], None],
+                      layers: list[int], windows: torch.Tensor,
+                      log: Callable[[str], None]) -> dict[int, float]:
+    """KL(float || only layer i's cache quantized) per layer in `layers`; `quantize(ir, i)`
+    sets layer i of `ir` to the pass's storage, as the pass itself does."""
     windows = windows[:SENSITIVITY_WINDOWS]
     hidden = residual_streams(float_ir, windows)
     reference = ReferenceModel(float_ir, windows.shape[1])
@@ -30,18 +31,10 @@ def layer_sensitivity(float_ir: ModelIR, quantized: ModelIR, layers: list[int],
     for i in layers:
         started = time.perf_counter()
         alone = float_ir.copy()
-        alone.arch = alone.arch.replace_layer(i, **kv_fields(quantized, i))
-        alone.weights.update({n: w for n, w in quantized.weights.items()
-                              if n.startswith(f"layers.{i}.") and n.endswith("_cache_scale")})
+        quantize(alone, i)
         model = ReferenceModel(alone, windows.shape[1])
         sensitivity[i] = round(final_kl_from_layer(model, i, hidden[i], target), 6)
         log(f"      kv_cache: layer {i} alone: KL {sensitivity[i]:.4g} "
             f"({time.perf_counter() - started:.1f} s)")
     return sensitivity
 
-
-def kv_fields(ir: ModelIR, index: int) -> dict:
-    """The LayerSpec fields that describe layer `index`'s KV storage."""
-    spec = ir.arch.layers[index]
-    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
-            if f.name.startswith("kv_")}
