@@ -50,7 +50,7 @@ def kv_scale_statistics(ir: ModelIR, windows: torch.Tensor, dtypes: Iterable[str
     """Per layer and side: the absmax, and for each dtype in `dtypes` (those searched) the
     attention-weighted error of every candidate scale (two passes over the windows)."""
     amax = kv_absmax(ir, windows)
-    searched = list(dict.fromkeys(dtypes))
+    searched = list(dtypes)
     stats = [{side: {"amax": amax[i][side]} for side in SIDES} for i in range(len(amax))]
     if not searched:
         return stats
