@@ -21,6 +21,7 @@ import onnx
 
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.lower import kv_cache_spec, lowering_options
+from llmopt.compiler.native_plan import native_plan
 from llmopt.compiler.onnx_graph import save_with_external_data
 from llmopt.compiler.preflight import check_output_directory
 from llmopt.compiler.recipe import Recipe, resolved_dict
@@ -77,7 +78,8 @@ def write_artifact(
                              "operator_set": operator_set, "nodes": len(model.graph.node),
                              "nodes_per_layer": int(props.get("llmopt.nodes_per_layer", 0)),
                              "nbits_accuracy_level": int(props.get("llmopt.nbits_accuracy_level",
-                                                                   0))}
+                                                                   0)),
+                             "native": native_plan(model)}
     for file, content in ir.tokenizer_files.items():
         (directory / file).write_bytes(content)
     speculative = _speculative_spec(directory, ir, recipe)

@@ -78,6 +78,12 @@ POSITIVE = click.IntRange(min=1)
 EXPORT_FORMATS = ("compressed-tensors", "gptq", "gptq_v2", "awq", "float")
 THREADS = click.option("--threads", type=ThreadCount(), default=None,
                        help="ONNX Runtime intra-op threads (default: all cores).")
+# runtime/native.KERNELS, spelled here so that --help does not import the runtime
+KERNELS = click.option("--kernels", type=click.Choice(["onnxruntime", "native", "auto"]),
+                       default="onnxruntime", show_default=True,
+                       help="native: llmopt's own decoder step for the lanes int4/int8 "
+                            "artifacts it knows (an error elsewhere); auto: native where it "
+                            "runs, ONNX Runtime elsewhere.")
 
 
 class _OneLineUsageError(click.ClickException):
@@ -254,6 +260,7 @@ def _speculation_kwargs(speculative: bool, gamma: int | None, spec_max_batch: in
 @click.option("--seed", type=int, default=None, help="Sampling seed (reproducible output).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @THREADS
+@KERNELS
 @click.option("--num-blocks", type=POSITIVE, default=None, help="KV pool size in blocks.")
 @click.option("--max-context", type=POSITIVE, default=None, help="Longest sequence, in tokens.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt and line.")
@@ -262,7 +269,8 @@ def _speculation_kwargs(speculative: bool, gamma: int | None, spec_max_batch: in
 def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_tokens: int,
                      temperature: float | None, top_p: float | None, top_k: int | None,
                      min_p: float | None, repetition_penalty: float | None, seed: int | None,
-                     stop: tuple[str, ...], threads: int | None, num_blocks: int | None,
+                     stop: tuple[str, ...], threads: int | None, kernels: str,
+                     num_blocks: int | None,
                      max_context: int | None, as_json: bool, speculative: bool,
                      gamma: int | None, spec_max_batch: int | None, drafts: str) -> None:
     """Generate a continuation of each PROMPT, batched together."""
@@ -278,7 +286,7 @@ def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_t
     given = {k: v for k, v in chosen.items() if v is not None}
     SamplingParams(max_tokens=max_tokens, stop=list(stop), **given)  # bad values: before loading
     llm = LLM(artifact, num_threads=threads, num_blocks=num_blocks, max_context=max_context,
-              **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))
+              kernels=kernels, **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))
     params = SamplingParams.from_generation_config(  # the manifest's: transformers' defaults
         llm.manifest.generation, max_tokens=max_tokens, stop=list(stop), **given)
     outputs = llm.generate(list(prompts), params, chat=chat)
@@ -310,15 +318,16 @@ def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_t
 @click.option("--seq-len", type=POSITIVE, default=512, show_default=True,
               help="Tokens per window.")
 @THREADS
+@KERNELS
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @_one_line_errors
 def eval_command(artifact: Path, text_file: Path, windows: int, seq_len: int,
-                 threads: int | None, as_json: bool) -> None:
+                 threads: int | None, kernels: str, as_json: bool) -> None:
     """Perplexity of ARTIFACT on a text file, computed by the runtime."""
     from llmopt.runtime import LLM
     from llmopt.runtime.evaluate import perplexity
 
-    llm = LLM(artifact, num_threads=threads, max_num_batched_tokens=seq_len)
+    llm = LLM(artifact, num_threads=threads, max_num_batched_tokens=seq_len, kernels=kernels)
     result = perplexity(llm, text_file, windows=windows, seq_len=seq_len)
     if as_json:
         click.echo(json.dumps(result.to_dict()))
@@ -336,6 +345,7 @@ def eval_command(artifact: Path, text_file: Path, windows: int, seq_len: int,
 @click.option("--gen-len", type=POSITIVE, default=128, show_default=True,
               help="New tokens per sequence.")
 @THREADS
+@KERNELS
 @click.option("--pool-mib", type=click.FloatRange(min=0, min_open=True), default=256.0,
               show_default=True, help="KV pool size for the 'sequences that fit' line.")
 @click.option("--prompts", "prompts_kind", type=click.Choice(["auto", "text", "random"]),
@@ -346,7 +356,8 @@ def eval_command(artifact: Path, text_file: Path, windows: int, seq_len: int,
 @_speculation_options
 @_one_line_errors
 def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: int,
-                  threads: int | None, pool_mib: float, prompts_kind: str, as_json: bool,
+                  threads: int | None, kernels: str, pool_mib: float, prompts_kind: str,
+                  as_json: bool,
                   speculative: bool, gamma: int | None, spec_max_batch: int | None,
                   drafts: str) -> None:
     """TTFT, decode tok/s per stream, aggregate tok/s, peak RSS (with a draft, also
@@ -355,7 +366,7 @@ def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: 
     from llmopt.runtime.bench import prompt_kind, run_bench
 
     llm = LLM(artifact, num_threads=threads, max_num_seqs=max(batches),
-              max_context=prompt_len + gen_len + 1,
+              max_context=prompt_len + gen_len + 1, kernels=kernels,
               **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))
     kind = prompt_kind(prompts_kind, llm.engine.speculator is not None)
     run_bench(llm, 1, min(prompt_len, 16), 4)  # warm-up: session init, first-run allocations
@@ -387,6 +398,7 @@ def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: 
 @click.option("--api-key", default=None, envvar="LLMOPT_API_KEY",
               help="Require 'Authorization: Bearer KEY' (or set LLMOPT_API_KEY).")
 @THREADS
+@KERNELS
 @click.option("--max-num-seqs", type=POSITIVE, default=None, help="Most sequences per step.")
 @click.option("--max-num-batched-tokens", type=POSITIVE, default=None,
               help="Per-step token budget.")
@@ -400,7 +412,7 @@ def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: 
 @_speculation_options
 @_one_line_errors
 def serve_command(artifact: Path, host: str, port: int, served_model_name: str | None,
-                  api_key: str | None, threads: int | None, max_num_seqs: int | None,
+                  api_key: str | None, threads: int | None, kernels: str, max_num_seqs: int | None,
                   max_num_batched_tokens: int | None, num_blocks: int | None,
                   max_context: int | None, max_waiting: int, no_prefix_caching: bool,
                   grace_period: float, speculative: bool, gamma: int | None,
@@ -419,7 +431,7 @@ def serve_command(artifact: Path, host: str, port: int, served_model_name: str |
     config = ServeConfig(served_model_name or Path(artifact).resolve().name, api_key,
                          max_waiting)
     serve(artifact, config, host=host, port=port, grace_period_s=grace_period,
-          num_threads=threads, max_num_seqs=max_num_seqs,
+          num_threads=threads, kernels=kernels, max_num_seqs=max_num_seqs,
           max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks,
           max_context=max_context, enable_prefix_caching=not no_prefix_caching,
           **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))

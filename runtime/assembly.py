@@ -10,7 +10,8 @@ from llmopt.runtime.executor import OrtExecutor
 from llmopt.runtime.kv_cache_manager import KVCacheManager
 from llmopt.runtime.lane_cache_manager import LaneKVCacheManager
 from llmopt.runtime.lane_executor import LaneExecutor
-from llmopt.runtime.manifest import KVCacheSpec, Manifest
+from llmopt.runtime.manifest import GraphSpec, KVCacheSpec, Manifest
+from llmopt.runtime.native import KERNELS, unavailable_reason
 from llmopt.runtime.paging import cdiv
 from llmopt.runtime.spec.speculator import build_speculator
 from llmopt.runtime.step_batch import Executor
@@ -34,6 +35,7 @@ class EngineOptions:
     speculative_max_batch_size: int | None = None
     adaptive_speculation: bool = True
     drafts: str = "all"
+    kernels: str = "onnxruntime"  # "native" | "auto" (native where it runs): runtime/native
 
 
 def kv_cache_manager_for(manifest: Manifest, config: EngineConfig) -> KVCacheManager:
@@ -52,7 +54,7 @@ def make_executor(graph_path: Path, kv_cache: KVCacheSpec, *, num_blocks: int,
                   block_size: int, lane_blocks: int | None, max_position: int,
                   num_threads: int | None = None, optimization_level: str = "all",
                   nbits_accuracy_level: int = 0) -> Executor:
-    """The executor for a graph's KV layout (lanes need the lane size in blocks)."""
+    """The ONNX Runtime executor for a graph's KV layout (lanes need the lane size)."""
     common = {"num_blocks": num_blocks, "block_size": block_size, "num_threads": num_threads,
               "optimization_level": optimization_level,
               "nbits_accuracy_level": nbits_accuracy_level}
@@ -61,6 +63,19 @@ def make_executor(graph_path: Path, kv_cache: KVCacheSpec, *, num_blocks: int,
             raise ValueError("a lanes-layout graph needs a lane size")
         return LaneExecutor(graph_path, kv_cache, lane_blocks=lane_blocks, **common)
     return OrtExecutor(graph_path, kv_cache, max_position=max_position, **common)
+
+
+def runs_native(kernels: str, graph: GraphSpec, kv_cache: KVCacheSpec) -> bool:
+    """Whether `kernels` puts this graph on the native step; `native` where it cannot run
+    is an error that says why."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels: {kernels!r} is not one of {', '.join(KERNELS)}")
+    if kernels == "onnxruntime":
+        return False
+    reason = unavailable_reason(graph, kv_cache)
+    if reason is not None and kernels == "native":
+        raise ValueError(f"kernels: native cannot run {graph.file}: {reason}")
+    return reason is None
 
 
 def engine_config(manifest: Manifest, options: EngineOptions) -> EngineConfig:
@@ -94,19 +109,30 @@ def build_engine(path: Path, manifest: Manifest, tokenizer: Tokenizer,
     kv_cache_manager = kv_cache_manager_for(manifest, config)
 
     def executor_for(graph: str, kv_cache: KVCacheSpec, max_position: int) -> Executor:
+        spec = manifest.graphs[graph]
+        # The draft runs on the calling thread: a second intra-op pool would spin
+        # on the target's cores between steps (measured: the target's steps ran
+        # 29 % slower beside a 2-thread draft session on 2 cores).
+        threads = options.num_threads if graph == "target" else 1
+        if runs_native(options.kernels, spec, kv_cache):
+            from llmopt.runtime.native.executor import NativeLaneExecutor
+
+            executor = NativeLaneExecutor(
+                path, spec, kv_cache, num_blocks=config.num_blocks,
+                block_size=config.block_size, lane_blocks=kv_cache_manager.lane_blocks,
+                num_threads=threads, max_position=max_position)
+            kv_cache_manager.copy_listeners.append(executor.copy_block)
+            return executor
         executor = make_executor(
-            path / manifest.graphs[graph].file,
+            path / spec.file,
             kv_cache,
             num_blocks=config.num_blocks,
             block_size=config.block_size,
             lane_blocks=getattr(kv_cache_manager, "lane_blocks", None),
             max_position=max_position,
-            # The draft runs on the calling thread: a second intra-op pool would spin
-            # on the target's cores between steps (measured: the target's steps ran
-            # 29 % slower beside a 2-thread draft session on 2 cores).
-            num_threads=options.num_threads if graph == "target" else 1,
+            num_threads=threads,
             optimization_level=options.optimization_level,
-            nbits_accuracy_level=manifest.graphs[graph].nbits_accuracy_level,
+            nbits_accuracy_level=spec.nbits_accuracy_level,
         )
         if isinstance(kv_cache_manager, LaneKVCacheManager):
             kv_cache_manager.copy_listeners.append(executor.copy_block)

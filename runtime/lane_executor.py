@@ -31,7 +31,39 @@ from llmopt.runtime.step_batch import StepBatch
 MAX_BINDINGS = 32  # lane ranges whose pool bindings are kept ready
 
 
-class LaneExecutor:
+class LanePools:
+    """The KV pools of a lanes graph: one array [lanes, kv_heads, lane_tokens, head_dim] per
+    pool tensor, and where a block table's sequence lives in them."""
+
+    def __init__(self, kv_cache: KVCacheSpec, *, num_blocks: int, block_size: int,
+                 lane_blocks: int):
+        self.block_size, self.lane_blocks = block_size, lane_blocks
+        self.num_lanes = num_lanes(num_blocks, lane_blocks)
+        self.lane_tokens = lane_tokens = lane_blocks * block_size
+        self.pools: dict[str, np.ndarray] = {}  # past name -> [lanes, kv_heads, tokens, dim]
+        for i, layer in enumerate(kv_cache.layers):
+            for t in layer.tensors:
+                kv_heads, head_dim = t.slot_shape
+                self.pools[contract.past_name(i, t.name)] = np.zeros(
+                    (self.num_lanes, kv_heads, lane_tokens, head_dim), dtype=t.dtype)
+
+    def lane_of(self, block_table: list[int]) -> int:
+        """The lane a block table runs through (its blocks must be the lane's, in order)."""
+        lane, offset = lane_position(block_table[0], self.lane_blocks)
+        if offset or block_table[-1] != block_table[0] + len(block_table) - 1:
+            raise ValueError(f"block table {block_table[:4]}... is not a lane's run of blocks")
+        return lane
+
+    def copy_block(self, source: int, destination: int) -> None:
+        """Copy one block's keys and values (a prefix-cache hit held by another lane)."""
+        (src_lane, src), (dst_lane, dst) = (lane_position(b, self.lane_blocks)
+                                            for b in (source, destination))
+        bs = self.block_size
+        for pool in self.pools.values():
+            pool[dst_lane, :, dst * bs:(dst + 1) * bs] = pool[src_lane, :, src * bs:(src + 1) * bs]
+
+
+class LaneExecutor(LanePools):
     def __init__(
         self,
         graph_path: str | Path,
@@ -44,17 +76,10 @@ class LaneExecutor:
         optimization_level: str = "all",
         nbits_accuracy_level: int = 0,
     ):
-        self.block_size, self.lane_blocks = block_size, lane_blocks
-        self.num_lanes = num_lanes(num_blocks, lane_blocks)
+        super().__init__(kv_cache, num_blocks=num_blocks, block_size=block_size,
+                         lane_blocks=lane_blocks)
         self.session = open_session(graph_path, num_threads, optimization_level,
                                     nbits_accuracy_level)
-        self.lane_tokens = lane_tokens = lane_blocks * block_size
-        self.pools: dict[str, np.ndarray] = {}  # past name -> [lanes, kv_heads, tokens, dim]
-        for i, layer in enumerate(kv_cache.layers):
-            for t in layer.tensors:
-                kv_heads, head_dim = t.slot_shape
-                self.pools[contract.past_name(i, t.name)] = np.zeros(
-                    (self.num_lanes, kv_heads, lane_tokens, head_dim), dtype=t.dtype)
         presents = {contract.present_of(name) for name in self.pools}
         check_graph_io(self.session, {contract.INPUT_IDS, contract.QUERY_SEQLENS,
                                       contract.SEQLENS_K, contract.TOTAL_SEQUENCE_LENGTH,
@@ -75,21 +100,6 @@ class LaneExecutor:
         for rows, part in parts:
             logits[rows] = part
         return logits
-
-    def lane_of(self, block_table: list[int]) -> int:
-        """The lane a block table runs through (its blocks must be the lane's, in order)."""
-        lane, offset = lane_position(block_table[0], self.lane_blocks)
-        if offset or block_table[-1] != block_table[0] + len(block_table) - 1:
-            raise ValueError(f"block table {block_table[:4]}... is not a lane's run of blocks")
-        return lane
-
-    def copy_block(self, source: int, destination: int) -> None:
-        """Copy one block's keys and values (a prefix-cache hit held by another lane)."""
-        (src_lane, src), (dst_lane, dst) = (lane_position(b, self.lane_blocks)
-                                            for b in (source, destination))
-        bs = self.block_size
-        for pool in self.pools.values():
-            pool[dst_lane, :, dst * bs:(dst + 1) * bs] = pool[src_lane, :, src * bs:(src + 1) * bs]
 
     def _run(self, batch: StepBatch, lanes: list[int]) -> np.ndarray:
         """One graph call over the lanes min(lanes) .. max(lanes)."""

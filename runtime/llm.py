@@ -47,6 +47,7 @@ class LLM:
         speculative_max_batch_size: int | None = None,
         adaptive_speculation: bool = True,
         drafts: str = "all",
+        kernels: str = "onnxruntime",
     ):
         self.path = Path(path)
         self.manifest = manifest = load_manifest(self.path)
@@ -60,7 +61,7 @@ class LLM:
             optimization_level=optimization_level, speculative=speculative,
             num_speculative_tokens=num_speculative_tokens,
             speculative_max_batch_size=speculative_max_batch_size,
-            adaptive_speculation=adaptive_speculation, drafts=drafts,
+            adaptive_speculation=adaptive_speculation, drafts=drafts, kernels=kernels,
         )
         self.engine = build_engine(self.path, manifest, self.tokenizer, options)
         # The checkpoint's generation config, with max_new_tokens (when it has none) as the

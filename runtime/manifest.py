@@ -62,6 +62,9 @@ class GraphSpec(_Strict):
     nodes_per_layer: int | None = None
     # MatMulNBits accuracy: 0 = float32 activations (exact), 4 = int8 activations.
     nbits_accuracy_level: int = 0
+    # Where the native step finds each weight (compiler/native_plan.py), or
+    # {"unsupported": reason}; None in artifacts compiled before it existed.
+    native: dict[str, Any] | None = None
 
 
 class ModelSpec(_Strict):

@@ -1,0 +1,173 @@
+"""The native step's plan: where each weight of a lanes graph lies, for `llmopt.runtime.native`.
+
+The runtime's native decoder step (one C call per step, see runtime/native/kernels.c)
+computes what a lanes graph computes, for the graphs it knows: a llama-style decoder
+(RMS norms, fused QKV and gate/up projections, SiLU, GroupQueryAttention with rotary, no
+biases, softcap or sliding window) whose projections are MatMulNBits at accuracy level 4
+with 4- or 8-bit codes in blocks of 32, and float32 KV lanes. The plan is read off the
+saved graph itself, so it describes exactly what ONNX Runtime runs; a graph with
+anything else gets `{"unsupported": reason}` and the runtime keeps ONNX Runtime.
+
+A tensor is `{"dtype", "shape", "offset", "length"}` in the graph's weights file, or
+`{"dtype", "shape", "values"}` for one small enough to stay inside the ONNX file.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from llmopt.runtime import contract as C
+
+_BLOCK = 32
+_CHUNK = 64  # the kernels read K in chunks of two blocks
+
+
+class Unsupported(Exception):
+    pass
+
+
+def native_plan(model: onnx.ModelProto) -> dict[str, Any]:
+    """The plan of a saved graph (its initializers already moved to external data)."""
+    try:
+        return _Planner(model.graph).plan()
+    except Unsupported as reason:
+        return {"unsupported": str(reason)}
+
+
+class _Planner:
+    def __init__(self, graph: onnx.GraphProto):
+        self.nodes = list(graph.node)
+        self.tensors = {t.name: t for t in graph.initializer}
+        self.by_weight = {n.input[1]: n for n in self.nodes if n.op_type == "MatMulNBits"}
+
+    def plan(self) -> dict[str, Any]:
+        attention = [n for n in self.nodes if n.op_type == "GroupQueryAttention"]
+        if not attention:
+            raise Unsupported("not a lanes graph (no GroupQueryAttention)")
+        layers = len(attention)
+        if any(_attr(n, "accuracy_level") != 4 for n in self.by_weight.values()):
+            raise Unsupported("float activations (nbits_accuracy_level 0): the native step "
+                              "multiplies int8 activations")
+        self._check_node_counts(layers)
+        heads, kv_heads, scale, cos, sin = self._attention(attention)
+        head_dim = self._dims(cos)[1] * 2
+        norms = [n for n in self.nodes if "LayerNormalization" in n.op_type]
+        eps = {round(_attr(n, "epsilon"), 12) for n in norms}
+        if len(eps) != 1:
+            raise Unsupported(f"the norms use different epsilons {sorted(eps)}")
+        plan = {
+            "eps": eps.pop(), "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+            "attn_scale": scale, "rope": {"cos": self._tensor(cos), "sin": self._tensor(sin)},
+            "embed": self._embedding(),
+            "layers": [self._layer(i) for i in range(layers)],
+            "final_norm": self._tensor("final_norm"),
+            "head": self._matmul(self._node_of("lm_head.B")),
+        }
+        hidden = plan["layers"][0]["o"]["n"]
+        plan["hidden"] = hidden
+        plan["intermediate"] = plan["layers"][0]["down"]["k"]
+        plan["vocab"] = plan["head"]["n"]
+        if heads * head_dim % _CHUNK or hidden % _CHUNK:
+            raise Unsupported(f"widths {hidden} / {heads * head_dim} are not multiples of 64")
+        return plan
+
+    def _check_node_counts(self, layers: int) -> None:
+        expected = Counter({
+            "MatMulNBits": 4 * layers + 1, "GroupQueryAttention": layers,
+            "SimplifiedLayerNormalization": 2, "SkipSimplifiedLayerNormalization": 2 * layers - 1,
+            "Split": layers, "Sigmoid": layers, "Mul": 2 * layers, "Add": 1, "Reshape": 1,
+            "Identity": 1})
+        counts = Counter(n.op_type for n in self.nodes)
+        embed = counts.pop("GatherBlockQuantized", 0)
+        counts["Gather"] -= 2 - embed  # the embedding (unless quantized) and the logits rows
+        if +counts != expected:
+            extra = sorted(set((+counts).elements()) - set(expected)) or sorted(
+                op for op in expected if counts[op] != expected[op])
+            raise Unsupported(f"a graph the native step does not know ({', '.join(extra)})")
+
+    def _attention(self, nodes: list[onnx.NodeProto]) -> tuple[int, int, float, str, str]:
+        shapes = set()
+        for n in nodes:
+            attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+            if attrs.get("do_rotary") != 1 or attrs.get("rotary_interleaved", 0):
+                raise Unsupported("attention without fused non-interleaved rotary")
+            if {"softcap", "local_window_size", "k_quant_type"} & set(attrs):
+                raise Unsupported("softcap, sliding windows or quantized KV lanes")
+            if any(n.input[1:3]):
+                raise Unsupported("keys and values not packed with the queries")
+            shapes.add((attrs["num_heads"], attrs["kv_num_heads"], float(attrs["scale"]),
+                        n.input[7], n.input[8]))
+        if len(shapes) != 1:
+            raise Unsupported("layers with different attention shapes")
+        return shapes.pop()
+
+    def _embedding(self) -> dict[str, Any]:
+        gather = next(n for n in self.nodes if C.INPUT_IDS in n.input)
+        if gather.op_type == "Gather":
+            return {"table": self._tensor(gather.input[0])}
+        attrs = {a.name: helper.get_attribute_value(a) for a in gather.attribute}
+        if attrs.get("block_size") != _BLOCK or attrs.get("bits") not in (4, 8):
+            raise Unsupported("a quantized embedding in blocks other than 32")
+        codes = self._dims(gather.input[0])
+        return {"codes": {"codes": self._tensor(gather.input[0]),
+                          "scales": self._tensor(gather.input[2]),
+                          "zeros": self._tensor(gather.input[3]) if len(gather.input) > 3
+                          and gather.input[3] else None,
+                          "bits": attrs["bits"], "n": codes[0],
+                          "k": codes[1] * 8 // attrs["bits"]}}
+
+    def _layer(self, i: int) -> dict[str, Any]:
+        p = f"layers.{i}."
+        return {
+            "attn_norm": self._tensor(p + "attn_norm"), "mlp_norm": self._tensor(p + "mlp_norm"),
+            "qkv": self._matmul(self._node_of(p + "q_proj_k_proj_v_proj.B")),
+            "o": self._matmul(self._node_of(p + "o_proj.B")),
+            "gate_up": self._matmul(self._node_of(p + "gate_proj_up_proj.B")),
+            "down": self._matmul(self._node_of(p + "down_proj.B")),
+        }
+
+    def _node_of(self, weight: str) -> onnx.NodeProto:
+        if weight not in self.by_weight:
+            raise Unsupported(f"no int-coded projection {weight.removesuffix('.B')}")
+        return self.by_weight[weight]
+
+    def _matmul(self, node: onnx.NodeProto) -> dict[str, Any]:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if attrs["block_size"] != _BLOCK or attrs["bits"] not in (4, 8):
+            raise Unsupported(f"{node.input[1]}: {attrs['bits']}-bit codes in blocks of "
+                              f"{attrs['block_size']} (the native step takes 4/8-bit, 32)")
+        if attrs["K"] % _CHUNK:
+            raise Unsupported(f"{node.input[1]}: K {attrs['K']} is not a multiple of 64")
+        zeros = node.input[3] if len(node.input) > 3 and node.input[3] else None
+        if zeros and self.tensors[zeros].data_type != onnx.TensorProto.UINT8:
+            raise Unsupported("fractional zero points")
+        if len(node.input) > 4 and any(node.input[4:]):
+            raise Unsupported("MatMulNBits with g_idx or bias")
+        return {"codes": self._tensor(node.input[1]), "scales": self._tensor(node.input[2]),
+                "zeros": self._tensor(zeros) if zeros else None,
+                "bits": attrs["bits"], "n": attrs["N"], "k": attrs["K"]}
+
+    def _dims(self, name: str) -> list[int]:
+        return list(self.tensors[name].dims)
+
+    def _tensor(self, name: str) -> dict[str, Any]:
+        if name not in self.tensors:
+            raise Unsupported(f"no weight {name}")
+        t = self.tensors[name]
+        record = {"dtype": np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).name,
+                  "shape": list(t.dims)}
+        external = {e.key: e.value for e in t.external_data}
+        if external:
+            return {**record, "offset": int(external.get("offset", 0)),
+                    "length": int(external["length"])}
+        return {**record, "values": numpy_helper.to_array(t).reshape(-1).tolist()}
+
+
+def _attr(node: onnx.NodeProto, name: str, default: Any = 0) -> Any:
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name),
+                default)

@@ -1,0 +1,54 @@
+"""NativeLaneExecutor: the lanes contract run by one native call per step."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+
+from llmopt.runtime.lane_executor import LanePools
+from llmopt.runtime.manifest import GraphSpec, KVCacheSpec
+from llmopt.runtime.native.library import kernels, unavailable_reason
+from llmopt.runtime.native.weights import NativeWeights
+from llmopt.runtime.step_batch import StepBatch
+
+
+class NativeLaneExecutor(LanePools):
+    def __init__(self, artifact: Path, graph: GraphSpec, kv_cache: KVCacheSpec, *,
+                 num_blocks: int, block_size: int, lane_blocks: int,
+                 num_threads: int | None = None, max_position: int):
+        reason = unavailable_reason(graph, kv_cache)
+        if reason is not None:
+            raise ValueError(f"kernels: native cannot run {graph.file}: {reason}")
+        super().__init__(kv_cache, num_blocks=num_blocks, block_size=block_size,
+                         lane_blocks=lane_blocks)
+        threads = num_threads or os.cpu_count() or 1
+        self.weights = NativeWeights(graph.native, artifact / graph.data_file, threads,
+                                     max_position)
+        self.vocab_size = graph.native["vocab"]
+        layers = len(kv_cache.layers)
+        self._keys = (ctypes.c_void_p * layers)(
+            *(self.pools[f"past.{i}.key"].ctypes.data for i in range(layers)))
+        self._values = (ctypes.c_void_p * layers)(
+            *(self.pools[f"past.{i}.value"].ctypes.data for i in range(layers)))
+        self._lib = kernels()
+
+    def execute(self, batch: StepBatch) -> np.ndarray:
+        lanes = [self.lane_of(table) for table in batch.block_tables]
+        tokens = np.fromiter((t for seq in batch.token_ids for t in seq), np.int64)
+        token_lanes = np.repeat(np.asarray(lanes, np.int32), batch.query_lens)
+        positions = np.concatenate([np.arange(c, c + n, dtype=np.int32) for c, n in
+                                    zip(batch.context_lens, batch.query_lens, strict=True)])
+        if positions.size and positions.max() >= self.weights.model.max_position:
+            raise ValueError(f"position {positions.max()} is past the rotary table")
+        rows = batch.logits_indices.astype(np.int32)
+        logits = np.empty((rows.size, self.vocab_size), np.float32)
+        status = self._lib.llmopt_forward(
+            ctypes.byref(self.weights.model), tokens.size, tokens.ctypes.data,
+            token_lanes.ctypes.data, positions.ctypes.data, self._keys, self._values,
+            self.lane_tokens, rows.size, rows.ctypes.data, logits.ctypes.data)
+        if status:
+            raise MemoryError("the native step could not allocate its scratch memory")
+        return logits

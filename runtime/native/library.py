@@ -1,0 +1,65 @@
+"""The compiled kernels (`_kernels*.so`, built from kernels.c at install) through ctypes."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+from typing import Any
+
+from llmopt.runtime.manifest import GraphSpec, KVCacheSpec
+
+c_ptr, c_i32, c_f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
+
+
+class QMatrix(ctypes.Structure):
+    """kernels.c's QMatrix: codes, per-block scales and zero points of w [n, k]."""
+
+    _fields_ = [("codes", c_ptr), ("scales", c_ptr), ("zeros", c_ptr),
+                ("n", c_i32), ("k", c_i32), ("bits", c_i32)]
+
+
+class Model(ctypes.Structure):
+    """kernels.c's Model: shapes, and pointers to every weight (arrays of L per layer)."""
+
+    _fields_ = [("layers", c_i32), ("hidden", c_i32), ("heads", c_i32), ("kv_heads", c_i32),
+                ("head_dim", c_i32), ("intermediate", c_i32), ("vocab", c_i32),
+                ("max_position", c_i32), ("num_threads", c_i32), ("eps", c_f32),
+                ("attn_scale", c_f32), ("rope_cos", c_ptr), ("rope_sin", c_ptr),
+                ("embed", c_ptr), ("embed_codes", QMatrix), ("attn_norm", c_ptr),
+                ("mlp_norm", c_ptr), ("final_norm", c_ptr), ("qkv", c_ptr), ("o", c_ptr),
+                ("gate_up", c_ptr), ("down", c_ptr), ("head", QMatrix)]
+
+
+@functools.cache
+def kernels() -> ctypes.CDLL | None:
+    """The kernels library, or None when this install has none (built without a compiler)."""
+    spec = importlib.util.find_spec("llmopt.runtime.native._kernels")
+    if spec is None or spec.origin is None:
+        return None
+    lib = ctypes.CDLL(spec.origin)
+    lib.llmopt_native_supported.restype = ctypes.c_int
+    lib.llmopt_forward.restype = ctypes.c_int
+    lib.llmopt_forward.argtypes = [ctypes.POINTER(Model), c_i32, c_ptr, c_ptr, c_ptr, c_ptr,
+                                   c_ptr, c_i32, c_i32, c_ptr, c_ptr]
+    lib.llmopt_linear.restype = ctypes.c_int
+    lib.llmopt_linear.argtypes = [ctypes.POINTER(QMatrix), c_ptr, c_i32, c_ptr, c_i32]
+    return lib
+
+
+def unavailable_reason(graph: GraphSpec, kv_cache: KVCacheSpec) -> str | None:
+    """Why the native step cannot run this graph here, or None when it can."""
+    lib = kernels()
+    if lib is None:
+        return "this install has no native kernels (built without a C compiler)"
+    if not lib.llmopt_native_supported():
+        return "this CPU lacks AVX-512 VNNI, which the native kernels need"
+    plan: dict[str, Any] | None = graph.native
+    if plan is None:
+        return "the artifact predates native plans (recompile it)"
+    if "unsupported" in plan:
+        return plan["unsupported"]
+    if kv_cache.layout != "lanes" or any(t.dtype != "float32" for layer in kv_cache.layers
+                                         for t in layer.tensors):
+        return "the native step reads float32 KV lanes only"
+    return None

@@ -1,0 +1,167 @@
+"""The native decoder step (runtime/native) against ONNX Runtime, on tiny checkpoints.
+
+Activations are quantized to int8 per block of 32, so a tiny float difference anywhere
+upstream (a norm summed in another order) can flip a rounding and move a logit by a few
+percent: the whole step is compared with ONNX Runtime's within that noise, and one
+projection, given the same input, within float rounding. What the native step adds is
+determinism per token: a token's result does not depend on what else is in the step, so
+batching, preemption and speculation change no greedy output.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from llmopt.compiler.pipeline import compile_recipe
+from llmopt.compiler.quant_format import QuantizedLinear, pack_matmul_nbits
+from llmopt.compiler.recipe import Recipe
+from llmopt.runtime import LLM, SamplingParams
+from llmopt.runtime.lane_executor import LaneExecutor
+from llmopt.runtime.native.executor import NativeLaneExecutor
+from llmopt.runtime.native.library import kernels
+from llmopt.runtime.native.weights import quantized_matrix
+
+lib = kernels()
+pytestmark = pytest.mark.skipif(lib is None or not lib.llmopt_native_supported(),
+                                reason="no native kernels in this install, or no AVX-512 VNNI")
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+A8 = {"nbits_accuracy_level": 4}
+
+
+def rtn(symmetric: bool, head_bits: int) -> dict:
+    return {"rtn": {"bits": 4, "group_size": 32, "symmetric": symmetric,
+                    "include_lm_head": True, "lm_head_bits": head_bits}}
+
+
+ARTIFACTS = {  # name -> (architecture, passes, target options)
+    "llama-sym-h8": ("llama", [rtn(True, 8), {"draft": {"kind": "ngram", "gamma": 3}}], A8),
+    "llama-asym-h4": ("llama", [rtn(False, 4)], A8),
+    "llama-float-activations": ("llama", [rtn(True, 8)], {}),
+    "llama-blocks": ("llama", [rtn(True, 8)], {**A8, "kv_layout": "blocks"}),
+    "mistral-window": ("mistral", [rtn(True, 8)], A8),
+    "qwen2-bias": ("qwen2", [rtn(True, 8)], A8),
+}
+
+
+@pytest.fixture(scope="module")
+def artifacts(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("native")
+    out = {}
+    for name, (arch, passes, target) in ARTIFACTS.items():
+        recipe = Recipe(model=str(tiny_checkpoints[arch]), passes=passes, target=target,
+                        quality={"measure": False},
+                        runtime={"block_size": 4, "max_context": 128, "max_num_seqs": 16})
+        out[name] = root / name
+        compile_recipe(recipe, out[name], log=lambda _: None)
+    return out
+
+
+def requests() -> list[list[int]]:
+    """16 prompts of different lengths; half share a 24-token prefix."""
+    rng = np.random.default_rng(5)
+    prefix = [int(t) for t in rng.integers(3, 250, 24)]
+    tails = [[int(t) for t in rng.integers(3, 250, 3 + 2 * i)] for i in range(16)]
+    return [(prefix + t if i % 2 else t) for i, t in enumerate(tails)]
+
+
+@pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, True)])
+def test_a_projection_equals_matmul_nbits(bits, symmetric):
+    """The same input, quantized the same way: equal within float summation order."""
+    rng = np.random.default_rng(bits)
+    n, k = 48, 192
+    levels = 2 ** bits
+    q = QuantizedLinear(bits=bits, group_size=32,
+                        codes=_torch(rng.integers(0, levels, (n, k)).astype(np.uint8)),
+                        scales=_torch(rng.uniform(1e-3, 2e-2, (n, k // 32)).astype(np.float32)),
+                        zeros=_torch(np.full((n, k // 32), levels // 2, np.float32) if symmetric
+                                     else rng.integers(0, levels, (n, k // 32)).astype(
+                                         np.float32)),
+                        symmetric=symmetric)
+    packed = pack_matmul_nbits(q)
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    node = helper.make_node("MatMulNBits", ["x", *packed], ["y"], domain="com.microsoft",
+                            K=k, N=n, bits=bits, block_size=32, accuracy_level=4)
+    graph = helper.make_graph(
+        [node], "projection", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, n])],
+        [numpy_helper.from_array(v if key != "scales" else v.reshape(-1), key)
+         for key, v in packed.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    expected = session.run(None, {"x": x})[0]
+    arrays, matrix = quantized_matrix(packed["B"], packed["scales"], packed.get("zero_points"),
+                                      n, k, bits)
+    got = np.empty((5, n), np.float32)
+    for threads in (1, 2):
+        assert lib.llmopt_linear(ctypes.byref(matrix), x.ctypes.data, 5, got.ctypes.data,
+                                 threads) == 0
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+        one_row = np.empty((1, n), np.float32)  # the decode path: the same numbers
+        lib.llmopt_linear(ctypes.byref(matrix), x[3:4].ctypes.data, 1, one_row.ctypes.data,
+                          threads)
+        assert np.array_equal(one_row[0], got[3])
+
+
+def _torch(array: np.ndarray):
+    import torch
+
+    return torch.from_numpy(array)
+
+
+@pytest.mark.parametrize("name", ["llama-sym-h8", "llama-asym-h4"])
+def test_the_step_matches_onnx_runtime(name, artifacts):
+    native, reference = (LLM(artifacts[name], kernels=k, speculative=False)
+                         for k in ("native", "onnxruntime"))
+    assert isinstance(native.engine.executor, NativeLaneExecutor)
+    tokens = (requests()[1] * 4)[:100]
+    got, expected = native.score(tokens), reference.score(tokens)
+    assert np.abs(got - expected).max() < 0.1  # log-probs, int8-activation rounding noise
+    assert np.abs(got - expected).mean() < 0.01
+    # KV lands where ONNX Runtime's GroupQueryAttention puts it: lane 0, positions 0..99
+    keys = [llm.engine.executor.pools["past.0.key"][0, :, : len(tokens)]
+            for llm in (native, reference)]
+    np.testing.assert_allclose(*keys, atol=0.05 * np.abs(keys[1]).max())
+
+
+def test_batching_preemption_and_speculation_change_nothing(artifacts):
+    prompts = requests()
+    llm = LLM(artifacts["llama-sym-h8"], kernels="native", speculative=False)
+    alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+    together = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in together] == alone
+    assert sum(o.metrics.num_cached_tokens for o in together) > 0  # prefixes were shared
+    small = LLM(artifacts["llama-sym-h8"], kernels="native", num_blocks=60, max_context=96,
+                speculative=False)
+    assert [o.token_ids for o in small.generate(prompts, GREEDY)] == alone
+    speculating = LLM(artifacts["llama-sym-h8"], kernels="native", adaptive_speculation=False,
+                      speculative_max_batch_size=16)
+    outputs = speculating.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == alone
+    assert sum(o.metrics.speculation.num_spec_steps for o in outputs) > 0
+
+
+@pytest.mark.parametrize("name,reason", [
+    ("llama-float-activations", "float activations"),
+    ("llama-blocks", "not a lanes graph"),
+    ("mistral-window", "sliding windows"),
+    ("qwen2-bias", "a graph the native step does not know (Add)"),
+])
+def test_what_it_cannot_run_it_says(name, reason, artifacts):
+    with pytest.raises(ValueError, match=r"^kernels: native cannot run target\.onnx: .*"
+                       + reason.replace("(", r"\(").replace(")", r"\)")):
+        LLM(artifacts[name], kernels="native")
+    if name != "llama-blocks":  # auto: ONNX Runtime, as before
+        assert isinstance(LLM(artifacts[name], kernels="auto").engine.executor, LaneExecutor)
+
+
+def test_an_unknown_kernels_value_is_refused(artifacts):
+    with pytest.raises(ValueError, match="kernels: 'cuda' is not one of onnxruntime, native"):
+        LLM(artifacts["llama-asym-h4"], kernels="cuda")
