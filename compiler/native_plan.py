@@ -72,8 +72,11 @@ class _Planner:
         plan["hidden"] = hidden
         plan["intermediate"] = plan["layers"][0]["down"]["k"]
         plan["vocab"] = plan["head"]["n"]
-        if heads * head_dim % _CHUNK or hidden % _CHUNK:
-            raise Unsupported(f"widths {hidden} / {heads * head_dim} are not multiples of 64")
+        if heads * head_dim % _CHUNK or hidden % _CHUNK or head_dim % 16 or head_dim > 256:
+            raise Unsupported(f"widths {hidden} / {heads * head_dim} are not multiples of 64 "
+                              f"or head_dim {head_dim} of 16 (up to 256)")
+        if (heads // kv_heads) * head_dim > 8 * 256:
+            raise Unsupported(f"{heads // kv_heads} query heads of {head_dim} share a KV head")
         return plan
 
     def _check_node_counts(self, layers: int) -> None:

@@ -9,14 +9,14 @@ quantized to int8 per block of 32 with scale absmax / 127, rounded half to even)
 
 Weights: a projection w [N, K] is int codes in blocks of 32 along K with a float scale
 per block and an optional integer zero point (else 2^(bits-1)): w = (code - zero) * scale.
-4-bit codes keep MatMulNBits' packing (byte j of a block holds elements 2j and 2j+1 in
-its low and high nibble). 8-bit codes are reordered at load to the order a 4-bit chunk
-unpacks to, so both widths meet the same activation layout.
+They are repacked at load (runtime/native/weights.py) for one 512-bit VNNI dot per four
+columns of sixteen rows: int32 lane i of a dot holds row i's four products with four
+activation bytes broadcast to every lane. A block of sixteen rows is 8 such vectors
+(8-bit codes), or 4 whose low and high nibbles are those 8 (4-bit codes).
 
-Activations are quantized in chunks of 64 (two blocks) reordered the same way: the even
-elements of both blocks, then the odd ones. One 512-bit VNNI dot then multiplies a chunk
-of weight codes (unsigned) by a chunk of activations (signed); int32 lane i sums the
-four products of block (i >> 2) & 1.
+Every token's result is computed by the same operations in the same order whatever else
+the step holds (a block's integer dot is exact; the float sum runs over blocks in order),
+so batching, chunked prefill and speculation change no output.
 */
 #include <math.h>
 #include <stdint.h>
@@ -30,12 +30,19 @@ four products of block (i >> 2) & 1.
 #include <omp.h>
 #endif
 
-typedef struct {
-    const uint8_t *codes;  /* bits 4: [N][K/2]; bits 8: [N][K] in chunk order */
-    const float *scales;   /* [N][K/32] */
-    const uint8_t *zeros;  /* [N][K/32], or NULL: 2^(bits-1) */
+typedef struct {  /* a projection, sixteen rows interleaved (see above) */
+    const uint8_t *codes;  /* [ceil(N/16)][K/32][bits * 64] */
+    const float *scales;   /* [ceil(N/16)][K/32][16] */
+    const uint8_t *zeros;  /* [ceil(N/16)][K/32][16], or NULL: 2^(bits-1) */
     int32_t n, k, bits;
 } QMatrix;
+
+typedef struct {  /* embedding rows: MatMulNBits' layout, row after row */
+    const uint8_t *codes;  /* [N][K * bits / 8], 4-bit: element 2j low nibble of byte j */
+    const float *scales;   /* [N][K/32] */
+    const uint8_t *zeros;  /* [N][K/32], or NULL */
+    int32_t n, k, bits;
+} QRows;
 
 typedef struct {
     int32_t layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, max_position;
@@ -43,7 +50,7 @@ typedef struct {
     float eps, attn_scale;
     const float *rope_cos, *rope_sin;      /* [max_position][head_dim / 2] */
     const float *embed;                    /* [vocab][hidden], or NULL: rows of embed_codes */
-    QMatrix embed_codes;
+    QRows embed_codes;
     const float *const *attn_norm, *const *mlp_norm;
     const float *final_norm;
     const QMatrix *qkv, *o, *gate_up, *down;
@@ -58,194 +65,153 @@ int llmopt_native_supported(void) {
         && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
 }
 
-/* Element of a 64-chunk that position j (0..63) of the reordered chunk holds. */
-static inline int chunk_element(int j) {
-    int low = j & 31;
-    return 32 * (low >> 4) + 2 * (low & 15) + (j >> 5);
-}
-
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
 #include <immintrin.h>
 
-#define PREFETCH_ROWS 16
+#define PREFETCH_BLOCKS 8  /* how far ahead of the weight stream to prefetch */
+#define TOKEN_TILE 4        /* activation rows that share each unpacked weight block */
 
-typedef struct {  /* int8 activations of T rows of width K */
-    int8_t *codes;  /* [T][K] chunk order */
-    float *scales;  /* [T][K/64][16] the block scale of each lane */
-    int32_t *sums;  /* [T][K/64][16] each lane's sum of its four codes */
+typedef struct {  /* int8 activations of T rows of width K, blocks of 32 */
+    int8_t *codes;  /* [T][K] */
+    float *scales;  /* [T][K/32] absmax / 127 */
+    int32_t *sums;  /* [T][K/32] the block's sum of codes */
 } QActivations;
 
-static inline __m512i block_lanes_idx(void);
-static inline __m512 scale_lanes(const float *p);
-
-/* One 64-chunk: per-block scales absmax / 127, codes rounded half to even (MXCSR's
-   default, as lrintf), written in chunk order with each lane's sum and scale. */
-static void quantize_chunk(const float *x, int8_t *out, float *lane_scales, int32_t *sums) {
-    const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
-    __m512 v[4];
-    float scale[2];
-    for (int b = 0; b < 2; b++) {
-        v[2 * b] = _mm512_loadu_ps(x + 32 * b);
-        v[2 * b + 1] = _mm512_loadu_ps(x + 32 * b + 16);
-        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[2 * b]),
-                                                        _mm512_abs_ps(v[2 * b + 1])));
-        scale[b] = amax / 127.f;
-        __m512 inv = _mm512_set1_ps(scale[b] != 0.f ? 1.f / scale[b] : 0.f);
-        v[2 * b] = _mm512_mul_ps(v[2 * b], inv);
-        v[2 * b + 1] = _mm512_mul_ps(v[2 * b + 1], inv);
-    }
-    for (int b = 0; b < 2; b++) {
-        __m512i lo = _mm512_cvtps_epi32(v[2 * b]), hi = _mm512_cvtps_epi32(v[2 * b + 1]);
-        _mm_storeu_si128((__m128i *)(out + 16 * b),
-                         _mm512_cvtsepi32_epi8(_mm512_permutex2var_epi32(lo, evens, hi)));
-        _mm_storeu_si128((__m128i *)(out + 32 + 16 * b),
-                         _mm512_cvtsepi32_epi8(_mm512_permutex2var_epi32(lo, odds, hi)));
-    }
-    _mm512_storeu_si512(sums, _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1),
-                                                  _mm512_loadu_si512(out)));
-    _mm512_storeu_ps(lane_scales, scale_lanes(scale));
-}
-
 static void quantize_rows(const float *x, int t_rows, int k, QActivations *q) {
-    int chunks = k / 64;
-    for (int t = 0; t < t_rows; t++)
-        for (int c = 0; c < chunks; c++) {
-            int64_t at = (int64_t)t * chunks + c;
-            quantize_chunk(x + (int64_t)t * k + c * 64, q->codes + at * 64, q->scales + at * 16,
-                           q->sums + at * 16);
+    int blocks = k / 32;
+    for (int64_t t = 0; t < t_rows; t++)
+        for (int b = 0; b < blocks; b++) {
+            const float *xb = x + t * k + b * 32;
+            __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            float scale = amax / 127.f;
+            __m512 inv = _mm512_set1_ps(scale != 0.f ? 1.f / scale : 0.f);
+            /* cvtps rounds half to even (MXCSR's default), as lrintf */
+            __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
+            __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+            int8_t *out = q->codes + t * k + b * 32;
+            _mm_storeu_si128((__m128i *)out, _mm512_cvtsepi32_epi8(qlo));
+            _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtsepi32_epi8(qhi));
+            q->scales[t * blocks + b] = scale;
+            q->sums[t * blocks + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
         }
 }
 
-static inline __m512i block_lanes_idx(void) {
-    return _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
-}
-
-static inline __m512 scale_lanes(const float *p) {  /* two block scales -> 16 lanes */
-    __m128 v = _mm_castpd_ps(_mm_load_sd((const double *)p));
-    return _mm512_permutexvar_ps(block_lanes_idx(), _mm512_castps128_ps512(v));
-}
-
-static inline __m512i zero_lanes(const uint8_t *p) {  /* two zero points -> 16 lanes */
-    __m128i v = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(p[0] | (p[1] << 8)));
-    return _mm512_permutexvar_epi32(block_lanes_idx(), _mm512_castsi128_si512(v));
-}
-
-static inline __m512i chunk_codes(const QMatrix *w, int64_t row, int c) {
-    if (w->bits == 8)
-        return _mm512_loadu_si512(w->codes + row * w->k + c * 64);
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    __m256i p = _mm256_loadu_si256((const __m256i *)(w->codes + row * (w->k / 2) + c * 32));
-    __m256i lo = _mm256_and_si256(p, low4);
-    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-}
-
-static inline void prefetch_row(const QMatrix *w, int64_t row) {
-    if (row >= w->n) return;
-    int64_t bytes = w->bits == 8 ? w->k : w->k / 2;
-    const char *p = (const char *)(w->codes + row * bytes);
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
-}
-
-/* The lanes' dot of one weight chunk with one activation chunk, zero point removed. */
-static inline __m512i chunk_dot(const QMatrix *w, int64_t row, int c, __m512i codes,
-                                __m512i act, __m512i sums) {
-    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, act);
-    if (w->zeros)
-        return _mm512_sub_epi32(dot, _mm512_mullo_epi32(
-            zero_lanes(w->zeros + row * (w->k / 32) + 2 * c), sums));
-    return _mm512_sub_epi32(dot, _mm512_slli_epi32(sums, w->bits - 1));
-}
-
-/* y[t][row] for rows lo..hi-1 of w and every activation row. */
-static void gemm_rows(const QMatrix *w, const QActivations *a, int t_rows, float *y,
-                      int64_t lo, int64_t hi) {
-    int chunks = w->k / 64, blocks = w->k / 32;
-    if (t_rows == 1) {  /* decode: four weight rows at a time, the stream prefetched */
-        int64_t n = lo;
-        for (; n + 4 <= hi; n += 4) {
-            for (int r = 0; r < 4; r++) prefetch_row(w, n + PREFETCH_ROWS + r);
-            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                             _mm512_setzero_ps()};
-            for (int c = 0; c < chunks; c++) {
-                __m512i act = _mm512_loadu_si512(a->codes + c * 64);
-                __m512i sums = _mm512_loadu_si512(a->sums + c * 16);
-                __m512 act_scale = _mm512_loadu_ps(a->scales + c * 16);
-                for (int r = 0; r < 4; r++) {
-                    __m512i dot = chunk_dot(w, n + r, c, chunk_codes(w, n + r, c), act, sums);
-                    __m512 s = _mm512_mul_ps(scale_lanes(w->scales + (n + r) * blocks + 2 * c),
-                                             act_scale);
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r]);
-                }
-            }
-            for (int r = 0; r < 4; r++) y[n + r] = _mm512_reduce_add_ps(acc[r]);
-        }
-        for (; n < hi; n++) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int c = 0; c < chunks; c++) {
-                __m512i dot = chunk_dot(w, n, c, chunk_codes(w, n, c),
-                                        _mm512_loadu_si512(a->codes + c * 64),
-                                        _mm512_loadu_si512(a->sums + c * 16));
-                __m512 s = _mm512_mul_ps(scale_lanes(w->scales + n * blocks + 2 * c),
-                                         _mm512_loadu_ps(a->scales + c * 16));
-                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc);
-            }
-            y[n] = _mm512_reduce_add_ps(acc);
-        }
+/* The eight code vectors of one block of sixteen rows. */
+static inline void block_codes(const QMatrix *w, const uint8_t *at, __m512i codes[8]) {
+    if (w->bits == 8) {
+        for (int m = 0; m < 8; m++) codes[m] = _mm512_loadu_si512(at + 64 * m);
         return;
     }
-    /* several rows: each weight row's chunks unpacked once, then met by every row */
-    __m512i *codes = aligned_alloc(64, sizeof(__m512i) * chunks);
-    __m512 *scales = aligned_alloc(64, sizeof(__m512) * chunks);
-    for (int64_t n = lo; n < hi; n++) {
-        prefetch_row(w, n + 4);
-        for (int c = 0; c < chunks; c++) {
-            codes[c] = chunk_codes(w, n, c);
-            scales[c] = scale_lanes(w->scales + n * blocks + 2 * c);
-        }
-        for (int t = 0; t < t_rows; t++) {  /* the decode loop's order: batch-invariant */
-            const int64_t base = (int64_t)t * chunks;
-            __m512 acc = _mm512_setzero_ps();
-            for (int c = 0; c < chunks; c++) {
-                __m512i dot = chunk_dot(w, n, c, codes[c],
-                                        _mm512_loadu_si512(a->codes + (base + c) * 64),
-                                        _mm512_loadu_si512(a->sums + (base + c) * 16));
-                __m512 s = _mm512_mul_ps(scales[c], _mm512_loadu_ps(a->scales + (base + c) * 16));
-                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {
+        __m512i packed = _mm512_loadu_si512(at + 64 * j);
+        codes[2 * j] = _mm512_and_si512(packed, low4);
+        codes[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+    }
+}
+
+/* y[t][16g .. 16g+15] for row groups lo..hi-1 and every activation row t. */
+static void gemm_groups(const QMatrix *w, const QActivations *a, int t_rows, float *y,
+                        int64_t lo, int64_t hi) {
+    const int blocks = w->k / 32, block_bytes = w->bits * 64;
+    for (int64_t g = lo; g < hi; g++) {
+        const uint8_t *group = w->codes + g * blocks * block_bytes;
+        const float *scales = w->scales + g * blocks * 16;
+        const uint8_t *zeros = w->zeros ? w->zeros + g * blocks * 16 : NULL;
+        const __mmask16 rows = (__mmask16)((1u << (w->n - 16 * g < 16 ? w->n - 16 * g : 16)) - 1);
+        for (int t0 = 0; t0 < t_rows; t0 += TOKEN_TILE) {
+            const int tile = t_rows - t0 < TOKEN_TILE ? t_rows - t0 : TOKEN_TILE;
+            __m512 acc[TOKEN_TILE];
+            for (int i = 0; i < TOKEN_TILE; i++) acc[i] = _mm512_setzero_ps();
+            for (int b = 0; b < blocks; b++) {
+                const uint8_t *at = group + (int64_t)b * block_bytes;
+                _mm_prefetch((const char *)(at + PREFETCH_BLOCKS * block_bytes), _MM_HINT_T0);
+                _mm_prefetch((const char *)(at + PREFETCH_BLOCKS * block_bytes + 128), _MM_HINT_T0);
+                if (w->bits == 8) {
+                    _mm_prefetch((const char *)(at + PREFETCH_BLOCKS * block_bytes + 256), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(at + PREFETCH_BLOCKS * block_bytes + 384), _MM_HINT_T0);
+                }
+                __m512i codes[8];
+                block_codes(w, at, codes);
+                const __m512 row_scales = _mm512_loadu_ps(scales + b * 16);
+                const __m512i row_zeros = zeros
+                    ? _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zeros + b * 16)))
+                    : _mm512_setzero_si512();
+                for (int i = 0; i < tile; i++) {
+                    const int64_t tb = (int64_t)(t0 + i) * blocks + b;
+                    const int32_t *act = (const int32_t *)(a->codes + (t0 + i) * (int64_t)w->k + b * 32);
+                    __m512i dot = _mm512_setzero_si512();
+                    for (int m = 0; m < 8; m++)
+                        dot = _mm512_dpbusd_epi32(dot, codes[m], _mm512_set1_epi32(act[m]));
+                    dot = _mm512_sub_epi32(dot, zeros
+                        ? _mm512_mullo_epi32(row_zeros, _mm512_set1_epi32(a->sums[tb]))
+                        : _mm512_set1_epi32(a->sums[tb] << (w->bits - 1)));
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(
+                        row_scales, _mm512_set1_ps(a->scales[tb])), acc[i]);
+                }
             }
-            y[(int64_t)t * w->n + n] = _mm512_reduce_add_ps(acc);
+            for (int i = 0; i < tile; i++)
+                _mm512_mask_storeu_ps(y + (int64_t)(t0 + i) * w->n + 16 * g, rows, acc[i]);
         }
     }
-    free(codes);
-    free(scales);
 }
 
 static void gemm(const QMatrix *w, const QActivations *a, int t_rows, float *y, int threads) {
-#ifndef _OPENMP
-    threads = 1;
-#endif
-    if (threads <= 1) {
-        gemm_rows(w, a, t_rows, y, 0, w->n);
+    const int64_t groups = (w->n + 15) / 16;
+#ifdef _OPENMP
+    if (threads > 1) {
+        #pragma omp parallel num_threads(threads)
+        {
+            int64_t id = omp_get_thread_num(), count = omp_get_num_threads();
+            int64_t lo = groups * id / count, hi = groups * (id + 1) / count;
+            if (lo < hi) gemm_groups(w, a, t_rows, y, lo, hi);
+        }
         return;
     }
-#ifdef _OPENMP
-    #pragma omp parallel num_threads(threads)
-    {
-        int id = omp_get_thread_num(), count = omp_get_num_threads();
-        int64_t per = ((w->n + count - 1) / count + 3) & ~(int64_t)3;
-        int64_t lo = id * per, hi = lo + per < w->n ? lo + per : w->n;
-        if (lo < hi) gemm_rows(w, a, t_rows, y, lo, hi);
-    }
 #endif
+    (void)threads;
+    gemm_groups(w, a, t_rows, y, 0, groups);
 }
 
+static inline __m512 exp512(__m512 x) {  /* e^x, Cephes' polynomial, ~1 ulp */
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.37626f)), _mm512_set1_ps(-88.37626f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Widths here are multiples of 16 (the plan checks): no scalar tails. */
 static void rms_norm(const float *x, const float *weight, float eps, int width, float *out) {
-    double sum = 0;  /* accumulated in double: the order ONNX Runtime uses is not ours */
-    for (int i = 0; i < width; i++) sum += (double)x[i] * x[i];
-    float inv = 1.f / sqrtf((float)(sum / width) + eps);
-    for (int i = 0; i < width; i++) out[i] = x[i] * inv * weight[i];
+    __m512 sum = _mm512_setzero_ps();
+    for (int i = 0; i < width; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        sum = _mm512_fmadd_ps(v, v, sum);
+    }
+    __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(sum) / width + eps));
+    for (int i = 0; i < width; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv),
+                                                _mm512_loadu_ps(weight + i)));
+}
+
+static void silu_times(const float *gate, const float *up, int width, float *out) {
+    for (int i = 0; i < width; i += 16) {
+        __m512 g = _mm512_loadu_ps(gate + i);
+        __m512 sigmoid = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(
+            _mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid),
+                                                _mm512_loadu_ps(up + i)));
+    }
 }
 
 static void rotary(float *x, int heads, int dim, const float *cos, const float *sin) {
@@ -260,32 +226,83 @@ static void rotary(float *x, int heads, int dim, const float *cos, const float *
     }
 }
 
-static inline float dot_f32(const float *a, const float *b, int n) {
-    __m512 acc = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= n; i += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    float s = _mm512_reduce_add_ps(acc);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
+/* The eight sums of eight vectors' lanes. */
+static inline __m256 sum_lanes8(const __m512 v[8]) {
+    __m256 r[8];
+    for (int i = 0; i < 8; i++)
+        r[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]), _mm512_extractf32x8_ps(v[i], 1));
+    __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
+    __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(r[4], r[5]), _mm256_hadd_ps(r[6], r[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
-/* out[dim] = softmax(scale * q . keys[0..len)) @ values, keys/values [len][dim]. */
-static void attend(const float *q, const float *keys, const float *values, int len, int dim,
-                   float scale, float *scores, float *out) {
-    float peak = -INFINITY;
-    for (int j = 0; j < len; j++) {
-        scores[j] = scale * dot_f32(q, keys + (int64_t)j * dim, dim);
-        if (scores[j] > peak) peak = scores[j];
+/* scores[h][j] = scale * q_h . keys[j] for the group's heads, eight keys at a time. */
+static void group_scores(const float *q, int group, const float *keys, int len, int dim,
+                         float scale, float *scores) {
+    float padded[8 * 256];  /* the last keys, zero-padded to eight (dim <= 256) */
+    for (int j0 = 0; j0 < len; j0 += 8) {
+        const float *block = keys + (int64_t)j0 * dim;
+        if (len - j0 < 8) {
+            memset(padded, 0, sizeof(float) * 8 * dim);
+            memcpy(padded, block, sizeof(float) * (len - j0) * dim);
+            block = padded;
+        }
+        for (int h = 0; h < group; h++) {
+            __m512 dots[8];
+            for (int u = 0; u < 8; u++) {
+                dots[u] = _mm512_setzero_ps();
+                for (int d = 0; d < dim; d += 16)
+                    dots[u] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * dim + d),
+                                              _mm512_loadu_ps(block + u * dim + d), dots[u]);
+            }
+            __m256 sums = _mm256_mul_ps(sum_lanes8(dots), _mm256_set1_ps(scale));
+            __mmask8 m = len - j0 >= 8 ? 0xFF : (__mmask8)((1u << (len - j0)) - 1);
+            _mm256_mask_storeu_ps(scores + (int64_t)h * len + j0, m, sums);
+        }
     }
-    float total = 0.f;
-    for (int j = 0; j < len; j++) total += (scores[j] = expf(scores[j] - peak));
-    memset(out, 0, sizeof(float) * dim);
-    float inv = 1.f / total;
-    for (int j = 0; j < len; j++) {
-        const float p = scores[j] * inv, *v = values + (int64_t)j * dim;
-        for (int d = 0; d < dim; d++) out[d] += p * v[d];
+}
+
+/* The heads of one query group over their shared keys and values [len][dim]: for head h
+   (query q + h*dim), out + h*dim = softmax(scale * q . keys) @ values. scores: [group][len]. */
+static void attend_group(const float *q, int group, const float *keys, const float *values,
+                         int len, int dim, float scale, float *scores, float *out) {
+    group_scores(q, group, keys, len, dim, scale, scores);
+    for (int h = 0; h < group; h++) {  /* softmax, in place */
+        float *row = scores + (int64_t)h * len;
+        __m512 peak = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
+        for (int j = 0; j < len; j += 16) {
+            __mmask16 m = len - j >= 16 ? 0xFFFF : (__mmask16)((1u << (len - j)) - 1);
+            peak = _mm512_max_ps(peak, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, row + j));
+        }
+        __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
+        for (int j = 0; j < len; j += 16) {
+            __mmask16 m = len - j >= 16 ? 0xFFFF : (__mmask16)((1u << (len - j)) - 1);
+            __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j),
+                                                                   top)));
+            total = _mm512_add_ps(total, e);
+            _mm512_mask_storeu_ps(row + j, m, e);
+        }
+        __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+        for (int j = 0; j < len; j += 16) {
+            __mmask16 m = len - j >= 16 ? 0xFFFF : (__mmask16)((1u << (len - j)) - 1);
+            _mm512_mask_storeu_ps(row + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), inv));
+        }
     }
+    /* out = p @ values: each value row read once for the group, the sums kept in `acc` */
+    const int strips = dim / 16;
+    __m512 acc[8 * 16];  /* [head][strip], group * strips <= 128 (the plan checks) */
+    for (int i = 0; i < group * strips; i++) acc[i] = _mm512_setzero_ps();
+    for (int j = 0; j < len; j++) {
+        const float *v = values + (int64_t)j * dim;
+        for (int d = 0; d < strips; d++) {
+            __m512 vd = _mm512_loadu_ps(v + 16 * d);
+            for (int h = 0; h < group; h++)
+                acc[h * strips + d] = _mm512_fmadd_ps(
+                    _mm512_set1_ps(scores[(int64_t)h * len + j]), vd, acc[h * strips + d]);
+        }
+    }
+    for (int h = 0; h < group; h++)
+        for (int d = 0; d < strips; d++) _mm512_storeu_ps(out + h * dim + 16 * d, acc[h * strips + d]);
 }
 
 static void embed_row(const Model *m, int64_t token, float *out) {
@@ -293,13 +310,12 @@ static void embed_row(const Model *m, int64_t token, float *out) {
         memcpy(out, m->embed + token * m->hidden, sizeof(float) * m->hidden);
         return;
     }
-    const QMatrix *w = &m->embed_codes;
+    const QRows *w = &m->embed_codes;
     int blocks = w->k / 32;
     for (int e = 0; e < w->k; e++) {
         int code;
-        if (w->bits == 8) {  /* position of element e within its chunk order */
-            int within = e & 63, j = ((within & 31) >> 1) + 16 * (within >> 5) + 32 * (within & 1);
-            code = w->codes[token * w->k + (e & ~63) + j];
+        if (w->bits == 8) {
+            code = w->codes[token * w->k + e];
         } else {
             uint8_t byte = w->codes[token * (w->k / 2) + e / 2];
             code = e & 1 ? byte >> 4 : byte & 15;
@@ -328,8 +344,8 @@ static int scratch_alloc(const Model *m, int t_rows, Scratch *s) {
     s->gate_up = malloc(sizeof(float) * t * 2 * m->intermediate);
     s->act = malloc(sizeof(float) * t * m->intermediate);
     s->q.codes = malloc(t * width);
-    s->q.scales = malloc(sizeof(float) * t * (width / 64) * 16);
-    s->q.sums = malloc(sizeof(int32_t) * t * (width / 64) * 16);
+    s->q.scales = malloc(sizeof(float) * t * (width / 32));
+    s->q.sums = malloc(sizeof(int32_t) * t * (width / 32));
     return s->x && s->h && s->qkv && s->attn && s->proj && s->gate_up && s->act && s->q.codes && s->q.scales && s->q.sums;
 }
 
@@ -367,13 +383,14 @@ static void attention(const Model *m, int t_rows, const int32_t *lanes,
     (void)threads;
     #pragma omp parallel for num_threads(threads) collapse(2) schedule(static) if (threads > 1)
     for (int t = 0; t < t_rows; t++) {
-        for (int h = 0; h < heads; h++) {
-            const float *q = s->qkv + (int64_t)t * qkv_width + h * dim;
-            int64_t lane = (((int64_t)lanes[t] * kv_heads + h / group) * lane_tokens) * dim;
-            float local[4096], *scores = local;  /* the scores of one query over its lane */
-            if (positions[t] >= 4096) scores = malloc(sizeof(float) * (positions[t] + 1));
-            attend(q, key_pool + lane, value_pool + lane, positions[t] + 1, dim, m->attn_scale,
-                   scores, s->attn + (int64_t)t * heads * dim + h * dim);
+        for (int g = 0; g < kv_heads; g++) {
+            const float *q = s->qkv + (int64_t)t * qkv_width + g * group * dim;
+            int64_t lane = (((int64_t)lanes[t] * kv_heads + g) * lane_tokens) * dim;
+            int len = positions[t] + 1;
+            float local[4 * 1024], *scores = local;  /* [group][len] */
+            if ((int64_t)group * len > 4 * 1024) scores = malloc(sizeof(float) * group * len);
+            attend_group(q, group, key_pool + lane, value_pool + lane, len, dim, m->attn_scale,
+                         scores, s->attn + (int64_t)t * heads * dim + g * group * dim);
             if (scores != local) free(scores);
         }
     }
@@ -391,9 +408,9 @@ static void add_norm(float *x, const float *delta, const float *weight, const Mo
 
 /* y [T][N] = x [T][K] times w's transpose, x quantized as every step quantizes it. */
 int llmopt_linear(const QMatrix *w, const float *x, int32_t t_rows, float *y, int32_t threads) {
-    int64_t lanes = (int64_t)t_rows * (w->k / 64) * 16;
-    QActivations q = {malloc((int64_t)t_rows * w->k), malloc(sizeof(float) * lanes),
-                      malloc(sizeof(int32_t) * lanes)};
+    int64_t blocks = (int64_t)t_rows * (w->k / 32);
+    QActivations q = {malloc((int64_t)t_rows * w->k), malloc(sizeof(float) * blocks),
+                      malloc(sizeof(int32_t) * blocks)};
     int ok = q.codes && q.scales && q.sums;
     if (ok) {
         quantize_rows(x, t_rows, w->k, &q);
@@ -428,9 +445,8 @@ int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
         add_norm(s.x, s.proj, m->mlp_norm[l], m, t_rows, s.h);
         linear(m, &m->gate_up[l], s.h, t_rows, &s, s.gate_up);
         for (int t = 0; t < t_rows; t++) {
-            const float *gate = s.gate_up + (int64_t)t * 2 * inter, *up = gate + inter;
-            float *act = s.act + (int64_t)t * inter;
-            for (int i = 0; i < inter; i++) act[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
+            const float *gate = s.gate_up + (int64_t)t * 2 * inter;
+            silu_times(gate, gate + inter, inter, s.act + (int64_t)t * inter);
         }
         linear(m, &m->down[l], s.act, t_rows, &s, s.proj);
         add_norm(s.x, s.proj, l + 1 < m->layers ? m->attn_norm[l + 1] : NULL, m, t_rows, s.h);

@@ -13,10 +13,17 @@ c_ptr, c_i32, c_f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
 
 
 class QMatrix(ctypes.Structure):
-    """kernels.c's QMatrix: codes, per-block scales and zero points of w [n, k]."""
+    """kernels.c's QMatrix: codes, per-block scales and zero points of w [n, k], sixteen
+    rows interleaved (runtime/native/weights.py)."""
 
     _fields_ = [("codes", c_ptr), ("scales", c_ptr), ("zeros", c_ptr),
                 ("n", c_i32), ("k", c_i32), ("bits", c_i32)]
+
+
+class QRows(ctypes.Structure):
+    """kernels.c's QRows: the same fields, rows in MatMulNBits' layout (embedding rows)."""
+
+    _fields_ = QMatrix._fields_
 
 
 class Model(ctypes.Structure):
@@ -26,7 +33,7 @@ class Model(ctypes.Structure):
                 ("head_dim", c_i32), ("intermediate", c_i32), ("vocab", c_i32),
                 ("max_position", c_i32), ("num_threads", c_i32), ("eps", c_f32),
                 ("attn_scale", c_f32), ("rope_cos", c_ptr), ("rope_sin", c_ptr),
-                ("embed", c_ptr), ("embed_codes", QMatrix), ("attn_norm", c_ptr),
+                ("embed", c_ptr), ("embed_codes", QRows), ("attn_norm", c_ptr),
                 ("mlp_norm", c_ptr), ("final_norm", c_ptr), ("qkv", c_ptr), ("o", c_ptr),
                 ("gate_up", c_ptr), ("down", c_ptr), ("head", QMatrix)]
 

@@ -8,14 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from llmopt.runtime.native.library import Model, QMatrix
-
-
-def _chunk_order() -> np.ndarray:
-    """Position j of a 64-element chunk holds element chunk_order[j]: the even elements of
-    its two 32-blocks, then the odd ones (how kernels.c unpacks a 4-bit chunk)."""
-    low = np.arange(64) & 31
-    return 32 * (low >> 4) + 2 * (low & 15) + (np.arange(64) >> 5)
+from llmopt.runtime.native.library import Model, QMatrix, QRows
 
 
 class NativeWeights:
@@ -41,7 +34,7 @@ class NativeWeights:
             eps=plan["eps"], attn_scale=plan["attn_scale"], rope_cos=self._keep_ptr(cos),
             rope_sin=self._pointer(plan["rope"]["sin"]),
             embed=self._pointer(embed["table"]) if "table" in embed else None,
-            embed_codes=self._matrix(embed["codes"]) if "codes" in embed else QMatrix(),
+            embed_codes=self._rows(embed["codes"]) if "codes" in embed else QRows(),
             attn_norm=ctypes.cast(norms["attn_norm"], ctypes.c_void_p),
             mlp_norm=ctypes.cast(norms["mlp_norm"], ctypes.c_void_p),
             final_norm=self._pointer(plan["final_norm"]),
@@ -64,28 +57,62 @@ class NativeWeights:
         return self._keep_ptr(self._array(tensor))
 
     def _matrix(self, spec: dict[str, Any]) -> QMatrix:
-        zeros = self._array(spec["zeros"]) if spec["zeros"] is not None else None
-        arrays, matrix = quantized_matrix(self._array(spec["codes"]), self._array(spec["scales"]),
-                                          zeros, spec["n"], spec["k"], spec["bits"])
+        arrays, matrix = quantized_matrix(*self._quantized(spec), spec["n"], spec["k"],
+                                          spec["bits"])
         self._keep += arrays
         return matrix
+
+    def _rows(self, spec: dict[str, Any]) -> QRows:
+        """Embedding rows, read in place (zero points one per byte)."""
+        codes, scales, zeros = self._quantized(spec)
+        n, k, bits = spec["n"], spec["k"], spec["bits"]
+        if zeros is not None:
+            zeros = self._keep_ptr(_zero_points(zeros, n, k, bits))
+        return QRows(codes=self._keep_ptr(codes.reshape(n, -1)),
+                     scales=self._keep_ptr(scales.reshape(n, -1)[:, : k // 32]
+                                           .astype(np.float32)),
+                     zeros=zeros, n=n, k=k, bits=bits)
+
+    def _quantized(self, spec: dict[str, Any]):
+        zeros = self._array(spec["zeros"]) if spec["zeros"] is not None else None
+        return self._array(spec["codes"]), self._array(spec["scales"]), zeros
 
 
 def quantized_matrix(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, n: int,
                      k: int, bits: int) -> tuple[list[np.ndarray], QMatrix]:
-    """A QMatrix over MatMulNBits' inputs (B, scales, packed zero points), with the arrays
-    it points at (8-bit codes reordered, zero points one per byte)."""
+    """A QMatrix over MatMulNBits' inputs (B, scales, packed zero points), with the arrays it
+    points at: rows padded to a multiple of 16 (scale 0), and per group of 16 rows and block
+    of 32 columns, vector m (0..7) holds in lane i row i's codes 4m .. 4m+3 (4-bit: vector
+    j's low nibbles are vector 2j, its high nibbles vector 2j + 1)."""
+    groups, blocks = -(-n // 16), k // 32
     codes = codes.reshape(n, -1)
-    if bits == 8:  # reordered once, so that 8-bit chunks meet 4-bit activations
-        codes = codes[:, :k].reshape(n, k // 64, 64)[:, :, _chunk_order()].reshape(n, k)
-    arrays = [np.ascontiguousarray(codes),
-              np.ascontiguousarray(scales.reshape(n, -1)[:, : k // 32], dtype=np.float32)]
+    if bits == 4:  # unpack MatMulNBits' nibbles: element 2j low, 2j + 1 high
+        codes = np.stack([codes & 15, codes >> 4], axis=-1).reshape(n, -1)
+    values = np.zeros((groups * 16, k), np.uint8)
+    values[:n] = codes[:, :k]
+    # [group, row, block, vector m, byte q] -> [group, block, m, row, q]
+    values = values.reshape(groups, 16, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
+    if bits == 4:  # vector pair (2j, 2j + 1) -> one vector of nibbles
+        values = values.reshape(groups, blocks, 4, 2, 16, 4)
+        values = values[:, :, :, 0] | (values[:, :, :, 1] << 4)
+    per_row = np.zeros((groups * 16, blocks), np.float32)
+    per_row[:n] = scales.reshape(n, -1)[:, :blocks]
+    arrays = [np.ascontiguousarray(values),
+              np.ascontiguousarray(per_row.reshape(groups, 16, blocks).transpose(0, 2, 1))]
     if zeros is not None:
-        zeros = zeros.reshape(n, -1)
-        if bits == 4:  # two per byte, low nibble first
-            zeros = np.stack([zeros & 15, zeros >> 4], axis=-1).reshape(n, -1)
-        arrays.append(np.ascontiguousarray(zeros[:, : k // 32], dtype=np.uint8))
+        per_row_zeros = np.zeros((groups * 16, blocks), np.uint8)
+        per_row_zeros[:n] = _zero_points(zeros, n, k, bits)
+        arrays.append(np.ascontiguousarray(
+            per_row_zeros.reshape(groups, 16, blocks).transpose(0, 2, 1)))
     pointers = [a.ctypes.data for a in arrays]
     return arrays, QMatrix(codes=pointers[0], scales=pointers[1],
                            zeros=pointers[2] if zeros is not None else None,
                            n=n, k=k, bits=bits)
+
+
+def _zero_points(zeros: np.ndarray, n: int, k: int, bits: int) -> np.ndarray:
+    """MatMulNBits' packed zero points [n, ...] -> one per byte [n, k / 32]."""
+    zeros = zeros.reshape(n, -1)
+    if bits == 4:  # two per byte, low nibble first
+        zeros = np.stack([zeros & 15, zeros >> 4], axis=-1).reshape(n, -1)
+    return np.ascontiguousarray(zeros[:, : k // 32], dtype=np.uint8)
