@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from llmopt.runtime.artifact import load_manifest
-from llmopt.runtime.manifest import KVCacheSpec, Manifest, layer_bytes_per_token
+from llmopt.runtime.manifest import GraphSpec, KVCacheSpec, Manifest, layer_bytes_per_token
+from llmopt.runtime.native import unavailable_reason
 
 _MIB = 1024 * 1024
 
@@ -26,7 +27,9 @@ def describe(path: str | Path, pool_mib: float = 1024.0) -> dict[str, Any]:
         "layers": manifest.model.num_layers,
         "vocab_size": manifest.model.vocab_size,
         "max_position": manifest.model.max_position,
-        "graphs": {name: g.model_dump() for name, g in manifest.graphs.items()},
+        "graphs": {name: {**g.model_dump(exclude={"native"}),
+                          "native_step": _native_step(g, manifest)}
+                   for name, g in manifest.graphs.items()},
         "files": sizes,
         "total_bytes": sum(sizes.values()),
         "kv_dtypes": sorted({t.dtype for layer in manifest.kv_cache.layers for t in layer.tensors}),
@@ -102,6 +105,7 @@ def format_description(info: dict[str, Any]) -> str:
         lines.append(f"graph {name:<7} {graph['file']} (opset {graph['opset']}, "
                      f"{graph['operator_set']} operators, {graph['nodes']} nodes, "
                      f"{graph['nodes_per_layer']} per layer)")
+        lines.append(f"  native step {graph['native_step']}")
     fp32 = info["kv_float32_bytes_per_token"]
     ratio = f" ({fp32 / info['kv_bytes_per_token']:.2f}x smaller than float32)" if fp32 else ""
     sequences = ", ".join(f"{n} at context {c}" for c, n in info["sequences_in_pool"].items())
@@ -185,3 +189,15 @@ def _tokenizer_lines(tokenizer: dict[str, Any], generation: dict[str, Any]) -> l
     lines.append(f"  defaults    {defaults}")
     lines += [f"  note        {note}" for note in tokenizer.get("notes", [])]
     return lines
+
+
+def _native_step(graph: GraphSpec, manifest: Manifest) -> str:
+    """Whether `--kernels native` runs this graph here, or why not."""
+    kv_cache = manifest.kv_cache
+    if graph.file != manifest.graphs["target"].file:
+        speculative = manifest.speculative
+        if speculative is None or speculative.model is None:
+            return "no (not a decoder graph)"
+        kv_cache = speculative.model.kv_cache
+    reason = unavailable_reason(graph, kv_cache)
+    return "runs here (--kernels native)" if reason is None else f"no: {reason}"
