@@ -80,10 +80,10 @@ THREADS = click.option("--threads", type=ThreadCount(), default=None,
                        help="ONNX Runtime intra-op threads (default: all cores).")
 # runtime/native.KERNELS, spelled here so that --help does not import the runtime
 KERNELS = click.option("--kernels", type=click.Choice(["onnxruntime", "native", "auto"]),
-                       default="onnxruntime", show_default=True,
-                       help="native: llmopt's own decoder step for the lanes int4/int8 "
-                            "artifacts it knows (an error elsewhere); auto: native where it "
-                            "runs, ONNX Runtime elsewhere.")
+                       default="auto", show_default=True,
+                       help="auto: llmopt's own decoder step for the lanes int4/int8 "
+                            "artifacts it knows, ONNX Runtime elsewhere; native: insist on it "
+                            "(an error where it cannot run); onnxruntime: never.")
 
 
 class _OneLineUsageError(click.ClickException):

@@ -35,7 +35,7 @@ class EngineOptions:
     speculative_max_batch_size: int | None = None
     adaptive_speculation: bool = True
     drafts: str = "all"
-    kernels: str = "onnxruntime"  # "native" | "auto" (native where it runs): runtime/native
+    kernels: str = "auto"  # native where it runs, else ONNX Runtime | "native" | "onnxruntime"
 
 
 def kv_cache_manager_for(manifest: Manifest, config: EngineConfig) -> KVCacheManager:

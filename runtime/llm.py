@@ -47,7 +47,7 @@ class LLM:
         speculative_max_batch_size: int | None = None,
         adaptive_speculation: bool = True,
         drafts: str = "all",
-        kernels: str = "onnxruntime",
+        kernels: str = "auto",
     ):
         self.path = Path(path)
         self.manifest = manifest = load_manifest(self.path)

@@ -10,9 +10,10 @@ memory-mapped; `compiler/native_plan.py` records where each one is) and the same
 as `LaneExecutor`, so block tables, prefix caching, preemption and speculation are the
 engine's as before.
 
-`kernels: native` in `EngineOptions` (CLI `--kernels native`) asks for it; `auto` takes it
-where it runs and ONNX Runtime elsewhere. ONNX Runtime stays the reference path: every
-graph runs there, and the native step is checked against it in the tests.
+`kernels` in `EngineOptions` (CLI `--kernels`): `auto`, the default, takes it where it runs
+and ONNX Runtime elsewhere; `native` insists; `onnxruntime` never uses it. ONNX Runtime
+stays the reference path: every graph runs there, and the native step is checked against
+it in the tests.
 """
 
 from __future__ import annotations

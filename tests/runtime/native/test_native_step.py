@@ -162,6 +162,12 @@ def test_what_it_cannot_run_it_says(name, reason, artifacts):
         assert isinstance(LLM(artifacts[name], kernels="auto").engine.executor, LaneExecutor)
 
 
+def test_auto_is_the_default_and_takes_the_native_step(artifacts):
+    assert isinstance(LLM(artifacts["llama-asym-h4"]).engine.executor, NativeLaneExecutor)
+    assert isinstance(LLM(artifacts["llama-asym-h4"], kernels="onnxruntime").engine.executor,
+                      LaneExecutor)
+
+
 def test_an_unknown_kernels_value_is_refused(artifacts):
     with pytest.raises(ValueError, match="kernels: 'cuda' is not one of onnxruntime, native"):
         LLM(artifacts["llama-asym-h4"], kernels="cuda")
