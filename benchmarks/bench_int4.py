@@ -14,8 +14,8 @@ Systems (each worker a fresh subprocess, greedy, EOS ignored, same random prompt
   llmopt-rtn4-a8-blocks  the same over the gathered blocks KV layout (the old hot path)
   llmopt-rtn4-h4-a8    the same with a 4-bit LM head (fewer bytes per token)
   llmopt-rtn4-a8-dq    rtn4-a8 lowered as DequantizeLinear -> MatMul (ORT fuses them)
-  llmopt-rtn4-a8-native, llmopt-rtn4-h4-a8-native
-                       those two artifacts run by llmopt's native step (--kernels native)
+  llmopt-q4_1-a8-native, llmopt-rtn4-a8-native, llmopt-rtn4-h4-a8-native
+                       those artifacts run by llmopt's native step (--kernels native)
   llama.cpp-q4_1       llama-cpp-python on the package's own Q4_1 GGUF
   llama.cpp-q4_0       the same weights as an F32 GGUF, re-quantized by llama.cpp to Q4_0
   llama.cpp-q8_0       ... and to Q8_0
@@ -83,7 +83,9 @@ ARTIFACTS: dict[str, tuple[str, list[str]]] = {
     "llmopt-rtn4-a8-blocks": ("smollm2-rtn4-sym-g32-h8-a8-blocks",
                               [f"passes=[{RTN4 % 8}]", A8, "target.kv_layout=blocks"]),
     "llmopt-rtn4-h4-a8": ("smollm2-rtn4-sym-g32-h4-a8", [f"passes=[{RTN4 % 4}]", A8]),
-    # The same two artifacts run by llmopt's native decoder step (--kernels native).
+    # The same artifacts run by llmopt's native decoder step (--kernels native).
+    "llmopt-q4_1-a8-native": ("smollm2-gguf-q4_1-q8head-a8",
+                              ["passes=[{gguf_weights: {include_lm_head: true}}]", A8]),
     "llmopt-rtn4-a8-native": ("smollm2-rtn4-sym-g32-h8-a8", [f"passes=[{RTN4 % 8}]", A8]),
     "llmopt-rtn4-h4-a8-native": ("smollm2-rtn4-sym-g32-h4-a8", [f"passes=[{RTN4 % 4}]", A8]),
     "llmopt-rtn4-a8-dq": ("smollm2-rtn4-sym-g32-h8-a8-dq",
@@ -99,8 +101,10 @@ SYSTEMS = (*ARTIFACTS, *LLAMA_CPP, OG)
 DEFAULT_SYSTEMS = ("llmopt-q4_1", "llmopt-q4_1-a8", "llmopt-rtn4-a8", "llmopt-rtn4-h4-a8",
                    Q4_0, Q4_1, OG)
 INT4_LLMOPT = ("llmopt-q4_1", "llmopt-q4_1-a8", "llmopt-rtn4-a8", "llmopt-rtn4-h4-a8",
-               "llmopt-rtn4-a8-dq", "llmopt-rtn4-a8-native", "llmopt-rtn4-h4-a8-native")
-Q4_1_LLMOPT = ("llmopt-q4_1", "llmopt-q4_1-a8")  # lossless: the same blocks as llama.cpp-q4_1
+               "llmopt-rtn4-a8-dq", "llmopt-q4_1-a8-native", "llmopt-rtn4-a8-native",
+               "llmopt-rtn4-h4-a8-native")
+# lossless: the same blocks as llama.cpp-q4_1
+Q4_1_LLMOPT = ("llmopt-q4_1", "llmopt-q4_1-a8", "llmopt-q4_1-a8-native")
 ANCHORS = (Q4_0, Q4_1, "llama.cpp-q8_0", OG)
 TARGET = 1.2  # batch-8 aggregate vs the anchors
 BANDWIDTH = "bandwidth"  # the read-bandwidth probe's worker, run like a system

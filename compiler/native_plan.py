@@ -44,12 +44,18 @@ class _Planner:
         self.nodes = list(graph.node)
         self.tensors = {t.name: t for t in graph.initializer}
         self.by_weight = {n.input[1]: n for n in self.nodes if n.op_type == "MatMulNBits"}
+        self.producer = {out: n for n in self.nodes for out in n.output}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for n in self.nodes:
+            for name in n.input:
+                self.consumers.setdefault(name, []).append(n)
 
     def plan(self) -> dict[str, Any]:
         attention = [n for n in self.nodes if n.op_type == "GroupQueryAttention"]
         if not attention:
             raise Unsupported("not a lanes graph (no GroupQueryAttention)")
         layers = len(attention)
+        self.offsets = {n.input[1]: self._group_offsets(n) for n in self.by_weight.values()}
         if any(_attr(n, "accuracy_level") != 4 for n in self.by_weight.values()):
             raise Unsupported("float activations (nbits_accuracy_level 0): the native step "
                               "multiplies int8 activations")
@@ -80,11 +86,12 @@ class _Planner:
         return plan
 
     def _check_node_counts(self, layers: int) -> None:
+        offset = sum(o is not None for o in self.offsets.values())  # two MatMuls and an Add
         expected = Counter({
             "MatMulNBits": 4 * layers + 1, "GroupQueryAttention": layers,
             "SimplifiedLayerNormalization": 2, "SkipSimplifiedLayerNormalization": 2 * layers - 1,
-            "Split": layers, "Sigmoid": layers, "Mul": 2 * layers, "Add": 1, "Reshape": 1,
-            "Identity": 1})
+            "Split": layers, "Sigmoid": layers, "Mul": 2 * layers, "Add": 1 + offset,
+            "Reshape": 1, "Identity": 1, "MatMul": 2 * offset})
         counts = Counter(n.op_type for n in self.nodes)
         embed = counts.pop("GatherBlockQuantized", 0)
         counts["Gather"] -= 2 - embed  # the embedding (unless quantized) and the logits rows
@@ -151,9 +158,27 @@ class _Planner:
             raise Unsupported("fractional zero points")
         if len(node.input) > 4 and any(node.input[4:]):
             raise Unsupported("MatMulNBits with g_idx or bias")
+        offsets = self.offsets.get(node.input[1])
         return {"codes": self._tensor(node.input[1]), "scales": self._tensor(node.input[2]),
                 "zeros": self._tensor(zeros) if zeros else None,
+                "offsets": self._tensor(offsets) if offsets else None,
                 "bits": attrs["bits"], "n": attrs["N"], "k": attrs["K"]}
+
+    def _group_offsets(self, node: onnx.NodeProto) -> str | None:
+        """The [K/32, N] offsets of fractional zero points (compiler/quant_format's
+        split_fractional_zeros), when the projection's output is added to
+        MatMul(MatMul(its input, group sums of 32), offsets); else None."""
+        for add in self.consumers.get(node.output[0], []):
+            if add.op_type != "Add":
+                continue
+            other = self.producer.get(next(i for i in add.input if i != node.output[0]))
+            if other is None or other.op_type != "MatMul" or other.input[1] not in self.tensors:
+                continue
+            sums = self.producer.get(other.input[0])
+            if (sums is not None and sums.op_type == "MatMul" and sums.input[0] == node.input[0]
+                    and sums.input[1].startswith("group_sum.") and sums.input[1].endswith(".32")):
+                return other.input[1]
+        return None
 
     def _dims(self, name: str) -> list[int]:
         return list(self.tensors[name].dims)

@@ -31,16 +31,20 @@ so batching, chunked prefill and speculation change no output.
 #endif
 
 typedef struct {  /* a projection, sixteen rows interleaved (see above) */
-    const uint8_t *codes;  /* [ceil(N/16)][K/32][bits * 64] */
-    const float *scales;   /* [ceil(N/16)][K/32][16] */
-    const uint8_t *zeros;  /* [ceil(N/16)][K/32][16], or NULL: 2^(bits-1) */
+    const uint8_t *codes;   /* [ceil(N/16)][K/32][bits * 64] */
+    const float *scales;    /* [ceil(N/16)][K/32][16] */
+    const uint8_t *zeros;   /* [ceil(N/16)][K/32][16], or NULL: 2^(bits-1) */
+    const float *offsets;   /* [ceil(N/16)][K/32][16] fractional zero points (GGUF Q4_1) as
+                               scale * (2^(bits-1) - zero), times the block's float input sum;
+                               or NULL */
     int32_t n, k, bits;
 } QMatrix;
 
 typedef struct {  /* embedding rows: MatMulNBits' layout, row after row */
-    const uint8_t *codes;  /* [N][K * bits / 8], 4-bit: element 2j low nibble of byte j */
-    const float *scales;   /* [N][K/32] */
-    const uint8_t *zeros;  /* [N][K/32], or NULL */
+    const uint8_t *codes;   /* [N][K * bits / 8], 4-bit: element 2j low nibble of byte j */
+    const float *scales;    /* [N][K/32] */
+    const uint8_t *zeros;   /* [N][K/32], or NULL */
+    const float *offsets;   /* unused: QMatrix's layout */
     int32_t n, k, bits;
 } QRows;
 
@@ -76,6 +80,7 @@ typedef struct {  /* int8 activations of T rows of width K, blocks of 32 */
     int8_t *codes;  /* [T][K] */
     float *scales;  /* [T][K/32] absmax / 127 */
     int32_t *sums;  /* [T][K/32] the block's sum of codes */
+    float *inputs;  /* [T][K/32] the block's sum of the float inputs (for offsets) */
 } QActivations;
 
 static void quantize_rows(const float *x, int t_rows, int k, QActivations *q) {
@@ -95,6 +100,7 @@ static void quantize_rows(const float *x, int t_rows, int k, QActivations *q) {
             _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtsepi32_epi8(qhi));
             q->scales[t * blocks + b] = scale;
             q->sums[t * blocks + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+            q->inputs[t * blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
         }
 }
 
@@ -120,6 +126,7 @@ static void gemm_groups(const QMatrix *w, const QActivations *a, int t_rows, flo
         const uint8_t *group = w->codes + g * blocks * block_bytes;
         const float *scales = w->scales + g * blocks * 16;
         const uint8_t *zeros = w->zeros ? w->zeros + g * blocks * 16 : NULL;
+        const float *offsets = w->offsets ? w->offsets + g * blocks * 16 : NULL;
         const __mmask16 rows = (__mmask16)((1u << (w->n - 16 * g < 16 ? w->n - 16 * g : 16)) - 1);
         for (int t0 = 0; t0 < t_rows; t0 += TOKEN_TILE) {
             const int tile = t_rows - t0 < TOKEN_TILE ? t_rows - t0 : TOKEN_TILE;
@@ -150,6 +157,9 @@ static void gemm_groups(const QMatrix *w, const QActivations *a, int t_rows, flo
                         : _mm512_set1_epi32(a->sums[tb] << (w->bits - 1)));
                     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(
                         row_scales, _mm512_set1_ps(a->scales[tb])), acc[i]);
+                    if (offsets)
+                        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(offsets + b * 16),
+                                                 _mm512_set1_ps(a->inputs[tb]), acc[i]);
                 }
             }
             for (int i = 0; i < tile; i++)
@@ -346,12 +356,14 @@ static int scratch_alloc(const Model *m, int t_rows, Scratch *s) {
     s->q.codes = malloc(t * width);
     s->q.scales = malloc(sizeof(float) * t * (width / 32));
     s->q.sums = malloc(sizeof(int32_t) * t * (width / 32));
-    return s->x && s->h && s->qkv && s->attn && s->proj && s->gate_up && s->act && s->q.codes && s->q.scales && s->q.sums;
+    s->q.inputs = malloc(sizeof(float) * t * (width / 32));
+    return s->x && s->h && s->qkv && s->attn && s->proj && s->gate_up && s->act && s->q.codes
+        && s->q.inputs && s->q.scales && s->q.sums;
 }
 
 static void scratch_free(Scratch *s) {
     free(s->x); free(s->h); free(s->qkv); free(s->attn); free(s->proj); free(s->gate_up);
-    free(s->act); free(s->q.codes); free(s->q.scales); free(s->q.sums);
+    free(s->act); free(s->q.codes); free(s->q.scales); free(s->q.sums); free(s->q.inputs);
 }
 
 static void linear(const Model *m, const QMatrix *w, const float *x, int t_rows, Scratch *s,
@@ -410,13 +422,13 @@ static void add_norm(float *x, const float *delta, const float *weight, const Mo
 int llmopt_linear(const QMatrix *w, const float *x, int32_t t_rows, float *y, int32_t threads) {
     int64_t blocks = (int64_t)t_rows * (w->k / 32);
     QActivations q = {malloc((int64_t)t_rows * w->k), malloc(sizeof(float) * blocks),
-                      malloc(sizeof(int32_t) * blocks)};
-    int ok = q.codes && q.scales && q.sums;
+                      malloc(sizeof(int32_t) * blocks), malloc(sizeof(float) * blocks)};
+    int ok = q.codes && q.scales && q.sums && q.inputs;
     if (ok) {
         quantize_rows(x, t_rows, w->k, &q);
         gemm(w, &q, t_rows, y, threads);
     }
-    free(q.codes); free(q.scales); free(q.sums);
+    free(q.codes); free(q.scales); free(q.sums); free(q.inputs);
     return ok ? 0 : -1;
 }
 

@@ -16,7 +16,7 @@ class QMatrix(ctypes.Structure):
     """kernels.c's QMatrix: codes, per-block scales and zero points of w [n, k], sixteen
     rows interleaved (runtime/native/weights.py)."""
 
-    _fields_ = [("codes", c_ptr), ("scales", c_ptr), ("zeros", c_ptr),
+    _fields_ = [("codes", c_ptr), ("scales", c_ptr), ("zeros", c_ptr), ("offsets", c_ptr),
                 ("n", c_i32), ("k", c_i32), ("bits", c_i32)]
 
 

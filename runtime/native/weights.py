@@ -57,8 +57,9 @@ class NativeWeights:
         return self._keep_ptr(self._array(tensor))
 
     def _matrix(self, spec: dict[str, Any]) -> QMatrix:
+        offsets = self._array(spec["offsets"]) if spec.get("offsets") else None
         arrays, matrix = quantized_matrix(*self._quantized(spec), spec["n"], spec["k"],
-                                          spec["bits"])
+                                          spec["bits"], offsets)
         self._keep += arrays
         return matrix
 
@@ -79,11 +80,14 @@ class NativeWeights:
 
 
 def quantized_matrix(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, n: int,
-                     k: int, bits: int) -> tuple[list[np.ndarray], QMatrix]:
-    """A QMatrix over MatMulNBits' inputs (B, scales, packed zero points), with the arrays it
-    points at: rows padded to a multiple of 16 (scale 0), and per group of 16 rows and block
-    of 32 columns, vector m (0..7) holds in lane i row i's codes 4m .. 4m+3 (4-bit: vector
-    j's low nibbles are vector 2j, its high nibbles vector 2j + 1)."""
+                     k: int, bits: int, offsets: np.ndarray | None = None
+                     ) -> tuple[list[np.ndarray], QMatrix]:
+    """A QMatrix over MatMulNBits' inputs (B, scales, packed zero points; `offsets` [K/32, N]
+    the graph's group offsets of fractional zero points), with the arrays it points at: rows
+    padded to a multiple of 16 (scale 0), and per group of 16 rows and block of 32 columns,
+    vector m (0..7) holds in lane i row i's codes 4m .. 4m+3 (4-bit: vector j's low nibbles
+    are vector 2j, its high nibbles vector 2j + 1); per-row block values (scales, zero
+    points, offsets) as [group, block, 16]."""
     groups, blocks = -(-n // 16), k // 32
     codes = codes.reshape(n, -1)
     if bits == 4:  # unpack MatMulNBits' nibbles: element 2j low, 2j + 1 high
@@ -95,19 +99,19 @@ def quantized_matrix(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | 
     if bits == 4:  # vector pair (2j, 2j + 1) -> one vector of nibbles
         values = values.reshape(groups, blocks, 4, 2, 16, 4)
         values = values[:, :, :, 0] | (values[:, :, :, 1] << 4)
-    per_row = np.zeros((groups * 16, blocks), np.float32)
-    per_row[:n] = scales.reshape(n, -1)[:, :blocks]
-    arrays = [np.ascontiguousarray(values),
-              np.ascontiguousarray(per_row.reshape(groups, 16, blocks).transpose(0, 2, 1))]
+    def per_block(rows: np.ndarray, dtype: type) -> np.ndarray:  # [n, blocks] -> interleaved
+        padded = np.zeros((groups * 16, blocks), dtype)
+        padded[:n] = rows[:, :blocks]
+        return np.ascontiguousarray(padded.reshape(groups, 16, blocks).transpose(0, 2, 1))
+
+    arrays = {"codes": np.ascontiguousarray(values),
+              "scales": per_block(scales.reshape(n, -1), np.float32)}
     if zeros is not None:
-        per_row_zeros = np.zeros((groups * 16, blocks), np.uint8)
-        per_row_zeros[:n] = _zero_points(zeros, n, k, bits)
-        arrays.append(np.ascontiguousarray(
-            per_row_zeros.reshape(groups, 16, blocks).transpose(0, 2, 1)))
-    pointers = [a.ctypes.data for a in arrays]
-    return arrays, QMatrix(codes=pointers[0], scales=pointers[1],
-                           zeros=pointers[2] if zeros is not None else None,
-                           n=n, k=k, bits=bits)
+        arrays["zeros"] = per_block(_zero_points(zeros, n, k, bits), np.uint8)
+    if offsets is not None:
+        arrays["offsets"] = per_block(offsets.reshape(-1, n).T, np.float32)
+    return list(arrays.values()), QMatrix(n=n, k=k, bits=bits,
+                                          **{key: a.ctypes.data for key, a in arrays.items()})
 
 
 def _zero_points(zeros: np.ndarray, n: int, k: int, bits: int) -> np.ndarray:

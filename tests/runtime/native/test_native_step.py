@@ -17,6 +17,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from tiny_quantized_gguf import write_tiny_gguf
 
 from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.quant_format import QuantizedLinear, pack_matmul_nbits
@@ -47,15 +48,20 @@ ARTIFACTS = {  # name -> (architecture, passes, target options)
     "llama-blocks": ("llama", [rtn(True, 8)], {**A8, "kv_layout": "blocks"}),
     "mistral-window": ("mistral", [rtn(True, 8)], A8),
     "qwen2-bias": ("qwen2", [rtn(True, 8)], A8),
+    "gguf-q4_1": ("gguf", [{"gguf_weights": {"include_lm_head": True}}], A8),
 }
 
 
 @pytest.fixture(scope="module")
 def artifacts(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("native")
+    # GGUF Q4_1 blocks kept as they are: fractional zero points, lowered as group offsets
+    gguf = write_tiny_gguf(root / "q4_1.gguf", {"attn": "Q4_1", "ffn": "Q4_1", "embd": "Q8_0"},
+                           ffn=128)
+    sources = {**{arch: str(path) for arch, path in tiny_checkpoints.items()}, "gguf": str(gguf)}
     out = {}
-    for name, (arch, passes, target) in ARTIFACTS.items():
-        recipe = Recipe(model=str(tiny_checkpoints[arch]), passes=passes, target=target,
+    for name, (source, passes, target) in ARTIFACTS.items():
+        recipe = Recipe(model=sources[source], passes=passes, target=target,
                         quality={"measure": False},
                         runtime={"block_size": 4, "max_context": 128, "max_num_seqs": 16})
         out[name] = root / name
@@ -116,11 +122,13 @@ def _torch(array: np.ndarray):
     return torch.from_numpy(array)
 
 
-@pytest.mark.parametrize("name", ["llama-sym-h8", "llama-asym-h4"])
+@pytest.mark.parametrize("name", ["llama-sym-h8", "llama-asym-h4", "gguf-q4_1"])
 def test_the_step_matches_onnx_runtime(name, artifacts):
     native, reference = (LLM(artifacts[name], kernels=k, speculative=False)
                          for k in ("native", "onnxruntime"))
     assert isinstance(native.engine.executor, NativeLaneExecutor)
+    plan = native.manifest.graphs["target"].native
+    assert (plan["layers"][0]["qkv"]["offsets"] is not None) == (name == "gguf-q4_1")
     tokens = (requests()[1] * 4)[:100]
     got, expected = native.score(tokens), reference.score(tokens)
     assert np.abs(got - expected).max() < 0.1  # log-probs, int8-activation rounding noise
