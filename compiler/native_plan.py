@@ -23,8 +23,8 @@ from onnx import helper, numpy_helper
 
 from llmopt.runtime import contract as C
 
-_BLOCK = 32
-_CHUNK = 64  # the kernels read K in chunks of two blocks
+_BLOCK = 32  # the kernels' quantization block, for weights and activations
+_VECTOR = 16  # float32 lanes of the kernels' vectors: every width is a multiple
 
 
 class Unsupported(Exception):
@@ -78,9 +78,9 @@ class _Planner:
         plan["hidden"] = hidden
         plan["intermediate"] = plan["layers"][0]["down"]["k"]
         plan["vocab"] = plan["head"]["n"]
-        if heads * head_dim % _CHUNK or hidden % _CHUNK or head_dim % 16 or head_dim > 256:
-            raise Unsupported(f"widths {hidden} / {heads * head_dim} are not multiples of 64 "
-                              f"or head_dim {head_dim} of 16 (up to 256)")
+        if hidden % _VECTOR or head_dim % _VECTOR or head_dim > 256:
+            raise Unsupported(f"hidden size {hidden} or head_dim {head_dim} is not a multiple "
+                              f"of {_VECTOR} (head_dim up to 256)")
         if (heads // kv_heads) * head_dim > 8 * 256:
             raise Unsupported(f"{heads // kv_heads} query heads of {head_dim} share a KV head")
         return plan
@@ -151,8 +151,8 @@ class _Planner:
         if attrs["block_size"] != _BLOCK or attrs["bits"] not in (4, 8):
             raise Unsupported(f"{node.input[1]}: {attrs['bits']}-bit codes in blocks of "
                               f"{attrs['block_size']} (the native step takes 4/8-bit, 32)")
-        if attrs["K"] % _CHUNK:
-            raise Unsupported(f"{node.input[1]}: K {attrs['K']} is not a multiple of 64")
+        if attrs["K"] % _BLOCK:
+            raise Unsupported(f"{node.input[1]}: K {attrs['K']} is not a multiple of {_BLOCK}")
         zeros = node.input[3] if len(node.input) > 3 and node.input[3] else None
         if zeros and self.tensors[zeros].data_type != onnx.TensorProto.UINT8:
             raise Unsupported("fractional zero points")

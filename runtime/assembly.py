@@ -11,7 +11,7 @@ from llmopt.runtime.kv_cache_manager import KVCacheManager
 from llmopt.runtime.lane_cache_manager import LaneKVCacheManager
 from llmopt.runtime.lane_executor import LaneExecutor
 from llmopt.runtime.manifest import GraphSpec, KVCacheSpec, Manifest
-from llmopt.runtime.native import KERNELS, unavailable_reason
+from llmopt.runtime.native import KERNELS, require_native, unavailable_reason
 from llmopt.runtime.paging import cdiv
 from llmopt.runtime.spec.speculator import build_speculator
 from llmopt.runtime.step_batch import Executor
@@ -67,15 +67,13 @@ def make_executor(graph_path: Path, kv_cache: KVCacheSpec, *, num_blocks: int,
 
 def runs_native(kernels: str, graph: GraphSpec, kv_cache: KVCacheSpec) -> bool:
     """Whether `kernels` puts this graph on the native step; `native` where it cannot run
-    is an error that says why."""
+    is a one-line error that says why."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels: {kernels!r} is not one of {', '.join(KERNELS)}")
-    if kernels == "onnxruntime":
-        return False
-    reason = unavailable_reason(graph, kv_cache)
-    if reason is not None and kernels == "native":
-        raise ValueError(f"kernels: native cannot run {graph.file}: {reason}")
-    return reason is None
+    if kernels == "native":
+        require_native(graph, kv_cache)
+    return kernels == "native" or (kernels == "auto"
+                                   and unavailable_reason(graph, kv_cache) is None)
 
 
 def engine_config(manifest: Manifest, options: EngineOptions) -> EngineConfig:

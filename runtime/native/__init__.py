@@ -18,8 +18,8 @@ it in the tests.
 
 from __future__ import annotations
 
-from llmopt.runtime.native.library import unavailable_reason
+from llmopt.runtime.native.library import require_native, unavailable_reason
 
 KERNELS = ("onnxruntime", "native", "auto")
 
-__all__ = ["KERNELS", "unavailable_reason"]
+__all__ = ["KERNELS", "require_native", "unavailable_reason"]

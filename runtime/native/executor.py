@@ -10,7 +10,7 @@ import numpy as np
 
 from llmopt.runtime.lane_executor import LanePools
 from llmopt.runtime.manifest import GraphSpec, KVCacheSpec
-from llmopt.runtime.native.library import kernels, unavailable_reason
+from llmopt.runtime.native.library import kernels, require_native
 from llmopt.runtime.native.weights import NativeWeights
 from llmopt.runtime.step_batch import StepBatch
 
@@ -19,9 +19,7 @@ class NativeLaneExecutor(LanePools):
     def __init__(self, artifact: Path, graph: GraphSpec, kv_cache: KVCacheSpec, *,
                  num_blocks: int, block_size: int, lane_blocks: int,
                  num_threads: int | None = None, max_position: int):
-        reason = unavailable_reason(graph, kv_cache)
-        if reason is not None:
-            raise ValueError(f"kernels: native cannot run {graph.file}: {reason}")
+        require_native(graph, kv_cache)
         super().__init__(kv_cache, num_blocks=num_blocks, block_size=block_size,
                          lane_blocks=lane_blocks)
         threads = num_threads or os.cpu_count() or 1

@@ -247,8 +247,9 @@ static inline __m256 sum_lanes8(const __m512 v[8]) {
 }
 
 /* scores[h][j] = scale * q_h . keys[j] for the group's heads, eight keys at a time. */
-static void group_scores(const float *q, int group, const float *keys, int len, int dim,
-                         float scale, float *scores) {
+static inline __attribute__((always_inline)) void group_scores_as(
+        const float *q, int group, const float *keys, int len, const int dim, float scale,
+        float *scores) {
     float padded[8 * 256];  /* the last keys, zero-padded to eight (dim <= 256) */
     for (int j0 = 0; j0 < len; j0 += 8) {
         const float *block = keys + (int64_t)j0 * dim;
@@ -270,6 +271,48 @@ static void group_scores(const float *q, int group, const float *keys, int len, 
             _mm256_mask_storeu_ps(scores + (int64_t)h * len + j0, m, sums);
         }
     }
+}
+
+static void group_scores(const float *q, int group, const float *keys, int len, int dim,
+                         float scale, float *scores) {
+    if (dim == 64)  /* the common head size: its loops unrolled */
+        group_scores_as(q, group, keys, len, 64, scale, scores);
+    else
+        group_scores_as(q, group, keys, len, dim, scale, scores);
+}
+
+/* out [group][strips * 16] = p [group][len] @ values [len][strips * 16]: each value row read
+   once for the group; with `group` and `strips` constants (below), the sums stay in registers. */
+static inline __attribute__((always_inline)) void weigh_values_as(
+        const float *p, int len, const float *values, const int group, const int strips,
+        float *out) {
+    __m512 acc[8 * 16];  /* [head][strip]: group * strips <= 128 (the plan checks) */
+    for (int i = 0; i < group * strips; i++) acc[i] = _mm512_setzero_ps();
+    for (int j = 0; j < len; j++) {
+        const float *v = values + (int64_t)j * strips * 16;
+        for (int d = 0; d < strips; d++) {
+            __m512 vd = _mm512_loadu_ps(v + 16 * d);
+            for (int h = 0; h < group; h++)
+                acc[h * strips + d] = _mm512_fmadd_ps(_mm512_set1_ps(p[(int64_t)h * len + j]),
+                                                      vd, acc[h * strips + d]);
+        }
+    }
+    for (int i = 0; i < group * strips; i++) _mm512_storeu_ps(out + 16 * i, acc[i]);
+}
+
+static void weigh_values(const float *p, int len, const float *values, int group, int strips,
+                         float *out) {
+    if (strips == 4) {  /* head_dim 64, the common case: one body per group size */
+        switch (group) {
+        case 1: weigh_values_as(p, len, values, 1, 4, out); return;
+        case 2: weigh_values_as(p, len, values, 2, 4, out); return;
+        case 3: weigh_values_as(p, len, values, 3, 4, out); return;
+        case 4: weigh_values_as(p, len, values, 4, 4, out); return;
+        case 5: weigh_values_as(p, len, values, 5, 4, out); return;
+        case 6: weigh_values_as(p, len, values, 6, 4, out); return;
+        }
+    }
+    weigh_values_as(p, len, values, group, strips, out);
 }
 
 /* The heads of one query group over their shared keys and values [len][dim]: for head h
@@ -298,21 +341,7 @@ static void attend_group(const float *q, int group, const float *keys, const flo
             _mm512_mask_storeu_ps(row + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), inv));
         }
     }
-    /* out = p @ values: each value row read once for the group, the sums kept in `acc` */
-    const int strips = dim / 16;
-    __m512 acc[8 * 16];  /* [head][strip], group * strips <= 128 (the plan checks) */
-    for (int i = 0; i < group * strips; i++) acc[i] = _mm512_setzero_ps();
-    for (int j = 0; j < len; j++) {
-        const float *v = values + (int64_t)j * dim;
-        for (int d = 0; d < strips; d++) {
-            __m512 vd = _mm512_loadu_ps(v + 16 * d);
-            for (int h = 0; h < group; h++)
-                acc[h * strips + d] = _mm512_fmadd_ps(
-                    _mm512_set1_ps(scores[(int64_t)h * len + j]), vd, acc[h * strips + d]);
-        }
-    }
-    for (int h = 0; h < group; h++)
-        for (int d = 0; d < strips; d++) _mm512_storeu_ps(out + h * dim + 16 * d, acc[h * strips + d]);
+    weigh_values(scores, len, values, group, dim / 16, out);
 }
 
 static void embed_row(const Model *m, int64_t token, float *out) {

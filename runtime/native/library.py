@@ -54,6 +54,13 @@ def kernels() -> ctypes.CDLL | None:
     return lib
 
 
+def require_native(graph: GraphSpec, kv_cache: KVCacheSpec) -> None:
+    """A one-line error naming why the native step cannot run this graph here, if it cannot."""
+    reason = unavailable_reason(graph, kv_cache)
+    if reason is not None:
+        raise ValueError(f"kernels: native cannot run {graph.file}: {reason}")
+
+
 def unavailable_reason(graph: GraphSpec, kv_cache: KVCacheSpec) -> str | None:
     """Why the native step cannot run this graph here, or None when it can."""
     lib = kernels()
