@@ -134,12 +134,10 @@ static void gemm_groups(const QMatrix *w, const QActivations *a, int t_rows, flo
             for (int i = 0; i < TOKEN_TILE; i++) acc[i] = _mm512_setzero_ps();
             for (int b = 0; b < blocks; b++) {
                 const uint8_t *at = group + (int64_t)b * block_bytes;
-                _mm_prefetch((const char *)(at + PREFETCH_BLOCKS * block_bytes), _MM_HINT_T0);
-                _mm_prefetch((const char *)(at + PREFETCH_BLOCKS * block_bytes + 128), _MM_HINT_T0);
-                if (w->bits == 8) {
-                    _mm_prefetch((const char *)(at + PREFETCH_BLOCKS * block_bytes + 256), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(at + PREFETCH_BLOCKS * block_bytes + 384), _MM_HINT_T0);
-                }
+                const char *ahead = (const char *)(at + PREFETCH_BLOCKS * block_bytes);
+                /* every other 64-byte line: the adjacent-line prefetcher fetches its pair */
+                for (int line = 0; line < block_bytes; line += 128)
+                    _mm_prefetch(ahead + line, _MM_HINT_T0);
                 __m512i codes[8];
                 block_codes(w, at, codes);
                 const __m512 row_scales = _mm512_loadu_ps(scales + b * 16);
@@ -148,7 +146,8 @@ static void gemm_groups(const QMatrix *w, const QActivations *a, int t_rows, flo
                     : _mm512_setzero_si512();
                 for (int i = 0; i < tile; i++) {
                     const int64_t tb = (int64_t)(t0 + i) * blocks + b;
-                    const int32_t *act = (const int32_t *)(a->codes + (t0 + i) * (int64_t)w->k + b * 32);
+                    const int32_t *act =
+                        (const int32_t *)(a->codes + (t0 + i) * (int64_t)w->k + b * 32);
                     __m512i dot = _mm512_setzero_si512();
                     for (int m = 0; m < 8; m++)
                         dot = _mm512_dpbusd_epi32(dot, codes[m], _mm512_set1_epi32(act[m]));
@@ -243,7 +242,8 @@ static inline __m256 sum_lanes8(const __m512 v[8]) {
         r[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]), _mm512_extractf32x8_ps(v[i], 1));
     __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
     __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(r[4], r[5]), _mm256_hadd_ps(r[6], r[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20),
+                         _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
 /* scores[h][j] = scale * q_h . keys[j] for the group's heads, eight keys at a time. */
@@ -330,15 +330,16 @@ static void attend_group(const float *q, int group, const float *keys, const flo
         __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
         for (int j = 0; j < len; j += 16) {
             __mmask16 m = len - j >= 16 ? 0xFFFF : (__mmask16)((1u << (len - j)) - 1);
-            __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j),
-                                                                   top)));
+            __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), top);
+            __m512 e = _mm512_maskz_mov_ps(m, exp512(x));
             total = _mm512_add_ps(total, e);
             _mm512_mask_storeu_ps(row + j, m, e);
         }
         __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
         for (int j = 0; j < len; j += 16) {
             __mmask16 m = len - j >= 16 ? 0xFFFF : (__mmask16)((1u << (len - j)) - 1);
-            _mm512_mask_storeu_ps(row + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), inv));
+            _mm512_mask_storeu_ps(row + j, m,
+                                  _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), inv));
         }
     }
     weigh_values(scores, len, values, group, dim / 16, out);
@@ -366,10 +367,12 @@ static void embed_row(const Model *m, int64_t token, float *out) {
 
 typedef struct {
     float *x, *h, *qkv, *attn, *proj, *gate_up, *act;
+    float *scores;          /* [threads][group][longest] attention scores */
+    int64_t scores_stride;  /* one thread's share */
     QActivations q;
 } Scratch;
 
-static int scratch_alloc(const Model *m, int t_rows, Scratch *s) {
+static int scratch_alloc(const Model *m, int t_rows, int longest, Scratch *s) {
     int width = m->hidden > m->intermediate ? m->hidden : m->intermediate;
     int attn_width = m->heads * m->head_dim;
     if (attn_width > width) width = attn_width;
@@ -386,13 +389,17 @@ static int scratch_alloc(const Model *m, int t_rows, Scratch *s) {
     s->q.scales = malloc(sizeof(float) * t * (width / 32));
     s->q.sums = malloc(sizeof(int32_t) * t * (width / 32));
     s->q.inputs = malloc(sizeof(float) * t * (width / 32));
+    s->scores_stride = (int64_t)(m->heads / m->kv_heads) * longest;
+    int threads = m->num_threads > 1 ? m->num_threads : 1;
+    s->scores = malloc(sizeof(float) * s->scores_stride * threads);
     return s->x && s->h && s->qkv && s->attn && s->proj && s->gate_up && s->act && s->q.codes
-        && s->q.inputs && s->q.scales && s->q.sums;
+        && s->q.inputs && s->q.scales && s->q.sums && s->scores;
 }
 
 static void scratch_free(Scratch *s) {
     free(s->x); free(s->h); free(s->qkv); free(s->attn); free(s->proj); free(s->gate_up);
     free(s->act); free(s->q.codes); free(s->q.scales); free(s->q.sums); free(s->q.inputs);
+    free(s->scores);
 }
 
 static void linear(const Model *m, const QMatrix *w, const float *x, int t_rows, Scratch *s,
@@ -427,12 +434,14 @@ static void attention(const Model *m, int t_rows, const int32_t *lanes,
         for (int g = 0; g < kv_heads; g++) {
             const float *q = s->qkv + (int64_t)t * qkv_width + g * group * dim;
             int64_t lane = (((int64_t)lanes[t] * kv_heads + g) * lane_tokens) * dim;
-            int len = positions[t] + 1;
-            float local[4 * 1024], *scores = local;  /* [group][len] */
-            if ((int64_t)group * len > 4 * 1024) scores = malloc(sizeof(float) * group * len);
-            attend_group(q, group, key_pool + lane, value_pool + lane, len, dim, m->attn_scale,
-                         scores, s->attn + (int64_t)t * heads * dim + g * group * dim);
-            if (scores != local) free(scores);
+#ifdef _OPENMP
+            float *scores = s->scores + omp_get_thread_num() * s->scores_stride;
+#else
+            float *scores = s->scores;
+#endif
+            attend_group(q, group, key_pool + lane, value_pool + lane, positions[t] + 1, dim,
+                         m->attn_scale, scores,
+                         s->attn + (int64_t)t * heads * dim + g * group * dim);
         }
     }
 }
@@ -469,7 +478,9 @@ int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
                    float *const *value_pools, int32_t lane_tokens, int32_t n_logits,
                    const int32_t *logit_rows, float *logits) {
     Scratch s;
-    if (!scratch_alloc(m, t_rows > n_logits ? t_rows : n_logits, &s)) {
+    int longest = 1;
+    for (int t = 0; t < t_rows; t++) if (positions[t] + 1 > longest) longest = positions[t] + 1;
+    if (!scratch_alloc(m, t_rows > n_logits ? t_rows : n_logits, longest, &s)) {
         scratch_free(&s);
         return -1;
     }
