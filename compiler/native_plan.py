@@ -93,6 +93,9 @@ class _Planner:
             "Split": layers, "Sigmoid": layers, "Mul": 2 * layers, "Add": 1 + offset,
             "Reshape": 1, "Identity": 1, "MatMul": 2 * offset})
         counts = Counter(n.op_type for n in self.nodes)
+        if counts["MatMul"] > expected["MatMul"]:
+            raise Unsupported("float projections (MatMul): the native step multiplies int4/int8 "
+                              "codes")
         embed = counts.pop("GatherBlockQuantized", 0)
         counts["Gather"] -= 2 - embed  # the embedding (unless quantized) and the logits rows
         if +counts != expected:

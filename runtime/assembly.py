@@ -112,7 +112,9 @@ def build_engine(path: Path, manifest: Manifest, tokenizer: Tokenizer,
         # on the target's cores between steps (measured: the target's steps ran
         # 29 % slower beside a 2-thread draft session on 2 cores).
         threads = options.num_threads if graph == "target" else 1
-        if runs_native(options.kernels, spec, kv_cache):
+        # `native` insists on the target; a draft graph takes it where it can run
+        kernels = "auto" if options.kernels == "native" and graph != "target" else options.kernels
+        if runs_native(kernels, spec, kv_cache):
             from llmopt.runtime.native.executor import NativeLaneExecutor
 
             executor = NativeLaneExecutor(

@@ -49,11 +49,15 @@ ARTIFACTS = {  # name -> (architecture, passes, target options)
     "mistral-window": ("mistral", [rtn(True, 8)], A8),
     "qwen2-bias": ("qwen2", [rtn(True, 8)], A8),
     "gguf-q4_1": ("gguf", [{"gguf_weights": {"include_lm_head": True}}], A8),
+    # a distilled one-layer draft model, compiled with the target's options: both native
+    "llama-self-draft": ("llama", [rtn(True, 8), {"draft": {
+        "kind": "self", "layers": 1, "distill_steps": 5, "gamma": 3, "prompts": 2,
+        "new_tokens": 12, "batch_sizes": [1, 2], "cost_repeats": 1}}], A8),
 }
 
 
 @pytest.fixture(scope="module")
-def artifacts(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
+def artifacts(tiny_checkpoints, word_text, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("native")
     # GGUF Q4_1 blocks kept as they are: fractional zero points, lowered as group offsets
     gguf = write_tiny_gguf(root / "q4_1.gguf", {"attn": "Q4_1", "ffn": "Q4_1", "embd": "Q8_0"},
@@ -63,6 +67,7 @@ def artifacts(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
     for name, (source, passes, target) in ARTIFACTS.items():
         recipe = Recipe(model=sources[source], passes=passes, target=target,
                         quality={"measure": False},
+                        calibration={"text": str(word_text), "samples": 4, "seq_len": 64},
                         runtime={"block_size": 4, "max_context": 128, "max_num_seqs": 16})
         out[name] = root / name
         compile_recipe(recipe, out[name], log=lambda _: None)
@@ -139,18 +144,19 @@ def test_the_step_matches_onnx_runtime(name, artifacts):
     np.testing.assert_allclose(*keys, atol=0.05 * np.abs(keys[1]).max())
 
 
-def test_batching_preemption_and_speculation_change_nothing(artifacts):
+@pytest.mark.parametrize("name", ["llama-sym-h8", "llama-self-draft"])
+def test_batching_preemption_and_speculation_change_nothing(name, artifacts):
     prompts = requests()
-    llm = LLM(artifacts["llama-sym-h8"], kernels="native", speculative=False)
+    llm = LLM(artifacts[name], kernels="native", speculative=False)
     alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
     together = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in together] == alone
     assert sum(o.metrics.num_cached_tokens for o in together) > 0  # prefixes were shared
-    small = LLM(artifacts["llama-sym-h8"], kernels="native", num_blocks=60, max_context=96,
+    small = LLM(artifacts[name], kernels="native", num_blocks=60, max_context=96,
                 speculative=False)
     assert [o.token_ids for o in small.generate(prompts, GREEDY)] == alone
-    speculating = LLM(artifacts["llama-sym-h8"], kernels="native", adaptive_speculation=False,
-                      speculative_max_batch_size=16)
+    speculating = LLM(artifacts[name], kernels="native", adaptive_speculation=False,
+                      speculative_max_batch_size=16)  # a draft model it cannot run: ONNX Runtime
     outputs = speculating.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == alone
     assert sum(o.metrics.speculation.num_spec_steps for o in outputs) > 0
