@@ -376,6 +376,7 @@ def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: 
         click.echo(f"KV cache: {kv.bytes_per_token()} bytes/token; {fits} sequences of "
                    f"{context} tokens fit in {pool_mib:g} MiB")
         click.echo(f"prompts: {PROMPT_DESCRIPTIONS[kind]}")
+        click.echo(f"kernels: {llm.kernels_in_use()}")
     for size in batches:
         result = run_bench(llm, size, prompt_len, gen_len, prompts_kind=kind)
         if as_json:

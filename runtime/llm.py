@@ -69,6 +69,14 @@ class LLM:
         self.default_params = SamplingParams.from_generation_config(
             {"max_new_tokens": DEFAULT_MAX_TOKENS, **_without_none(manifest.generation)})
 
+    def kernels_in_use(self) -> str:
+        """Which kernels run the target graph: llmopt's native step or ONNX Runtime."""
+        from llmopt.runtime.native.executor import NativeLaneExecutor
+
+        if isinstance(self.engine.executor, NativeLaneExecutor):
+            return "native (llmopt's decoder step, runtime/native)"
+        return "onnxruntime"
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

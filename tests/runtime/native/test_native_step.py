@@ -177,7 +177,9 @@ def test_what_it_cannot_run_it_says(name, reason, artifacts):
 
 
 def test_auto_is_the_default_and_takes_the_native_step(artifacts):
-    assert isinstance(LLM(artifacts["llama-asym-h4"]).engine.executor, NativeLaneExecutor)
+    llm = LLM(artifacts["llama-asym-h4"])
+    assert isinstance(llm.engine.executor, NativeLaneExecutor)
+    assert llm.kernels_in_use().startswith("native")
     assert isinstance(LLM(artifacts["llama-asym-h4"], kernels="onnxruntime").engine.executor,
                       LaneExecutor)
 
