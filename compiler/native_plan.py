@@ -49,21 +49,21 @@ class _Planner:
         for n in self.nodes:
             for name in n.input:
                 self.consumers.setdefault(name, []).append(n)
+        self.offsets = {n.input[1]: self._group_offsets(n) for n in self.by_weight.values()}
 
     def plan(self) -> dict[str, Any]:
         attention = [n for n in self.nodes if n.op_type == "GroupQueryAttention"]
         if not attention:
             raise Unsupported("not a lanes graph (no GroupQueryAttention)")
         layers = len(attention)
-        self.offsets = {n.input[1]: self._group_offsets(n) for n in self.by_weight.values()}
-        if any(_attr(n, "accuracy_level") != 4 for n in self.by_weight.values()):
+        if any(_attrs(n).get("accuracy_level", 0) != 4 for n in self.by_weight.values()):
             raise Unsupported("float activations (nbits_accuracy_level 0): the native step "
                               "multiplies int8 activations")
         self._check_node_counts(layers)
         heads, kv_heads, scale, cos, sin = self._attention(attention)
         head_dim = self._dims(cos)[1] * 2
         norms = [n for n in self.nodes if "LayerNormalization" in n.op_type]
-        eps = {round(_attr(n, "epsilon"), 12) for n in norms}
+        eps = {round(_attrs(n)["epsilon"], 12) for n in norms}
         if len(eps) != 1:
             raise Unsupported(f"the norms use different epsilons {sorted(eps)}")
         plan = {
@@ -106,7 +106,7 @@ class _Planner:
     def _attention(self, nodes: list[onnx.NodeProto]) -> tuple[int, int, float, str, str]:
         shapes = set()
         for n in nodes:
-            attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+            attrs = _attrs(n)
             if attrs.get("do_rotary") != 1 or attrs.get("rotary_interleaved", 0):
                 raise Unsupported("attention without fused non-interleaved rotary")
             if {"softcap", "local_window_size", "k_quant_type"} & set(attrs):
@@ -123,7 +123,7 @@ class _Planner:
         gather = next(n for n in self.nodes if C.INPUT_IDS in n.input)
         if gather.op_type == "Gather":
             return {"table": self._tensor(gather.input[0])}
-        attrs = {a.name: helper.get_attribute_value(a) for a in gather.attribute}
+        attrs = _attrs(gather)
         if attrs.get("block_size") != _BLOCK or attrs.get("bits") not in (4, 8):
             raise Unsupported("a quantized embedding in blocks other than 32")
         codes = self._dims(gather.input[0])
@@ -150,7 +150,7 @@ class _Planner:
         return self.by_weight[weight]
 
     def _matmul(self, node: onnx.NodeProto) -> dict[str, Any]:
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        attrs = _attrs(node)
         if attrs["block_size"] != _BLOCK or attrs["bits"] not in (4, 8):
             raise Unsupported(f"{node.input[1]}: {attrs['bits']}-bit codes in blocks of "
                               f"{attrs['block_size']} (the native step takes 4/8-bit, 32)")
@@ -199,6 +199,5 @@ class _Planner:
         return {**record, "values": numpy_helper.to_array(t).reshape(-1).tolist()}
 
 
-def _attr(node: onnx.NodeProto, name: str, default: Any = 0) -> Any:
-    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name),
-                default)
+def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}

@@ -28,7 +28,7 @@ def describe(path: str | Path, pool_mib: float = 1024.0) -> dict[str, Any]:
         "vocab_size": manifest.model.vocab_size,
         "max_position": manifest.model.max_position,
         "graphs": {name: {**g.model_dump(exclude={"native"}),
-                          "native_step": _native_step(g, manifest)}
+                          "native_step": _native_step(name, g, manifest)}
                    for name, g in manifest.graphs.items()},
         "files": sizes,
         "total_bytes": sum(sizes.values()),
@@ -191,13 +191,10 @@ def _tokenizer_lines(tokenizer: dict[str, Any], generation: dict[str, Any]) -> l
     return lines
 
 
-def _native_step(graph: GraphSpec, manifest: Manifest) -> str:
+def _native_step(name: str, graph: GraphSpec, manifest: Manifest) -> str:
     """Whether `--kernels native` runs this graph here, or why not."""
     kv_cache = manifest.kv_cache
-    if graph.file != manifest.graphs["target"].file:
-        speculative = manifest.speculative
-        if speculative is None or speculative.model is None:
-            return "no (not a decoder graph)"
-        kv_cache = speculative.model.kv_cache
+    if name != "target":  # a draft model: its own KV pools
+        kv_cache = manifest.speculative.model.kv_cache
     reason = unavailable_reason(graph, kv_cache)
     return "runs here (--kernels native)" if reason is None else f"no: {reason}"

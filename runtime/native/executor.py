@@ -10,16 +10,17 @@ import numpy as np
 
 from llmopt.runtime.lane_executor import LanePools
 from llmopt.runtime.manifest import GraphSpec, KVCacheSpec
-from llmopt.runtime.native.library import kernels, require_native
+from llmopt.runtime.native.library import kernels
 from llmopt.runtime.native.weights import NativeWeights
 from llmopt.runtime.step_batch import StepBatch
 
 
 class NativeLaneExecutor(LanePools):
+    """For a graph `runs_native` (runtime/assembly.py) accepted: its plan and float32 lanes."""
+
     def __init__(self, artifact: Path, graph: GraphSpec, kv_cache: KVCacheSpec, *,
                  num_blocks: int, block_size: int, lane_blocks: int,
                  num_threads: int | None = None, max_position: int):
-        require_native(graph, kv_cache)
         super().__init__(kv_cache, num_blocks=num_blocks, block_size=block_size,
                          lane_blocks=lane_blocks)
         threads = num_threads or os.cpu_count() or 1

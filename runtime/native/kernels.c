@@ -70,7 +70,7 @@ int llmopt_native_supported(void) {
 }
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")
 #include <immintrin.h>
 
 #define PREFETCH_BLOCKS 8  /* how far ahead of the weight stream to prefetch */
@@ -80,10 +80,11 @@ typedef struct {  /* int8 activations of T rows of width K, blocks of 32 */
     int8_t *codes;  /* [T][K] */
     float *scales;  /* [T][K/32] absmax / 127 */
     int32_t *sums;  /* [T][K/32] the block's sum of codes */
-    float *inputs;  /* [T][K/32] the block's sum of the float inputs (for offsets) */
+    float *inputs;  /* [T][K/32] the block's sum of the float inputs (filled for offsets) */
 } QActivations;
 
-static void quantize_rows(const float *x, int t_rows, int k, QActivations *q) {
+static void quantize_rows(const float *x, int t_rows, int k, int with_inputs,
+                          QActivations *q) {
     int blocks = k / 32;
     for (int64_t t = 0; t < t_rows; t++)
         for (int b = 0; b < blocks; b++) {
@@ -100,7 +101,8 @@ static void quantize_rows(const float *x, int t_rows, int k, QActivations *q) {
             _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtsepi32_epi8(qhi));
             q->scales[t * blocks + b] = scale;
             q->sums[t * blocks + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-            q->inputs[t * blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+            if (with_inputs)
+                q->inputs[t * blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
         }
 }
 
@@ -404,7 +406,7 @@ static void scratch_free(Scratch *s) {
 
 static void linear(const Model *m, const QMatrix *w, const float *x, int t_rows, Scratch *s,
                    float *y) {
-    quantize_rows(x, t_rows, w->k, &s->q);
+    quantize_rows(x, t_rows, w->k, w->offsets != NULL, &s->q);
     gemm(w, &s->q, t_rows, y, m->num_threads);
 }
 
@@ -463,7 +465,7 @@ int llmopt_linear(const QMatrix *w, const float *x, int32_t t_rows, float *y, in
                       malloc(sizeof(int32_t) * blocks), malloc(sizeof(float) * blocks)};
     int ok = q.codes && q.scales && q.sums && q.inputs;
     if (ok) {
-        quantize_rows(x, t_rows, w->k, &q);
+        quantize_rows(x, t_rows, w->k, w->offsets != NULL, &q);
         gemm(w, &q, t_rows, y, threads);
     }
     free(q.codes); free(q.scales); free(q.sums); free(q.inputs);
