@@ -4,7 +4,10 @@ The runtime's native decoder step (one C call per step, see runtime/native/kerne
 computes what a lanes graph computes, for the graphs it knows: a llama-style decoder
 (RMS norms, fused QKV and gate/up projections, SiLU, GroupQueryAttention with rotary, no
 biases, softcap or sliding window) whose projections are MatMulNBits at accuracy level 4
-with 4- or 8-bit codes in blocks of 32, and float32 KV lanes. The plan is read off the
+with 4- or 8-bit codes in blocks of 32, and KV lanes of float32 or, per layer, the KV-cache
+pass's int8/int4 codes with static per-channel scales (rotary and an optional rotation of
+queries and keys run before the node then, and the step's keys and values are rounded to
+their codes: `_quantized_kv` reads that chain). The plan is read off the
 saved graph itself, so it describes exactly what ONNX Runtime runs; a graph with
 anything else gets `{"unsupported": reason}` and the runtime keeps ONNX Runtime.
 
@@ -59,8 +62,10 @@ class _Planner:
         if any(_attrs(n).get("accuracy_level", 0) != 4 for n in self.by_weight.values()):
             raise Unsupported("float activations (nbits_accuracy_level 0): the native step "
                               "multiplies int8 activations")
-        self._check_node_counts(layers)
-        heads, kv_heads, scale, cos, sin = self._attention(attention)
+        kv = [self._quantized_kv(n) if "k_quant_type" in _attrs(n) else None
+              for n in attention]
+        self._check_node_counts(layers, [entry for entry in kv if entry])
+        heads, kv_heads, scale, cos, sin = self._attention(attention, kv)
         head_dim = self._dims(cos)[1] * 2
         norms = [n for n in self.nodes if "LayerNormalization" in n.op_type]
         eps = {round(_attrs(n)["epsilon"], 12) for n in norms}
@@ -70,7 +75,7 @@ class _Planner:
             "eps": eps.pop(), "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
             "attn_scale": scale, "rope": {"cos": self._tensor(cos), "sin": self._tensor(sin)},
             "embed": self._embedding(),
-            "layers": [self._layer(i) for i in range(layers)],
+            "layers": [self._layer(i, kv[i]) for i in range(layers)],
             "final_norm": self._tensor("final_norm"),
             "head": self._matmul(self._node_of("lm_head.B")),
         }
@@ -85,13 +90,21 @@ class _Planner:
             raise Unsupported(f"{heads // kv_heads} query heads of {head_dim} share a KV head")
         return plan
 
-    def _check_node_counts(self, layers: int) -> None:
+    def _check_node_counts(self, layers: int, quantized: list[dict[str, Any]]) -> None:
         offset = sum(o is not None for o in self.offsets.values())  # two MatMuls and an Add
         expected = Counter({
             "MatMulNBits": 4 * layers + 1, "GroupQueryAttention": layers,
             "SimplifiedLayerNormalization": 2, "SkipSimplifiedLayerNormalization": 2 * layers - 1,
             "Split": layers, "Sigmoid": layers, "Mul": 2 * layers, "Add": 1 + offset,
             "Reshape": 1, "Identity": 1, "MatMul": 2 * offset})
+        for kv in quantized:  # the chain `_quantized_kv` read
+            expected.update({"Split": 1, "RotaryEmbedding": 2, "Div": 2, "Round": 2, "Clip": 2,
+                             "Mul": 2})
+            if kv["rotation"]:
+                expected.update({"Reshape": 4, "MatMul": 2})
+        if quantized:  # the step's positions, built once (lower.py's _lane_positions)
+            expected.update({"Add": 2, "Sub": 1, "Cast": 1, "Unsqueeze": 1, "Gather": 1,
+                             "Shape": 1, "Range": 1, "Min": 1})
         counts = Counter(n.op_type for n in self.nodes)
         if counts["MatMul"] > expected["MatMul"]:
             raise Unsupported("float projections (MatMul): the native step multiplies int4/int8 "
@@ -103,21 +116,91 @@ class _Planner:
                 op for op in expected if counts[op] != expected[op])
             raise Unsupported(f"a graph the native step does not know ({', '.join(extra)})")
 
-    def _attention(self, nodes: list[onnx.NodeProto]) -> tuple[int, int, float, str, str]:
+    def _attention(self, nodes: list[onnx.NodeProto], kv: list[dict[str, Any] | None]
+                   ) -> tuple[int, int, float, str, str]:
         shapes = set()
-        for n in nodes:
+        for n, quantized in zip(nodes, kv, strict=True):
             attrs = _attrs(n)
-            if attrs.get("do_rotary") != 1 or attrs.get("rotary_interleaved", 0):
+            if {"softcap", "local_window_size"} & set(attrs):
+                raise Unsupported("softcap or sliding windows")
+            if quantized:  # rotary before the node (see _quantized_kv)
+                tables = tuple(self._rotated(n.input[0])[0].input[2:4])
+            elif attrs.get("do_rotary") != 1 or attrs.get("rotary_interleaved", 0):
                 raise Unsupported("attention without fused non-interleaved rotary")
-            if {"softcap", "local_window_size", "k_quant_type"} & set(attrs):
-                raise Unsupported("softcap, sliding windows or quantized KV lanes")
-            if any(n.input[1:3]):
+            elif any(n.input[1:3]):
                 raise Unsupported("keys and values not packed with the queries")
+            else:
+                tables = (n.input[7], n.input[8])
             shapes.add((attrs["num_heads"], attrs["kv_num_heads"], float(attrs["scale"]),
-                        n.input[7], n.input[8]))
+                        *tables))
         if len(shapes) != 1:
             raise Unsupported("layers with different attention shapes")
         return shapes.pop()
+
+    def _quantized_kv(self, node: onnx.NodeProto) -> dict[str, Any]:
+        """A quantized lanes layer (lower.py's `_lane_attention`): the queries and keys
+        rotary-embedded (and rotated) from the Split of the fused projection, keys and values
+        rounded to their codes with the static per-channel scales the node stores them with."""
+        attrs = _attrs(node)
+        bits = attrs.get("kv_cache_bit_width")
+        if (attrs.get("k_quant_type"), attrs.get("v_quant_type")) != (b"PER_CHANNEL",) * 2 or (
+                bits not in (4, 8)):
+            raise Unsupported("quantized KV lanes other than int8/int4 per channel")
+        key_scale, value_scale = node.input[12], node.input[13]
+        q_rope, q_rotation = self._rotated(node.input[0])
+        k_rope, k_rotation = self._rotated(self._rounded(node.input[1], key_scale, bits))
+        values = self._rounded(node.input[2], value_scale, bits)
+        split = self.producer.get(values)
+        sizes = self._scalars(split.input[1]) if split is not None else []
+        if (split is None or split.op_type != "Split" or list(split.output) != [
+                q_rope.input[0], k_rope.input[0], values] or len(sizes) != 3
+                or sizes[0] * attrs["kv_num_heads"] != sizes[1] * attrs["num_heads"]
+                or sizes[1] != sizes[2]):
+            raise Unsupported("quantized KV lanes not fed by a Split of queries, keys, values")
+        if q_rotation != k_rotation or q_rope.input[2:4] != k_rope.input[2:4]:
+            raise Unsupported("queries and keys embedded or rotated differently")
+        for scale in (key_scale, value_scale, q_rotation):
+            if scale and self.tensors[scale].data_type != onnx.TensorProto.FLOAT:
+                raise Unsupported(f"{scale} is not float32")
+        return {"bits": bits, "key_scale": self._tensor(key_scale),
+                "value_scale": self._tensor(value_scale),
+                "rotation": self._tensor(q_rotation) if q_rotation else None}
+
+    def _rotated(self, name: str) -> tuple[onnx.NodeProto, str | None]:
+        """The RotaryEmbedding node behind `name`, and the rotation matrix applied after it
+        (Reshape, MatMul by a weight, Reshape), if any."""
+        node, rotation = self.producer.get(name), None
+        if node is not None and node.op_type == "Reshape":
+            matmul = self.producer.get(node.input[0])
+            if matmul is None or matmul.op_type != "MatMul" or matmul.input[1] not in self.tensors:
+                raise Unsupported(f"{name}: not a rotation of rotary-embedded heads")
+            rotation = matmul.input[1]
+            reshape = self.producer.get(matmul.input[0])
+            node = self.producer.get(reshape.input[0]) if reshape is not None else None
+        if (node is None or node.op_type != "RotaryEmbedding"
+                or _attrs(node).get("interleaved", 0)):
+            raise Unsupported(f"{name}: queries or keys without non-interleaved rotary")
+        return node, rotation
+
+    def _rounded(self, name: str, scale: str, bits: int) -> str:
+        """x behind `name` = Mul(Clip(Round(Div(x, scale)), low, high), scale), the storage
+        round trip of `bits` codes (kv_cache_format's emit_round_trip)."""
+        low, high = {8: (-127, 127), 4: (-8, 7)}[bits]
+        mul = self.producer.get(name)
+        clip = self.producer.get(mul.input[0]) if mul is not None else None
+        round_ = self.producer.get(clip.input[0]) if clip is not None else None
+        div = self.producer.get(round_.input[0]) if round_ is not None else None
+        chain = [n.op_type if n is not None else None for n in (mul, clip, round_, div)]
+        if (chain != ["Mul", "Clip", "Round", "Div"] or mul.input[1] != scale
+                or div.input[1] != scale
+                or [*self._scalars(clip.input[1]), *self._scalars(clip.input[2])] != [low, high]):
+            raise Unsupported(f"{name}: not the {bits}-bit round trip of its static scale")
+        return div.input[0]
+
+    def _scalars(self, name: str) -> list[float]:
+        """The values of a small initializer (none for anything else)."""
+        tensor = self.tensors.get(name)
+        return numpy_helper.to_array(tensor).reshape(-1).tolist() if tensor else []
 
     def _embedding(self) -> dict[str, Any]:
         gather = next(n for n in self.nodes if C.INPUT_IDS in n.input)
@@ -134,7 +217,7 @@ class _Planner:
                           "bits": attrs["bits"], "n": codes[0],
                           "k": codes[1] * 8 // attrs["bits"]}}
 
-    def _layer(self, i: int) -> dict[str, Any]:
+    def _layer(self, i: int, kv: dict[str, Any] | None) -> dict[str, Any]:
         p = f"layers.{i}."
         return {
             "attn_norm": self._tensor(p + "attn_norm"), "mlp_norm": self._tensor(p + "mlp_norm"),
@@ -142,6 +225,7 @@ class _Planner:
             "o": self._matmul(self._node_of(p + "o_proj.B")),
             "gate_up": self._matmul(self._node_of(p + "gate_proj_up_proj.B")),
             "down": self._matmul(self._node_of(p + "down_proj.B")),
+            "kv": kv,  # None: float32 lanes
         }
 
     def _node_of(self, weight: str) -> onnx.NodeProto:

@@ -3,7 +3,9 @@
 One call runs a whole step over the packed query tokens of every sequence: embedding,
 each layer (RMS norm, int4/int8 block-quantized projections on int8 activations, rotary,
 keys and values written into the sequence's lane where they lie, attention over the
-lane), the final norm and the LM head rows asked for. It computes what the artifact's
+lane), the final norm and the LM head rows asked for. A lane holds float32 keys and values,
+or int8/int4 codes with static per-channel scales (the KV-cache pass's layouts that
+GroupQueryAttention reads in place), optionally of keys rotated per head. It computes what the artifact's
 ONNX graph computes with ONNX Runtime's MatMulNBits at accuracy level 4 (activations
 quantized to int8 per block of 32 with scale absmax / 127, rounded half to even).
 
@@ -48,6 +50,15 @@ typedef struct {  /* embedding rows: MatMulNBits' layout, row after row */
     int32_t n, k, bits;
 } QRows;
 
+typedef struct {  /* how one layer's lanes hold keys and values */
+    int32_t bits;               /* 32: float32; 8: int8 codes; 4: int4 codes + 8, two a byte,
+                                   element 2j in the low nibble of byte j */
+    const float *key_scale;     /* [kv_heads * head_dim] static per-channel scales of codes */
+    const float *value_scale;
+    const float *rotation;      /* [head_dim][head_dim]: queries and keys times it after
+                                   rotary (the lane stores rotated keys), or NULL */
+} KVLayout;
+
 typedef struct {
     int32_t layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, max_position;
     int32_t num_threads;
@@ -59,6 +70,7 @@ typedef struct {
     const float *final_norm;
     const QMatrix *qkv, *o, *gate_up, *down;
     QMatrix head;
+    const KVLayout *kv;                    /* [layers] */
 } Model;
 
 /* Scalar helpers (no instruction-set requirement). */
@@ -74,7 +86,7 @@ int llmopt_native_supported(void) {
 #include <immintrin.h>
 
 #define PREFETCH_BLOCKS 8  /* how far ahead of the weight stream to prefetch */
-#define TOKEN_TILE 4        /* activation rows that share each unpacked weight block */
+#define TOKEN_TILE 8        /* activation rows that share each unpacked weight block */
 
 typedef struct {  /* int8 activations of T rows of width K, blocks of 32 */
     int8_t *codes;  /* [T][K] */
@@ -150,9 +162,14 @@ static void gemm_groups(const QMatrix *w, const QActivations *a, int t_rows, flo
                     const int64_t tb = (int64_t)(t0 + i) * blocks + b;
                     const int32_t *act =
                         (const int32_t *)(a->codes + (t0 + i) * (int64_t)w->k + b * 32);
-                    __m512i dot = _mm512_setzero_si512();
-                    for (int m = 0; m < 8; m++)
-                        dot = _mm512_dpbusd_epi32(dot, codes[m], _mm512_set1_epi32(act[m]));
+                    /* two chains of four: a dot's latency is four of its issue slots */
+                    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+                    for (int m = 0; m < 8; m += 2) {
+                        even = _mm512_dpbusd_epi32(even, codes[m], _mm512_set1_epi32(act[m]));
+                        odd = _mm512_dpbusd_epi32(odd, codes[m + 1],
+                                                  _mm512_set1_epi32(act[m + 1]));
+                    }
+                    __m512i dot = _mm512_add_epi32(even, odd);
                     dot = _mm512_sub_epi32(dot, zeros
                         ? _mm512_mullo_epi32(row_zeros, _mm512_set1_epi32(a->sums[tb]))
                         : _mm512_set1_epi32(a->sums[tb] << (w->bits - 1)));
@@ -237,6 +254,63 @@ static void rotary(float *x, int heads, int dim, const float *cos, const float *
     }
 }
 
+/* Each head of x [heads][dim] times r [dim][dim]. */
+static void rotate_heads(float *x, int heads, int dim, const float *r) {
+    float row[256];
+    for (int h = 0; h < heads; h++) {
+        float *v = x + h * dim;
+        for (int j = 0; j < dim; j += 16) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int i = 0; i < dim; i++)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(v[i]), _mm512_loadu_ps(r + i * dim + j), acc);
+            _mm512_storeu_ps(row + j, acc);
+        }
+        memcpy(v, row, sizeof(float) * dim);
+    }
+}
+
+/* A lane row's bytes: dim float32s, or dim codes of `bits`. */
+static inline int64_t row_bytes(int bits, int dim) { return (int64_t)dim * bits / 8; }
+
+/* x [dim] as a lane row of `bits`: codes round(x / scale) clipped to the code range, as the
+   graph's Div, Round (half to even) and Clip compute them. */
+static void store_row(const float *x, const float *scale, int bits, int dim, uint8_t *row) {
+    if (bits == 32) {
+        memcpy(row, x, sizeof(float) * dim);
+        return;
+    }
+    const __m512 top = _mm512_set1_ps(bits == 8 ? 127.f : 7.f);
+    const __m512 bottom = _mm512_set1_ps(bits == 8 ? -127.f : -8.f);
+    for (int d = 0; d < dim; d += 16) {
+        __m512 c = _mm512_roundscale_ps(
+            _mm512_div_ps(_mm512_loadu_ps(x + d), _mm512_loadu_ps(scale + d)),
+            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512i code = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(c, bottom), top));
+        if (bits == 8) {
+            _mm_storeu_si128((__m128i *)(row + d), _mm512_cvtepi32_epi8(code));
+            continue;
+        }
+        int32_t biased[16];
+        _mm512_storeu_si512(biased, _mm512_add_epi32(code, _mm512_set1_epi32(8)));
+        for (int i = 0; i < 8; i++)
+            row[d / 2 + i] = (uint8_t)(biased[2 * i] | biased[2 * i + 1] << 4);
+    }
+}
+
+/* Elements d .. d+15 of a lane row of `bits`, as float32 (codes without their scale). */
+static inline __m512 row_strip(const uint8_t *row, int bits, int d) {
+    if (bits == 32) return _mm512_loadu_ps((const float *)row + d);
+    if (bits == 8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + d))));
+    /* eight bytes -> sixteen nibbles, low first: byte b in a 16-bit lane becomes the bytes
+       (b & 15, b >> 4) */
+    __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(row + d / 2)));
+    __m128i nibbles = _mm_and_si128(_mm_or_si128(bytes, _mm_slli_epi16(bytes, 4)),
+                                    _mm_set1_epi16(0x0F0F));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(nibbles),
+                                               _mm512_set1_epi32(8)));
+}
+
 /* The eight sums of eight vectors' lanes. */
 static inline __m256 sum_lanes8(const __m512 v[8]) {
     __m256 r[8];
@@ -248,16 +322,22 @@ static inline __m256 sum_lanes8(const __m512 v[8]) {
                          _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
-/* scores[h][j] = scale * q_h . keys[j] for the group's heads, eight keys at a time. */
+/* scores[h][j] = scale * q_h . keys[j] for the group's heads, eight keys at a time (rows
+   of codes decoded to float32 first, eight at a time). */
 static inline __attribute__((always_inline)) void group_scores_as(
-        const float *q, int group, const float *keys, int len, const int dim, float scale,
-        float *scores) {
-    float padded[8 * 256];  /* the last keys, zero-padded to eight (dim <= 256) */
+        const float *q, int group, const uint8_t *keys, int bits, int len, const int dim,
+        float scale, float *scores) {
+    float padded[8 * 256];  /* decoded keys, or the last ones zero-padded to eight */
+    const int64_t stride = row_bytes(bits, dim);
     for (int j0 = 0; j0 < len; j0 += 8) {
-        const float *block = keys + (int64_t)j0 * dim;
-        if (len - j0 < 8) {
-            memset(padded, 0, sizeof(float) * 8 * dim);
-            memcpy(padded, block, sizeof(float) * (len - j0) * dim);
+        const int rows = len - j0 < 8 ? len - j0 : 8;
+        const float *block = (const float *)(keys + j0 * stride);
+        if (bits != 32 || rows < 8) {
+            for (int u = 0; u < rows; u++)
+                for (int d = 0; d < dim; d += 16)
+                    _mm512_storeu_ps(padded + u * dim + d,
+                                     row_strip(keys + (j0 + u) * stride, bits, d));
+            memset(padded + rows * dim, 0, sizeof(float) * (8 - rows) * dim);
             block = padded;
         }
         for (int h = 0; h < group; h++) {
@@ -275,25 +355,26 @@ static inline __attribute__((always_inline)) void group_scores_as(
     }
 }
 
-static void group_scores(const float *q, int group, const float *keys, int len, int dim,
-                         float scale, float *scores) {
+static void group_scores(const float *q, int group, const uint8_t *keys, int bits, int len,
+                         int dim, float scale, float *scores) {
     if (dim == 64)  /* the common head size: its loops unrolled */
-        group_scores_as(q, group, keys, len, 64, scale, scores);
+        group_scores_as(q, group, keys, bits, len, 64, scale, scores);
     else
-        group_scores_as(q, group, keys, len, dim, scale, scores);
+        group_scores_as(q, group, keys, bits, len, dim, scale, scores);
 }
 
 /* out [group][strips * 16] = p [group][len] @ values [len][strips * 16]: each value row read
    once for the group; with `group` and `strips` constants (below), the sums stay in registers. */
 static inline __attribute__((always_inline)) void weigh_values_as(
-        const float *p, int len, const float *values, const int group, const int strips,
-        float *out) {
+        const float *p, int len, const uint8_t *values, const int bits, const int group,
+        const int strips, float *out) {
     __m512 acc[8 * 16];  /* [head][strip]: group * strips <= 128 (the plan checks) */
     for (int i = 0; i < group * strips; i++) acc[i] = _mm512_setzero_ps();
+    const int64_t stride = row_bytes(bits, strips * 16);
     for (int j = 0; j < len; j++) {
-        const float *v = values + (int64_t)j * strips * 16;
+        const uint8_t *v = values + j * stride;
         for (int d = 0; d < strips; d++) {
-            __m512 vd = _mm512_loadu_ps(v + 16 * d);
+            __m512 vd = row_strip(v, bits, 16 * d);
             for (int h = 0; h < group; h++)
                 acc[h * strips + d] = _mm512_fmadd_ps(_mm512_set1_ps(p[(int64_t)h * len + j]),
                                                       vd, acc[h * strips + d]);
@@ -302,26 +383,48 @@ static inline __attribute__((always_inline)) void weigh_values_as(
     for (int i = 0; i < group * strips; i++) _mm512_storeu_ps(out + 16 * i, acc[i]);
 }
 
-static void weigh_values(const float *p, int len, const float *values, int group, int strips,
-                         float *out) {
+static inline __attribute__((always_inline)) void weigh_values_bits(
+        const float *p, int len, const uint8_t *values, const int bits, int group, int strips,
+        float *out) {
     if (strips == 4) {  /* head_dim 64, the common case: one body per group size */
         switch (group) {
-        case 1: weigh_values_as(p, len, values, 1, 4, out); return;
-        case 2: weigh_values_as(p, len, values, 2, 4, out); return;
-        case 3: weigh_values_as(p, len, values, 3, 4, out); return;
-        case 4: weigh_values_as(p, len, values, 4, 4, out); return;
-        case 5: weigh_values_as(p, len, values, 5, 4, out); return;
-        case 6: weigh_values_as(p, len, values, 6, 4, out); return;
+        case 1: weigh_values_as(p, len, values, bits, 1, 4, out); return;
+        case 2: weigh_values_as(p, len, values, bits, 2, 4, out); return;
+        case 3: weigh_values_as(p, len, values, bits, 3, 4, out); return;
+        case 4: weigh_values_as(p, len, values, bits, 4, 4, out); return;
+        case 5: weigh_values_as(p, len, values, bits, 5, 4, out); return;
+        case 6: weigh_values_as(p, len, values, bits, 6, 4, out); return;
         }
     }
-    weigh_values_as(p, len, values, group, strips, out);
+    weigh_values_as(p, len, values, bits, group, strips, out);
 }
 
-/* The heads of one query group over their shared keys and values [len][dim]: for head h
-   (query q + h*dim), out + h*dim = softmax(scale * q . keys) @ values. scores: [group][len]. */
-static void attend_group(const float *q, int group, const float *keys, const float *values,
-                         int len, int dim, float scale, float *scores, float *out) {
-    group_scores(q, group, keys, len, dim, scale, scores);
+static void weigh_values(const float *p, int len, const uint8_t *values, int bits, int group,
+                         int strips, float *out) {
+    switch (bits) {  /* one body per row format */
+    case 32: weigh_values_bits(p, len, values, 32, group, strips, out); return;
+    case 8: weigh_values_bits(p, len, values, 8, group, strips, out); return;
+    default: weigh_values_bits(p, len, values, 4, group, strips, out); return;
+    }
+}
+
+/* The heads of one query group over their shared keys and values (lane rows [len] of the
+   layer's format, codes scaled per channel by kv's scales + scale_at): for head h (query
+   q + h*dim), out + h*dim = softmax(scale * q . keys) @ values. A key's scale multiplies the
+   queries instead (scaled: [group][dim]); a value's, the weighted sum. scores: [group][len]. */
+static void attend_group(const float *q, int group, const uint8_t *keys, const uint8_t *values,
+                         const KVLayout *kv, int64_t scale_at, int len, int dim, float scale,
+                         float *scores, float *scaled, float *out) {
+    if (kv->bits != 32) {
+        const float *key_scale = kv->key_scale + scale_at;
+        for (int h = 0; h < group; h++)
+            for (int d = 0; d < dim; d += 16)
+                _mm512_storeu_ps(scaled + h * dim + d,
+                                 _mm512_mul_ps(_mm512_loadu_ps(q + h * dim + d),
+                                               _mm512_loadu_ps(key_scale + d)));
+        q = scaled;
+    }
+    group_scores(q, group, keys, kv->bits, len, dim, scale, scores);
     for (int h = 0; h < group; h++) {  /* softmax, in place */
         float *row = scores + (int64_t)h * len;
         __m512 peak = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
@@ -344,7 +447,15 @@ static void attend_group(const float *q, int group, const float *keys, const flo
                                   _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), inv));
         }
     }
-    weigh_values(scores, len, values, group, dim / 16, out);
+    weigh_values(scores, len, values, kv->bits, group, dim / 16, out);
+    if (kv->bits != 32) {
+        const float *value_scale = kv->value_scale + scale_at;
+        for (int h = 0; h < group; h++)
+            for (int d = 0; d < dim; d += 16)
+                _mm512_storeu_ps(out + h * dim + d,
+                                 _mm512_mul_ps(_mm512_loadu_ps(out + h * dim + d),
+                                               _mm512_loadu_ps(value_scale + d)));
+    }
 }
 
 static void embed_row(const Model *m, int64_t token, float *out) {
@@ -371,6 +482,7 @@ typedef struct {
     float *x, *h, *qkv, *attn, *proj, *gate_up, *act;
     float *scores;          /* [threads][group][longest] attention scores */
     int64_t scores_stride;  /* one thread's share */
+    float *scaled;          /* [threads][group][head_dim] queries times a key scale */
     QActivations q;
 } Scratch;
 
@@ -394,14 +506,15 @@ static int scratch_alloc(const Model *m, int t_rows, int longest, Scratch *s) {
     s->scores_stride = (int64_t)(m->heads / m->kv_heads) * longest;
     int threads = m->num_threads > 1 ? m->num_threads : 1;
     s->scores = malloc(sizeof(float) * s->scores_stride * threads);
+    s->scaled = malloc(sizeof(float) * attn_width * threads);
     return s->x && s->h && s->qkv && s->attn && s->proj && s->gate_up && s->act && s->q.codes
-        && s->q.inputs && s->q.scales && s->q.sums && s->scores;
+        && s->q.inputs && s->q.scales && s->q.sums && s->scores && s->scaled;
 }
 
 static void scratch_free(Scratch *s) {
     free(s->x); free(s->h); free(s->qkv); free(s->attn); free(s->proj); free(s->gate_up);
     free(s->act); free(s->q.codes); free(s->q.scales); free(s->q.sums); free(s->q.inputs);
-    free(s->scores);
+    free(s->scores); free(s->scaled);
 }
 
 static void linear(const Model *m, const QMatrix *w, const float *x, int t_rows, Scratch *s,
@@ -410,23 +523,32 @@ static void linear(const Model *m, const QMatrix *w, const float *x, int t_rows,
     gemm(w, &s->q, t_rows, y, m->num_threads);
 }
 
-/* One layer's attention: rotary, the step's keys and values into their lanes, then every
-   query token attends to its lane's positions 0 .. its own. */
-static void attention(const Model *m, int t_rows, const int32_t *lanes,
-                      const int32_t *positions, float *key_pool, float *value_pool,
+/* One layer's attention: rotary (and the layer's rotation), the step's keys and values into
+   their lanes in the layer's format, then every query token attends to its lane's
+   positions 0 .. its own. */
+static void attention(const Model *m, const KVLayout *kv, int t_rows, const int32_t *lanes,
+                      const int32_t *positions, uint8_t *key_pool, uint8_t *value_pool,
                       int lane_tokens, Scratch *s) {
     const int dim = m->head_dim, heads = m->heads, kv_heads = m->kv_heads, half = dim / 2;
     const int qkv_width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
+    const int64_t stride = row_bytes(kv->bits, dim);
     for (int t = 0; t < t_rows; t++) {
         float *q = s->qkv + (int64_t)t * qkv_width, *k = q + heads * dim, *v = k + kv_heads * dim;
         const float *cos = m->rope_cos + (int64_t)positions[t] * half;
         const float *sin = m->rope_sin + (int64_t)positions[t] * half;
         rotary(q, heads, dim, cos, sin);
         rotary(k, kv_heads, dim, cos, sin);
+        if (kv->rotation) {
+            rotate_heads(q, heads, dim, kv->rotation);
+            rotate_heads(k, kv_heads, dim, kv->rotation);
+        }
         for (int g = 0; g < kv_heads; g++) {
-            int64_t at = (((int64_t)lanes[t] * kv_heads + g) * lane_tokens + positions[t]) * dim;
-            memcpy(key_pool + at, k + g * dim, sizeof(float) * dim);
-            memcpy(value_pool + at, v + g * dim, sizeof(float) * dim);
+            int64_t at = (((int64_t)lanes[t] * kv_heads + g) * lane_tokens + positions[t]) * stride;
+            const int64_t channel = (int64_t)g * dim;
+            store_row(k + channel, kv->bits != 32 ? kv->key_scale + channel : NULL, kv->bits,
+                      dim, key_pool + at);
+            store_row(v + channel, kv->bits != 32 ? kv->value_scale + channel : NULL, kv->bits,
+                      dim, value_pool + at);
         }
     }
     int threads = m->num_threads > 1 ? m->num_threads : 1;
@@ -435,14 +557,15 @@ static void attention(const Model *m, int t_rows, const int32_t *lanes,
     for (int t = 0; t < t_rows; t++) {
         for (int g = 0; g < kv_heads; g++) {
             const float *q = s->qkv + (int64_t)t * qkv_width + g * group * dim;
-            int64_t lane = (((int64_t)lanes[t] * kv_heads + g) * lane_tokens) * dim;
+            int64_t lane = (((int64_t)lanes[t] * kv_heads + g) * lane_tokens) * stride;
 #ifdef _OPENMP
-            float *scores = s->scores + omp_get_thread_num() * s->scores_stride;
+            int id = omp_get_thread_num();
 #else
-            float *scores = s->scores;
+            int id = 0;
 #endif
-            attend_group(q, group, key_pool + lane, value_pool + lane, positions[t] + 1, dim,
-                         m->attn_scale, scores,
+            attend_group(q, group, key_pool + lane, value_pool + lane, kv, (int64_t)g * dim,
+                         positions[t] + 1, dim, m->attn_scale, s->scores + id * s->scores_stride,
+                         s->scaled + (int64_t)id * heads * dim,
                          s->attn + (int64_t)t * heads * dim + g * group * dim);
         }
     }
@@ -476,8 +599,8 @@ int llmopt_linear(const QMatrix *w, const float *x, int32_t t_rows, float *y, in
    positions[t]; its key and value are written there in every layer. Logit row r is the
    head's output for token logit_rows[r]. Returns 0, or -1 when memory runs out. */
 int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
-                   const int32_t *lanes, const int32_t *positions, float *const *key_pools,
-                   float *const *value_pools, int32_t lane_tokens, int32_t n_logits,
+                   const int32_t *lanes, const int32_t *positions, uint8_t *const *key_pools,
+                   uint8_t *const *value_pools, int32_t lane_tokens, int32_t n_logits,
                    const int32_t *logit_rows, float *logits) {
     Scratch s;
     int longest = 1;
@@ -494,7 +617,8 @@ int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
     }
     for (int l = 0; l < m->layers; l++) {
         linear(m, &m->qkv[l], s.h, t_rows, &s, s.qkv);
-        attention(m, t_rows, lanes, positions, key_pools[l], value_pools[l], lane_tokens, &s);
+        attention(m, &m->kv[l], t_rows, lanes, positions, key_pools[l], value_pools[l],
+                  lane_tokens, &s);
         linear(m, &m->o[l], s.attn, t_rows, &s, s.proj);
         add_norm(s.x, s.proj, m->mlp_norm[l], m, t_rows, s.h);
         linear(m, &m->gate_up[l], s.h, t_rows, &s, s.gate_up);

@@ -26,6 +26,14 @@ class QRows(ctypes.Structure):
     _fields_ = QMatrix._fields_
 
 
+class KVLayout(ctypes.Structure):
+    """kernels.c's KVLayout: how one layer's lanes hold keys and values (32: float32; 8/4:
+    codes with static per-channel scales), and the rotation of queries and keys, if any."""
+
+    _fields_ = [("bits", c_i32), ("key_scale", c_ptr), ("value_scale", c_ptr),
+                ("rotation", c_ptr)]
+
+
 class Model(ctypes.Structure):
     """kernels.c's Model: shapes, and pointers to every weight (arrays of L per layer)."""
 
@@ -35,7 +43,7 @@ class Model(ctypes.Structure):
                 ("attn_scale", c_f32), ("rope_cos", c_ptr), ("rope_sin", c_ptr),
                 ("embed", c_ptr), ("embed_codes", QRows), ("attn_norm", c_ptr),
                 ("mlp_norm", c_ptr), ("final_norm", c_ptr), ("qkv", c_ptr), ("o", c_ptr),
-                ("gate_up", c_ptr), ("down", c_ptr), ("head", QMatrix)]
+                ("gate_up", c_ptr), ("down", c_ptr), ("head", QMatrix), ("kv", c_ptr)]
 
 
 @functools.cache
@@ -73,7 +81,17 @@ def unavailable_reason(graph: GraphSpec, kv_cache: KVCacheSpec) -> str | None:
         return "the artifact predates native plans (recompile it)"
     if "unsupported" in plan:
         return plan["unsupported"]
-    if kv_cache.layout != "lanes" or any(t.dtype != "float32" for layer in kv_cache.layers
-                                         for t in layer.tensors):
-        return "the native step reads float32 KV lanes only"
+    if kv_cache.layout != "lanes":
+        return "the native step reads KV lanes only"
+    for index, (layer, planned) in enumerate(zip(kv_cache.layers, plan["layers"], strict=True)):
+        dtype = lane_dtype(planned.get("kv"))
+        if any(t.dtype != dtype for t in layer.tensors):
+            return f"layer {index}'s KV pool is not the {dtype} its graph stores"
     return None
+
+
+def lane_dtype(kv: dict[str, Any] | None) -> str:
+    """The pool dtype of a layer's plan `kv` entry (None: float32 lanes)."""
+    if kv is None:
+        return "float32"
+    return {8: "int8", 4: "uint8"}[kv["bits"]]

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from llmopt.runtime.native.library import Model, QMatrix, QRows
+from llmopt.runtime.native.library import KVLayout, Model, QMatrix, QRows
 
 
 class NativeWeights:
@@ -24,7 +24,8 @@ class NativeWeights:
                      for key in ("qkv", "o", "gate_up", "down")}
         norms = {key: (ctypes.c_void_p * count)(*(self._pointer(layer[key]) for layer in layers))
                  for key in ("attn_norm", "mlp_norm")}
-        self._tables = [*per_layer.values(), *norms.values()]
+        kv = (KVLayout * count)(*(self._kv_layout(layer.get("kv")) for layer in layers))
+        self._tables = [*per_layer.values(), *norms.values(), kv]
         embed = plan["embed"]
         cos = self._array(plan["rope"]["cos"])
         self.model = Model(
@@ -39,7 +40,15 @@ class NativeWeights:
             mlp_norm=ctypes.cast(norms["mlp_norm"], ctypes.c_void_p),
             final_norm=self._pointer(plan["final_norm"]),
             **{key: ctypes.cast(table, ctypes.c_void_p) for key, table in per_layer.items()},
-            head=self._matrix(plan["head"]))
+            head=self._matrix(plan["head"]), kv=ctypes.cast(kv, ctypes.c_void_p))
+
+    def _kv_layout(self, kv: dict[str, Any] | None) -> KVLayout:
+        """A layer's lanes: float32 (None), or codes with static scales (runtime/native)."""
+        if kv is None:
+            return KVLayout(bits=32)
+        rotation = self._pointer(kv["rotation"]) if kv["rotation"] else None
+        return KVLayout(bits=kv["bits"], key_scale=self._pointer(kv["key_scale"]),
+                        value_scale=self._pointer(kv["value_scale"]), rotation=rotation)
 
     def _array(self, tensor: dict[str, Any]) -> np.ndarray:
         dtype = np.dtype(tensor["dtype"])

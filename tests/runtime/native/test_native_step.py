@@ -41,8 +41,16 @@ def rtn(symmetric: bool, head_bits: int) -> dict:
                     "include_lm_head": True, "lm_head_bits": head_bits}}
 
 
+STATIC = {"key_scales": "channel", "value_scales": "channel"}  # lanes read the codes in place
 ARTIFACTS = {  # name -> (architecture, passes, target options)
     "llama-sym-h8": ("llama", [rtn(True, 8), {"draft": {"kind": "ngram", "gamma": 3}}], A8),
+    # int8 KV codes of rotated keys and values (the rotation first: it folds into v_proj)
+    "llama-kv-int8-rotate": ("llama", [{"kv_cache": {"dtype": "int8", **STATIC,
+                                                     "rotate": True}}, rtn(True, 8)], A8),
+    # int4 KV codes, one layer kept in float32; speculation rolls the codes back
+    "llama-kv-int4-mixed": ("llama", [{"kv_cache": {"dtype": "int4", **STATIC,
+                                                    "skip_layers": [1]}}, rtn(False, 4),
+                                      {"draft": {"kind": "ngram", "gamma": 3}}], A8),
     "llama-asym-h4": ("llama", [rtn(False, 4)], A8),
     "llama-float-activations": ("llama", [rtn(True, 8)], {}),
     "llama-blocks": ("llama", [rtn(True, 8)], {**A8, "kv_layout": "blocks"}),
@@ -121,13 +129,21 @@ def test_a_projection_equals_matmul_nbits(bits, symmetric):
         assert np.array_equal(one_row[0], got[3])
 
 
+def _codes(lane: np.ndarray) -> np.ndarray:
+    """A lane's int codes: int8 as they are, int4 unpacked (two a byte, low nibble first)."""
+    if lane.dtype == np.int8:
+        return lane.astype(np.int16)
+    return np.stack([lane & 15, lane >> 4], axis=-1).astype(np.int16) - 8
+
+
 def _torch(array: np.ndarray):
     import torch
 
     return torch.from_numpy(array)
 
 
-@pytest.mark.parametrize("name", ["llama-sym-h8", "llama-asym-h4", "gguf-q4_1"])
+@pytest.mark.parametrize("name", ["llama-sym-h8", "llama-asym-h4", "gguf-q4_1",
+                                  "llama-kv-int8-rotate", "llama-kv-int4-mixed"])
 def test_the_step_matches_onnx_runtime(name, artifacts):
     native, reference = (LLM(artifacts[name], kernels=k, speculative=False)
                          for k in ("native", "onnxruntime"))
@@ -138,13 +154,21 @@ def test_the_step_matches_onnx_runtime(name, artifacts):
     got, expected = native.score(tokens), reference.score(tokens)
     assert np.abs(got - expected).max() < 0.1  # log-probs, int8-activation rounding noise
     assert np.abs(got - expected).mean() < 0.01
-    # KV lands where ONNX Runtime's GroupQueryAttention puts it: lane 0, positions 0..99
-    keys = [llm.engine.executor.pools["past.0.key"][0, :, : len(tokens)]
-            for llm in (native, reference)]
-    np.testing.assert_allclose(*keys, atol=0.05 * np.abs(keys[1]).max())
+    # KV lands where ONNX Runtime's GroupQueryAttention puts it, as it stores it: lane 0,
+    # positions 0..99, float32 or the same codes (but where a rounding flipped upstream)
+    for name in native.engine.executor.pools:
+        got, expected = (llm.engine.executor.pools[name][0, :, : len(tokens)]
+                         for llm in (native, reference))
+        assert got.dtype == expected.dtype
+        if got.dtype == np.float32:
+            np.testing.assert_allclose(got, expected, atol=0.05 * np.abs(expected).max())
+        else:
+            codes = [_codes(array) for array in (got, expected)]
+            assert np.mean(codes[0] != codes[1]) < 0.05
+            assert np.abs(codes[0] - codes[1]).max() <= 2
 
 
-@pytest.mark.parametrize("name", ["llama-sym-h8", "llama-self-draft"])
+@pytest.mark.parametrize("name", ["llama-sym-h8", "llama-self-draft", "llama-kv-int4-mixed"])
 def test_batching_preemption_and_speculation_change_nothing(name, artifacts):
     prompts = requests()
     llm = LLM(artifacts[name], kernels="native", speculative=False)
