@@ -16,6 +16,9 @@ Systems (each worker a fresh subprocess, greedy, EOS ignored, same random prompt
   llmopt-rtn4-a8-dq    rtn4-a8 lowered as DequantizeLinear -> MatMul (ORT fuses them)
   llmopt-q4_1-a8-native, llmopt-rtn4-a8-native, llmopt-rtn4-h4-a8-native
                        those artifacts run by llmopt's native step (--kernels native)
+  llmopt-rtn4-h4-a8-kv8-native  rtn4-h4-a8 after the kv_cache pass: int8 KV lanes (static
+                       channel scales calibrated on the validation split, rotated), native
+  llmopt-rtn4-h4-a8-kv4-native  ... int4 KV lanes, the 6 most sensitive layers in int8
   llama.cpp-q4_1       llama-cpp-python on the package's own Q4_1 GGUF
   llama.cpp-q4_0       the same weights as an F32 GGUF, re-quantized by llama.cpp to Q4_0
   llama.cpp-q8_0       ... and to Q8_0
@@ -72,6 +75,13 @@ DEFAULT_RECIPE = "recipes/smollm2-135m-instruct.yaml"
 # One weight pass: rtn int4 sym g32 decoder linears, the LM head at its own width.
 RTN4 = "{rtn: {bits: 4, group_size: 32, symmetric: true, include_lm_head: true, lm_head_bits: %d}}"
 A8 = "target.nbits_accuracy_level=4"
+# The kv_cache pass before rtn (its value rotation folds into float weights); static scales
+# are calibrated on the validation split, as every benchmark calibrates.
+KV8 = "{kv_cache: {dtype: int8, key_scales: channel, value_scales: channel, rotate: true}}"
+KV4 = ("{kv_cache: {dtype: int4, key_scales: channel, value_scales: channel, "
+       "skip_dtype: int8, auto_skip: 6}}")
+VALID_SPLIT = REPO_ROOT.parent / "shared" / "data" / "wikitext2-valid.tokens.txt"
+CALIBRATION = f"calibration.text={VALID_SPLIT}"
 # llmopt system -> (artifact directory name under --out-dir, recipe overrides)
 ARTIFACTS: dict[str, tuple[str, list[str]]] = {
     "llmopt-fp32": ("smollm2", []),
@@ -88,6 +98,10 @@ ARTIFACTS: dict[str, tuple[str, list[str]]] = {
                               ["passes=[{gguf_weights: {include_lm_head: true}}]", A8]),
     "llmopt-rtn4-a8-native": ("smollm2-rtn4-sym-g32-h8-a8", [f"passes=[{RTN4 % 8}]", A8]),
     "llmopt-rtn4-h4-a8-native": ("smollm2-rtn4-sym-g32-h4-a8", [f"passes=[{RTN4 % 4}]", A8]),
+    "llmopt-rtn4-h4-a8-kv8-native": ("smollm2-rtn4-sym-g32-h4-a8-kv8",
+                                     [f"passes=[{KV8}, {RTN4 % 4}]", A8, CALIBRATION]),
+    "llmopt-rtn4-h4-a8-kv4-native": ("smollm2-rtn4-sym-g32-h4-a8-kv4",
+                                     [f"passes=[{KV4}, {RTN4 % 4}]", A8, CALIBRATION]),
     "llmopt-rtn4-a8-dq": ("smollm2-rtn4-sym-g32-h8-a8-dq",
                           [f"passes=[{RTN4 % 8}]", A8,
                            "target.quantized_matmul=dequantize_linear"]),
@@ -102,7 +116,8 @@ DEFAULT_SYSTEMS = ("llmopt-q4_1", "llmopt-q4_1-a8", "llmopt-rtn4-a8", "llmopt-rt
                    Q4_0, Q4_1, OG)
 INT4_LLMOPT = ("llmopt-q4_1", "llmopt-q4_1-a8", "llmopt-rtn4-a8", "llmopt-rtn4-h4-a8",
                "llmopt-rtn4-a8-dq", "llmopt-q4_1-a8-native", "llmopt-rtn4-a8-native",
-               "llmopt-rtn4-h4-a8-native")
+               "llmopt-rtn4-h4-a8-native", "llmopt-rtn4-h4-a8-kv8-native",
+               "llmopt-rtn4-h4-a8-kv4-native")
 # lossless: the same blocks as llama.cpp-q4_1
 Q4_1_LLMOPT = ("llmopt-q4_1", "llmopt-q4_1-a8", "llmopt-q4_1-a8-native")
 ANCHORS = (Q4_0, Q4_1, "llama.cpp-q8_0", OG)

@@ -86,6 +86,8 @@ int llmopt_native_supported(void) {
 #include <immintrin.h>
 
 #define PREFETCH_BLOCKS 8  /* how far ahead of the weight stream to prefetch */
+#define PREFETCH_KEYS 4096  /* bytes ahead of the key rows attention reads */
+#define PREFETCH_LANE 2048  /* bytes of the next lane's keys and values fetched early */
 #define TOKEN_TILE 8        /* activation rows that share each unpacked weight block */
 
 typedef struct {  /* int8 activations of T rows of width K, blocks of 32 */
@@ -254,18 +256,30 @@ static void rotary(float *x, int heads, int dim, const float *cos, const float *
     }
 }
 
-/* Each head of x [heads][dim] times r [dim][dim]. */
+/* Each head of x [heads][dim] times r [dim][dim], four heads at a time: r's rows are read
+   once per four heads, and sixteen sums (four heads of 64) grow side by side. */
 static void rotate_heads(float *x, int heads, int dim, const float *r) {
-    float row[256];
-    for (int h = 0; h < heads; h++) {
-        float *v = x + h * dim;
-        for (int j = 0; j < dim; j += 16) {
-            __m512 acc = _mm512_setzero_ps();
+    float rotated[4 * 256];
+    for (int h0 = 0; h0 < heads; h0 += 4) {
+        const int n = heads - h0 < 4 ? heads - h0 : 4;
+        float *v = x + (int64_t)h0 * dim;
+        for (int j0 = 0; j0 < dim; j0 += 64) {
+            const int strips = dim - j0 < 64 ? (dim - j0) / 16 : 4;
+            __m512 acc[4][4];
+            for (int h = 0; h < 4; h++)
+                for (int j = 0; j < 4; j++) acc[h][j] = _mm512_setzero_ps();
             for (int i = 0; i < dim; i++)
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(v[i]), _mm512_loadu_ps(r + i * dim + j), acc);
-            _mm512_storeu_ps(row + j, acc);
+                for (int j = 0; j < strips; j++) {
+                    const __m512 row = _mm512_loadu_ps(r + (int64_t)i * dim + j0 + 16 * j);
+                    for (int h = 0; h < n; h++)
+                        acc[h][j] = _mm512_fmadd_ps(_mm512_set1_ps(v[h * dim + i]), row,
+                                                    acc[h][j]);
+                }
+            for (int h = 0; h < n; h++)
+                for (int j = 0; j < strips; j++)
+                    _mm512_storeu_ps(rotated + h * dim + j0 + 16 * j, acc[h][j]);
         }
-        memcpy(v, row, sizeof(float) * dim);
+        memcpy(v, rotated, sizeof(float) * n * dim);
     }
 }
 
@@ -322,16 +336,24 @@ static inline __m256 sum_lanes8(const __m512 v[8]) {
                          _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
+static inline void prefetch_bytes(const uint8_t *at, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)(at + b), _MM_HINT_T0);
+}
+
 /* scores[h][j] = scale * q_h . keys[j] for the group's heads, eight keys at a time (rows
-   of codes decoded to float32 first, eight at a time). */
+   of codes decoded to float32 first, eight at a time). A lane's rows are few kilobytes,
+   too short a stream for the hardware prefetcher: keys are fetched ahead, and the value
+   rows the next pass reads alongside them. */
 static inline __attribute__((always_inline)) void group_scores_as(
-        const float *q, int group, const uint8_t *keys, int bits, int len, const int dim,
-        float scale, float *scores) {
+        const float *q, int group, const uint8_t *keys, const uint8_t *values, int bits,
+        int len, const int dim, float scale, float *scores) {
     float padded[8 * 256];  /* decoded keys, or the last ones zero-padded to eight */
     const int64_t stride = row_bytes(bits, dim);
     for (int j0 = 0; j0 < len; j0 += 8) {
         const int rows = len - j0 < 8 ? len - j0 : 8;
         const float *block = (const float *)(keys + j0 * stride);
+        prefetch_bytes(keys + j0 * stride + PREFETCH_KEYS, 8 * stride);
+        prefetch_bytes(values + j0 * stride, 8 * stride);
         if (bits != 32 || rows < 8) {
             for (int u = 0; u < rows; u++)
                 for (int d = 0; d < dim; d += 16)
@@ -355,12 +377,12 @@ static inline __attribute__((always_inline)) void group_scores_as(
     }
 }
 
-static void group_scores(const float *q, int group, const uint8_t *keys, int bits, int len,
-                         int dim, float scale, float *scores) {
+static void group_scores(const float *q, int group, const uint8_t *keys, const uint8_t *values,
+                         int bits, int len, int dim, float scale, float *scores) {
     if (dim == 64)  /* the common head size: its loops unrolled */
-        group_scores_as(q, group, keys, bits, len, 64, scale, scores);
+        group_scores_as(q, group, keys, values, bits, len, 64, scale, scores);
     else
-        group_scores_as(q, group, keys, bits, len, dim, scale, scores);
+        group_scores_as(q, group, keys, values, bits, len, dim, scale, scores);
 }
 
 /* out [group][strips * 16] = p [group][len] @ values [len][strips * 16]: each value row read
@@ -424,7 +446,7 @@ static void attend_group(const float *q, int group, const uint8_t *keys, const u
                                                _mm512_loadu_ps(key_scale + d)));
         q = scaled;
     }
-    group_scores(q, group, keys, kv->bits, len, dim, scale, scores);
+    group_scores(q, group, keys, values, kv->bits, len, dim, scale, scores);
     for (int h = 0; h < group; h++) {  /* softmax, in place */
         float *row = scores + (int64_t)h * len;
         __m512 peak = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
@@ -558,6 +580,13 @@ static void attention(const Model *m, const KVLayout *kv, int t_rows, const int3
         for (int g = 0; g < kv_heads; g++) {
             const float *q = s->qkv + (int64_t)t * qkv_width + g * group * dim;
             int64_t lane = (((int64_t)lanes[t] * kv_heads + g) * lane_tokens) * stride;
+            int next_t = g + 1 < kv_heads ? t : t + 1, next_g = g + 1 < kv_heads ? g + 1 : 0;
+            if (next_t < t_rows) {  /* the next lane's first rows, while this one computes */
+                int64_t next = (((int64_t)lanes[next_t] * kv_heads + next_g) * lane_tokens)
+                    * stride;
+                prefetch_bytes(key_pool + next, PREFETCH_LANE);
+                prefetch_bytes(value_pool + next, PREFETCH_LANE);
+            }
 #ifdef _OPENMP
             int id = omp_get_thread_num();
 #else
