@@ -159,9 +159,12 @@ class _Planner:
             raise Unsupported("quantized KV lanes not fed by a Split of queries, keys, values")
         if q_rotation != k_rotation or q_rope.input[2:4] != k_rope.input[2:4]:
             raise Unsupported("queries and keys embedded or rotated differently")
-        for scale in (key_scale, value_scale, q_rotation):
-            if scale and self.tensors[scale].data_type != onnx.TensorProto.FLOAT:
-                raise Unsupported(f"{scale} is not float32")
+        head_dim = sizes[1] // attrs["kv_num_heads"]
+        if q_rotation and self._dims(q_rotation) != [head_dim, head_dim]:
+            raise Unsupported(f"{q_rotation} is not a [{head_dim}, {head_dim}] rotation")
+        for name in (key_scale, value_scale, q_rotation):
+            if name and self.tensors[name].data_type != onnx.TensorProto.FLOAT:
+                raise Unsupported(f"{name} is not float32")
         return {"bits": bits, "key_scale": self._tensor(key_scale),
                 "value_scale": self._tensor(value_scale),
                 "rotation": self._tensor(q_rotation) if q_rotation else None}
@@ -198,9 +201,11 @@ class _Planner:
         return div.input[0]
 
     def _scalars(self, name: str) -> list[float]:
-        """The values of a small initializer (none for anything else)."""
+        """The values of a small initializer kept inside the graph (none for anything else)."""
         tensor = self.tensors.get(name)
-        return numpy_helper.to_array(tensor).reshape(-1).tolist() if tensor else []
+        if tensor is None or tensor.external_data:
+            return []
+        return numpy_helper.to_array(tensor).reshape(-1).tolist()
 
     def _embedding(self) -> dict[str, Any]:
         gather = next(n for n in self.nodes if C.INPUT_IDS in n.input)

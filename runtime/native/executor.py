@@ -16,7 +16,8 @@ from llmopt.runtime.step_batch import StepBatch
 
 
 class NativeLaneExecutor(LanePools):
-    """For a graph `runs_native` (runtime/assembly.py) accepted: its plan and float32 lanes."""
+    """For a graph `runs_native` (runtime/assembly.py) accepted: its plan and its KV lanes
+    (float32, or the int8/int4 codes the plan names per layer)."""
 
     def __init__(self, artifact: Path, graph: GraphSpec, kv_cache: KVCacheSpec, *,
                  num_blocks: int, block_size: int, lane_blocks: int,

@@ -5,9 +5,10 @@ each layer (RMS norm, int4/int8 block-quantized projections on int8 activations,
 keys and values written into the sequence's lane where they lie, attention over the
 lane), the final norm and the LM head rows asked for. A lane holds float32 keys and values,
 or int8/int4 codes with static per-channel scales (the KV-cache pass's layouts that
-GroupQueryAttention reads in place), optionally of keys rotated per head. It computes what the artifact's
-ONNX graph computes with ONNX Runtime's MatMulNBits at accuracy level 4 (activations
-quantized to int8 per block of 32 with scale absmax / 127, rounded half to even).
+GroupQueryAttention reads in place), optionally of keys rotated per head. It computes what
+the artifact's ONNX graph computes with ONNX Runtime's MatMulNBits at accuracy level 4
+(activations quantized to int8 per block of 32 with scale absmax / 127, rounded half to
+even).
 
 Weights: a projection w [N, K] is int codes in blocks of 32 along K with a float scale
 per block and an optional integer zero point (else 2^(bits-1)): w = (code - zero) * scale.
@@ -315,7 +316,8 @@ static void store_row(const float *x, const float *scale, int bits, int dim, uin
 static inline __m512 row_strip(const uint8_t *row, int bits, int d) {
     if (bits == 32) return _mm512_loadu_ps((const float *)row + d);
     if (bits == 8)
-        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + d))));
+        return _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + d))));
     /* eight bytes -> sixteen nibbles, low first: byte b in a 16-bit lane becomes the bytes
        (b & 15, b >> 4) */
     __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(row + d / 2)));
