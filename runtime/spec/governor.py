@@ -120,4 +120,9 @@ class SpeculationGovernor:
         return max((bucket.measured_extra + prior) / (bucket.predicted_extra + prior), 0.0)
 
     def _bucket(self, batch_size: int) -> _Bucket:
-        return self.buckets.setdefault(max(batch_size, 1).bit_length(), _Bucket())
+        return self.buckets.setdefault(batch_bucket(batch_size), _Bucket())
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Batch sizes 1, 2-3, 4-7, 8-15, ... share a record."""
+    return max(batch_size, 1).bit_length()

@@ -1,9 +1,10 @@
 """Speculator: what the engine's step asks of speculative decoding, in one object.
 
 Per step: `max_drafts` gives the scheduler each sequence's draft budget (None: no
-speculation this step — above the batch-size limit, or a plain probe step of the
-governor); `propose` fills the draft slots the scheduler reserved, then trims the drafts
-to what pays for the step as a whole (`SpeculationPolicy.cap`); `verify` applies the
+speculation this step — above the batch-size limit, a plain probe step of the governor,
+or a batch size whose drafts the step's price keeps discarding); `propose` fills the
+draft slots the scheduler reserved, then trims the drafts to what pays for the step as a
+whole (`SpeculationPolicy.cap`); `verify` applies the
 exact rule to a sequence's logits rows; `observe` and `record_step` feed the policy
 (acceptance per sequence and source) and the governor (step timings per batch size).
 """
@@ -30,12 +31,21 @@ from llmopt.runtime.spec.drafter import (
     Proposal,
     SuffixDrafter,
 )
-from llmopt.runtime.spec.governor import SpeculationGovernor
+from llmopt.runtime.spec.governor import SpeculationGovernor, batch_bucket
 from llmopt.runtime.spec.policy import SpeculationPolicy
 from llmopt.runtime.spec.rejection_sampler import verify_drafts
 from llmopt.runtime.spec.step_cost import StepCostModel
 from llmopt.runtime.spec.suffix import SuffixSettings
 from llmopt.runtime.step_batch import Executor
+
+# Drafting costs host time even when the step's price then discards every draft (at
+# batch 8 on SmolLM2 int4: ~6 % of the step, for nothing). After DISCARDED_STEPS steps
+# in a row whose drafts the batch made too dear (some sequence would have kept its drafts
+# alone), that batch size drafts nothing for the next RESTING_STEPS steps; then it tries
+# again (acceptance and prices move). Drafts a sequence would not keep even alone say
+# nothing about the batch: their source's record prices them next time.
+DISCARDED_STEPS = 4
+RESTING_STEPS = 32
 
 
 class Speculator:
@@ -59,11 +69,17 @@ class Speculator:
         self.policy = policy
         self.governor = governor
         self.draft_seconds = 0.0  # the last step's drafting time
+        self.discarded: dict[int, int] = {}  # batch-size bucket -> discarded steps in a row
+        self.resting: dict[int, int] = {}  # batch-size bucket -> steps left without drafts
 
     def max_drafts(self, batch_size: int) -> Callable[[Request], int] | None:
         """This step's draft budget per sequence, for `batch_size` running sequences."""
         limit = self.max_batch_size
         if self.gamma == 0 or (limit is not None and batch_size > limit):
+            return None
+        bucket = batch_bucket(batch_size)
+        if self.resting.get(bucket, 0) > 0:
+            self.resting[bucket] -= 1
             return None
         if self.governor is not None:
             if not self.governor.allows(batch_size):
@@ -88,7 +104,10 @@ class Speculator:
         proposals = self.drafter.propose(
             requests, [scheduled[i].num_spec_tokens for i in speculating],
             policy.num_drafts if policy is not None else None)
-        cap = self._step_cap(scheduled, speculating, proposals)
+        drafted, others = self._drafted(scheduled, speculating, proposals)
+        cap = self.policy.cap(drafted, others) if self.policy is not None else self.gamma
+        self._note_discarded(len(scheduled), cap == 0 and len(scheduled) > 1 and any(
+            self.policy.cap([entry]) for entry in drafted))
         scheduled = list(scheduled)
         for i, request, proposal in zip(speculating, requests, proposals, strict=True):
             spec = request.spec
@@ -102,18 +121,25 @@ class Speculator:
         self.draft_seconds = time.perf_counter() - started
         return scheduled
 
-    def _step_cap(self, scheduled: list[ScheduledRequest], speculating: list[int],
-                  proposals: list[Proposal]) -> int:
-        """The most drafts a sequence keeps this step (the policy's price of the step;
-        without a policy, γ)."""
-        if self.policy is None:
-            return self.gamma
+    def _note_discarded(self, batch_size: int, discarded: bool) -> None:
+        """Count steps whose drafts the step's price discarded; rest after a run of them."""
+        bucket = batch_bucket(batch_size)
+        count = self.discarded.get(bucket, 0) + 1 if discarded else 0
+        if count >= DISCARDED_STEPS:
+            self.resting[bucket], count = RESTING_STEPS, 0
+        self.discarded[bucket] = count
+
+    @staticmethod
+    def _drafted(scheduled: list[ScheduledRequest], speculating: list[int],
+                 proposals: list[Proposal]) -> tuple[list[tuple[Request, str, int]], list[int]]:
+        """What the policy prices a step by (`SpeculationPolicy.cap`): each drafting
+        sequence with its drafts' source and number, and the other rows' query lengths."""
         drafted = [(scheduled[i].request, p.source, len(p.token_ids))
                    for i, p in zip(speculating, proposals, strict=True) if p.token_ids]
         chosen = set(speculating)
         others = [item.num_tokens for i, item in enumerate(scheduled) if i not in chosen]
         others += [1] * (len(speculating) - len(drafted))  # reserved slots, no draft
-        return self.policy.cap(drafted, others)
+        return drafted, others
 
     def verify(self, request: Request, logits: np.ndarray) -> list[int]:
         """The tokens a sequence with drafts emits: its accepted drafts plus one."""
