@@ -432,6 +432,15 @@ static void weigh_values(const float *p, int len, const uint8_t *values, int bit
     }
 }
 
+/* out[h][d] = x[h][d] * scale[d] for the group's heads (out may be x). */
+static void scale_channels(const float *x, int group, int dim, const float *scale,
+                           float *out) {
+    for (int h = 0; h < group; h++)
+        for (int d = 0; d < dim; d += 16)
+            _mm512_storeu_ps(out + h * dim + d, _mm512_mul_ps(_mm512_loadu_ps(x + h * dim + d),
+                                                              _mm512_loadu_ps(scale + d)));
+}
+
 /* The heads of one query group over their shared keys and values (lane rows [len] of the
    layer's format, codes scaled per channel by kv's scales + scale_at): for head h (query
    q + h*dim), out + h*dim = softmax(scale * q . keys) @ values. A key's scale multiplies the
@@ -440,12 +449,7 @@ static void attend_group(const float *q, int group, const uint8_t *keys, const u
                          const KVLayout *kv, int64_t scale_at, int len, int dim, float scale,
                          float *scores, float *scaled, float *out) {
     if (kv->bits != 32) {
-        const float *key_scale = kv->key_scale + scale_at;
-        for (int h = 0; h < group; h++)
-            for (int d = 0; d < dim; d += 16)
-                _mm512_storeu_ps(scaled + h * dim + d,
-                                 _mm512_mul_ps(_mm512_loadu_ps(q + h * dim + d),
-                                               _mm512_loadu_ps(key_scale + d)));
+        scale_channels(q, group, dim, kv->key_scale + scale_at, scaled);
         q = scaled;
     }
     group_scores(q, group, keys, values, kv->bits, len, dim, scale, scores);
@@ -472,14 +476,7 @@ static void attend_group(const float *q, int group, const uint8_t *keys, const u
         }
     }
     weigh_values(scores, len, values, kv->bits, group, dim / 16, out);
-    if (kv->bits != 32) {
-        const float *value_scale = kv->value_scale + scale_at;
-        for (int h = 0; h < group; h++)
-            for (int d = 0; d < dim; d += 16)
-                _mm512_storeu_ps(out + h * dim + d,
-                                 _mm512_mul_ps(_mm512_loadu_ps(out + h * dim + d),
-                                               _mm512_loadu_ps(value_scale + d)));
-    }
+    if (kv->bits != 32) scale_channels(out, group, dim, kv->value_scale + scale_at, out);
 }
 
 static void embed_row(const Model *m, int64_t token, float *out) {
