@@ -86,20 +86,31 @@ int llmopt_native_supported(void) {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")
 #include <immintrin.h>
 
-#define PREFETCH_BLOCKS 8  /* how far ahead of the weight stream to prefetch */
+#define PREFETCH_BLOCKS 16  /* how far ahead of the weight stream to prefetch */
 #define PREFETCH_KEYS 4096  /* bytes ahead of the key rows attention reads */
 #define PREFETCH_LANE 2048  /* bytes of the next lane's keys and values fetched early */
 #define TOKEN_TILE 8        /* activation rows that share each unpacked weight block */
 
-typedef struct {  /* int8 activations of T rows of width K, blocks of 32 */
-    int8_t *codes;  /* [T][K] */
-    float *scales;  /* [T][K/32] absmax / 127 */
-    int32_t *sums;  /* [T][K/32] the block's sum of codes */
-    float *inputs;  /* [T][K/32] the block's sum of the float inputs (filled for offsets) */
+/* int8 activations of T rows of width K, blocks of 32, in tiles of TOKEN_TILE rows: row t
+   is row t % TOKEN_TILE of tile t / TOKEN_TILE, and a tile's rows lie side by side per block
+   (the dot kernel broadcasts each row's four codes at fixed offsets from one pointer). */
+typedef struct {
+    int32_t *codes;      /* [tiles][K/32][8][TOKEN_TILE]: four codes per int32, blocks of 32 */
+    float *scales;       /* [tiles][K/32][TOKEN_TILE] absmax / 127 */
+    int32_t *zero_term;  /* [tiles][K/32][TOKEN_TILE] the block's sum of codes, negated and
+                            times the weights' implicit zero point 2^(bits-1) (times -1 with
+                            explicit zero points) */
+    float *inputs;       /* [tiles][K/32][TOKEN_TILE] the block's sum of the float inputs
+                            (filled for offsets) */
 } QActivations;
 
+/* Where row t's block b begins in a tiled per-block array, and in the codes. */
+static inline int64_t tile_at(int64_t t, int blocks, int b) {
+    return ((t / TOKEN_TILE) * blocks + b) * TOKEN_TILE + t % TOKEN_TILE;
+}
+
 static void quantize_rows(const float *x, int t_rows, int k, int with_inputs,
-                          QActivations *q) {
+                          int zero_shift, QActivations *q) {
     int blocks = k / 32;
     for (int64_t t = 0; t < t_rows; t++)
         for (int b = 0; b < blocks; b++) {
@@ -111,82 +122,105 @@ static void quantize_rows(const float *x, int t_rows, int k, int with_inputs,
             /* cvtps rounds half to even (MXCSR's default), as lrintf */
             __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
             __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-            int8_t *out = q->codes + t * k + b * 32;
-            _mm_storeu_si128((__m128i *)out, _mm512_cvtsepi32_epi8(qlo));
-            _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtsepi32_epi8(qhi));
-            q->scales[t * blocks + b] = scale;
-            q->sums[t * blocks + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+            int32_t quads[8];
+            _mm_storeu_si128((__m128i *)quads, _mm512_cvtsepi32_epi8(qlo));
+            _mm_storeu_si128((__m128i *)(quads + 4), _mm512_cvtsepi32_epi8(qhi));
+            const int64_t at = tile_at(t, blocks, b);
+            int32_t *codes = q->codes + (at - t % TOKEN_TILE) * 8 + t % TOKEN_TILE;
+            for (int m = 0; m < 8; m++) codes[m * TOKEN_TILE] = quads[m];
+            q->scales[at] = scale;
+            int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+            q->zero_term[at] = zero_shift >= 0 ? -(sum << zero_shift) : -sum;
             if (with_inputs)
-                q->inputs[t * blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+                q->inputs[at] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
         }
 }
 
-/* The eight code vectors of one block of sixteen rows. */
-static inline void block_codes(const QMatrix *w, const uint8_t *at, __m512i codes[8]) {
-    if (w->bits == 8) {
-        for (int m = 0; m < 8; m++) codes[m] = _mm512_loadu_si512(at + 64 * m);
-        return;
+/* Tile `tile` (rows t0 .., `tile` of them) times row group g: 16 outputs per row. Each
+   block's integer dots start from the zero point's term and run as one chain per row, the
+   rows interleaved so that `tile` chains are in flight. `bits` and `zeros` are constants
+   in each instance. */
+static inline __attribute__((always_inline)) void gemm_tile(
+        const QMatrix *w, const QActivations *a, int t0, const int tile, const int bits,
+        const int has_zeros, float *y, int64_t g) {
+    const int blocks = w->k / 32, block_bytes = bits * 64;
+    const uint8_t *group = w->codes + g * blocks * block_bytes;
+    const float *scales = w->scales + g * blocks * 16;
+    const uint8_t *zeros = has_zeros ? w->zeros + g * blocks * 16 : NULL;
+    const float *offsets = w->offsets ? w->offsets + g * blocks * 16 : NULL;
+    const __mmask16 rows = (__mmask16)((1u << (w->n - 16 * g < 16 ? w->n - 16 * g : 16)) - 1);
+    const int64_t first = tile_at(t0, blocks, 0);
+    const int32_t *act = a->codes + first * 8;
+    const int32_t *zero_term = a->zero_term + first;
+    const float *act_scales = a->scales + first, *inputs = a->inputs + first;
+    __m512 acc[TOKEN_TILE];
+    for (int i = 0; i < tile; i++) acc[i] = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *at = group + (int64_t)b * block_bytes;
+        const char *ahead = (const char *)(at + PREFETCH_BLOCKS * block_bytes);
+        for (int line = 0; line < block_bytes; line += 128)
+            _mm_prefetch(ahead + line, _MM_HINT_T0);
+        __m512i codes[8];
+        if (bits == 8) {
+            for (int m = 0; m < 8; m++) codes[m] = _mm512_loadu_si512(at + 64 * m);
+        } else {
+            const __m512i low4 = _mm512_set1_epi8(0x0F);
+            for (int j = 0; j < 4; j++) {
+                __m512i packed = _mm512_loadu_si512(at + 64 * j);
+                codes[2 * j] = _mm512_and_si512(packed, low4);
+                codes[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+            }
+        }
+        const int32_t *block_act = act + (int64_t)b * 8 * TOKEN_TILE;
+        const int64_t bt = (int64_t)b * TOKEN_TILE;
+        __m512i dot[TOKEN_TILE];
+        if (has_zeros) {
+            const __m512i row_zeros =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zeros + b * 16)));
+            for (int i = 0; i < tile; i++)
+                dot[i] = _mm512_mullo_epi32(row_zeros, _mm512_set1_epi32(zero_term[bt + i]));
+        } else {
+            for (int i = 0; i < tile; i++) dot[i] = _mm512_set1_epi32(zero_term[bt + i]);
+        }
+        for (int m = 0; m < 8; m++)
+            for (int i = 0; i < tile; i++)
+                dot[i] = _mm512_dpbusd_epi32(dot[i], codes[m],
+                                             _mm512_set1_epi32(block_act[m * TOKEN_TILE + i]));
+        const __m512 row_scales = _mm512_loadu_ps(scales + b * 16);
+        for (int i = 0; i < tile; i++) {
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(
+                row_scales, _mm512_set1_ps(act_scales[bt + i])), acc[i]);
+            if (offsets)
+                acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(offsets + b * 16),
+                                         _mm512_set1_ps(inputs[bt + i]), acc[i]);
+        }
     }
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    for (int j = 0; j < 4; j++) {
-        __m512i packed = _mm512_loadu_si512(at + 64 * j);
-        codes[2 * j] = _mm512_and_si512(packed, low4);
-        codes[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
-    }
+    for (int i = 0; i < tile; i++)
+        _mm512_mask_storeu_ps(y + (int64_t)(t0 + i) * w->n + 16 * g, rows, acc[i]);
 }
+
+#define TILE_CASES(bits, zeros) \
+    switch (t_rows - t0 < TOKEN_TILE ? t_rows - t0 : TOKEN_TILE) { \
+    case 1: gemm_tile(w, a, t0, 1, bits, zeros, y, g); break; \
+    case 2: gemm_tile(w, a, t0, 2, bits, zeros, y, g); break; \
+    case 3: gemm_tile(w, a, t0, 3, bits, zeros, y, g); break; \
+    case 4: gemm_tile(w, a, t0, 4, bits, zeros, y, g); break; \
+    case 5: gemm_tile(w, a, t0, 5, bits, zeros, y, g); break; \
+    case 6: gemm_tile(w, a, t0, 6, bits, zeros, y, g); break; \
+    case 7: gemm_tile(w, a, t0, 7, bits, zeros, y, g); break; \
+    default: gemm_tile(w, a, t0, 8, bits, zeros, y, g); break; \
+    }
 
 /* y[t][16g .. 16g+15] for row groups lo..hi-1 and every activation row t. */
 static void gemm_groups(const QMatrix *w, const QActivations *a, int t_rows, float *y,
                         int64_t lo, int64_t hi) {
-    const int blocks = w->k / 32, block_bytes = w->bits * 64;
-    for (int64_t g = lo; g < hi; g++) {
-        const uint8_t *group = w->codes + g * blocks * block_bytes;
-        const float *scales = w->scales + g * blocks * 16;
-        const uint8_t *zeros = w->zeros ? w->zeros + g * blocks * 16 : NULL;
-        const float *offsets = w->offsets ? w->offsets + g * blocks * 16 : NULL;
-        const __mmask16 rows = (__mmask16)((1u << (w->n - 16 * g < 16 ? w->n - 16 * g : 16)) - 1);
+    for (int64_t g = lo; g < hi; g++)
         for (int t0 = 0; t0 < t_rows; t0 += TOKEN_TILE) {
-            const int tile = t_rows - t0 < TOKEN_TILE ? t_rows - t0 : TOKEN_TILE;
-            __m512 acc[TOKEN_TILE];
-            for (int i = 0; i < TOKEN_TILE; i++) acc[i] = _mm512_setzero_ps();
-            for (int b = 0; b < blocks; b++) {
-                const uint8_t *at = group + (int64_t)b * block_bytes;
-                const char *ahead = (const char *)(at + PREFETCH_BLOCKS * block_bytes);
-                /* every other 64-byte line: the adjacent-line prefetcher fetches its pair */
-                for (int line = 0; line < block_bytes; line += 128)
-                    _mm_prefetch(ahead + line, _MM_HINT_T0);
-                __m512i codes[8];
-                block_codes(w, at, codes);
-                const __m512 row_scales = _mm512_loadu_ps(scales + b * 16);
-                const __m512i row_zeros = zeros
-                    ? _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zeros + b * 16)))
-                    : _mm512_setzero_si512();
-                for (int i = 0; i < tile; i++) {
-                    const int64_t tb = (int64_t)(t0 + i) * blocks + b;
-                    const int32_t *act =
-                        (const int32_t *)(a->codes + (t0 + i) * (int64_t)w->k + b * 32);
-                    /* two chains of four: a dot's latency is four of its issue slots */
-                    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-                    for (int m = 0; m < 8; m += 2) {
-                        even = _mm512_dpbusd_epi32(even, codes[m], _mm512_set1_epi32(act[m]));
-                        odd = _mm512_dpbusd_epi32(odd, codes[m + 1],
-                                                  _mm512_set1_epi32(act[m + 1]));
-                    }
-                    __m512i dot = _mm512_add_epi32(even, odd);
-                    dot = _mm512_sub_epi32(dot, zeros
-                        ? _mm512_mullo_epi32(row_zeros, _mm512_set1_epi32(a->sums[tb]))
-                        : _mm512_set1_epi32(a->sums[tb] << (w->bits - 1)));
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(
-                        row_scales, _mm512_set1_ps(a->scales[tb])), acc[i]);
-                    if (offsets)
-                        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(offsets + b * 16),
-                                                 _mm512_set1_ps(a->inputs[tb]), acc[i]);
-                }
-            }
-            for (int i = 0; i < tile; i++)
-                _mm512_mask_storeu_ps(y + (int64_t)(t0 + i) * w->n + 16 * g, rows, acc[i]);
+            if (w->bits == 4 && !w->zeros) TILE_CASES(4, 0)
+            else if (w->bits == 4) TILE_CASES(4, 1)
+            else if (!w->zeros) TILE_CASES(8, 0)
+            else TILE_CASES(8, 1)
         }
-    }
 }
 
 static void gemm(const QMatrix *w, const QActivations *a, int t_rows, float *y, int threads) {
@@ -441,6 +475,17 @@ static void scale_channels(const float *x, int group, int dim, const float *scal
                                                               _mm512_loadu_ps(scale + d)));
 }
 
+/* Loads every line of a lane's rows before attention reads them: a run of plain loads
+   keeps many misses in flight and trains the hardware prefetcher, where the attention
+   loops (many operations per line) would wait for one line at a time. */
+static void touch_rows(const uint8_t *keys, const uint8_t *values, int64_t bytes) {
+    __m512i seen = _mm512_setzero_si512();
+    for (int64_t b = 0; b < bytes; b += 64)
+        seen = _mm512_or_si512(seen, _mm512_or_si512(_mm512_loadu_si512(keys + b),
+                                                     _mm512_loadu_si512(values + b)));
+    __asm__ volatile("" : : "v"(seen));
+}
+
 /* The heads of one query group over their shared keys and values (lane rows [len] of the
    layer's format, codes scaled per channel by kv's scales + scale_at): for head h (query
    q + h*dim), out + h*dim = softmax(scale * q . keys) @ values. A key's scale multiplies the
@@ -448,6 +493,7 @@ static void scale_channels(const float *x, int group, int dim, const float *scal
 static void attend_group(const float *q, int group, const uint8_t *keys, const uint8_t *values,
                          const KVLayout *kv, int64_t scale_at, int len, int dim, float scale,
                          float *scores, float *scaled, float *out) {
+    touch_rows(keys, values, len * row_bytes(kv->bits, dim));
     if (kv->bits != 32) {
         scale_channels(q, group, dim, kv->key_scale + scale_at, scaled);
         q = scaled;
@@ -520,27 +566,28 @@ static int scratch_alloc(const Model *m, int t_rows, int longest, Scratch *s) {
     s->proj = malloc(sizeof(float) * t * m->hidden);
     s->gate_up = malloc(sizeof(float) * t * 2 * m->intermediate);
     s->act = malloc(sizeof(float) * t * m->intermediate);
-    s->q.codes = malloc(t * width);
-    s->q.scales = malloc(sizeof(float) * t * (width / 32));
-    s->q.sums = malloc(sizeof(int32_t) * t * (width / 32));
-    s->q.inputs = malloc(sizeof(float) * t * (width / 32));
+    const int64_t padded = (t + TOKEN_TILE - 1) / TOKEN_TILE * TOKEN_TILE;
+    s->q.codes = malloc(padded * width);
+    s->q.scales = malloc(sizeof(float) * padded * (width / 32));
+    s->q.zero_term = malloc(sizeof(int32_t) * padded * (width / 32));
+    s->q.inputs = malloc(sizeof(float) * padded * (width / 32));
     s->scores_stride = (int64_t)(m->heads / m->kv_heads) * longest;
     int threads = m->num_threads > 1 ? m->num_threads : 1;
     s->scores = malloc(sizeof(float) * s->scores_stride * threads);
     s->scaled = malloc(sizeof(float) * attn_width * threads);
     return s->x && s->h && s->qkv && s->attn && s->proj && s->gate_up && s->act && s->q.codes
-        && s->q.inputs && s->q.scales && s->q.sums && s->scores && s->scaled;
+        && s->q.inputs && s->q.scales && s->q.zero_term && s->scores && s->scaled;
 }
 
 static void scratch_free(Scratch *s) {
     free(s->x); free(s->h); free(s->qkv); free(s->attn); free(s->proj); free(s->gate_up);
-    free(s->act); free(s->q.codes); free(s->q.scales); free(s->q.sums); free(s->q.inputs);
+    free(s->act); free(s->q.codes); free(s->q.scales); free(s->q.zero_term); free(s->q.inputs);
     free(s->scores); free(s->scaled);
 }
 
 static void linear(const Model *m, const QMatrix *w, const float *x, int t_rows, Scratch *s,
                    float *y) {
-    quantize_rows(x, t_rows, w->k, w->offsets != NULL, &s->q);
+    quantize_rows(x, t_rows, w->k, w->offsets != NULL, w->zeros ? -1 : w->bits - 1, &s->q);
     gemm(w, &s->q, t_rows, y, m->num_threads);
 }
 
@@ -611,15 +658,16 @@ static void add_norm(float *x, const float *delta, const float *weight, const Mo
 
 /* y [T][N] = x [T][K] times w's transpose, x quantized as every step quantizes it. */
 int llmopt_linear(const QMatrix *w, const float *x, int32_t t_rows, float *y, int32_t threads) {
-    int64_t blocks = (int64_t)t_rows * (w->k / 32);
-    QActivations q = {malloc((int64_t)t_rows * w->k), malloc(sizeof(float) * blocks),
+    const int64_t padded = ((int64_t)t_rows + TOKEN_TILE - 1) / TOKEN_TILE * TOKEN_TILE;
+    const int64_t blocks = padded * (w->k / 32);
+    QActivations q = {malloc(padded * w->k), malloc(sizeof(float) * blocks),
                       malloc(sizeof(int32_t) * blocks), malloc(sizeof(float) * blocks)};
-    int ok = q.codes && q.scales && q.sums && q.inputs;
+    int ok = q.codes && q.scales && q.zero_term && q.inputs;
     if (ok) {
-        quantize_rows(x, t_rows, w->k, w->offsets != NULL, &q);
+        quantize_rows(x, t_rows, w->k, w->offsets != NULL, w->zeros ? -1 : w->bits - 1, &q);
         gemm(w, &q, t_rows, y, threads);
     }
-    free(q.codes); free(q.scales); free(q.sums); free(q.inputs);
+    free(q.codes); free(q.scales); free(q.zero_term); free(q.inputs);
     return ok ? 0 : -1;
 }
 
