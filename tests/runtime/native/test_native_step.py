@@ -92,7 +92,10 @@ def requests() -> list[list[int]]:
 
 @pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, True)])
 def test_a_projection_equals_matmul_nbits(bits, symmetric):
-    """The same input, quantized the same way: equal within float summation order."""
+    """The same input, quantized the same way: equal within float summation order. 70 rows
+    run every kernel path: full tiles of eight (4-bit: the assembly loop), a partial tile,
+    two row chunks, rows quantized by both threads; each row alone (the decode path) gives
+    the same numbers."""
     rng = np.random.default_rng(bits)
     n, k = 48, 192
     levels = 2 ** bits
@@ -104,12 +107,14 @@ def test_a_projection_equals_matmul_nbits(bits, symmetric):
                                          np.float32)),
                         symmetric=symmetric)
     packed = pack_matmul_nbits(q)
-    x = rng.standard_normal((5, k)).astype(np.float32)
+    rows = 70
+    x = rng.standard_normal((rows, k)).astype(np.float32)
     node = helper.make_node("MatMulNBits", ["x", *packed], ["y"], domain="com.microsoft",
                             K=k, N=n, bits=bits, block_size=32, accuracy_level=4)
     graph = helper.make_graph(
-        [node], "projection", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, n])],
+        [node], "projection",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, n])],
         [numpy_helper.from_array(v if key != "scales" else v.reshape(-1), key)
          for key, v in packed.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
@@ -118,15 +123,16 @@ def test_a_projection_equals_matmul_nbits(bits, symmetric):
     expected = session.run(None, {"x": x})[0]
     arrays, matrix = quantized_matrix(packed["B"], packed["scales"], packed.get("zero_points"),
                                       n, k, bits)
-    got = np.empty((5, n), np.float32)
+    got = np.empty((rows, n), np.float32)
     for threads in (1, 2):
-        assert lib.llmopt_linear(ctypes.byref(matrix), x.ctypes.data, 5, got.ctypes.data,
+        assert lib.llmopt_linear(ctypes.byref(matrix), x.ctypes.data, rows, got.ctypes.data,
                                  threads) == 0
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
         one_row = np.empty((1, n), np.float32)  # the decode path: the same numbers
-        lib.llmopt_linear(ctypes.byref(matrix), x[3:4].ctypes.data, 1, one_row.ctypes.data,
-                          threads)
-        assert np.array_equal(one_row[0], got[3])
+        for row in (3, 9, 66):
+            lib.llmopt_linear(ctypes.byref(matrix), x[row:row + 1].ctypes.data, 1,
+                              one_row.ctypes.data, threads)
+            assert np.array_equal(one_row[0], got[row])
 
 
 def _codes(lane: np.ndarray) -> np.ndarray:
