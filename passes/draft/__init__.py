@@ -257,7 +257,16 @@ def measure_pairing(ir: ModelIR, draft: ModelIR | None, token_map: torch.Tensor 
         draft_exec = None if draft is None else _executor(draft, recipe, Path(tmp) / "draft.onnx",
                                                           num_blocks, seq_blocks)
         mapping = None if token_map is None else token_map.numpy()
-        return m.measure(target, draft_exec, mapping, settings)
+        spec = m.measure(target, draft_exec, mapping, settings)
+        spec["measured"]["kernels"] = _kernels_of(target)
+        return spec
+
+
+def _kernels_of(executor: Any) -> str:
+    """Which kernels ran the measured steps (the manifest records it beside the costs)."""
+    from llmopt.runtime.native.executor import NativeLaneExecutor
+
+    return "native" if isinstance(executor, NativeLaneExecutor) else "onnxruntime"
 
 
 def _ngram_lookup(ngram: NgramOptions | None, corpus: list[int] | None) -> Any:
@@ -274,16 +283,32 @@ def _ngram_lookup(ngram: NgramOptions | None, corpus: list[int] | None) -> Any:
 
 def _executor(ir: ModelIR, recipe: Recipe, path: Path, num_blocks: int,
               lane_blocks: int) -> Any:
-    """The model lowered as the artifact will hold it, run by the runtime's executor;
-    lanes-layout sequences get `lane_blocks` blocks each."""
+    """The model lowered as the artifact will hold it, run as the runtime runs it by default
+    (`kernels: auto`): by the native step where it can run here, else by ONNX Runtime's
+    executor. The step costs measured are the ones the engine's pricing starts from, and
+    the two kernels' costs differ in shape (a native 8-token step is relatively cheaper).
+    Lanes-layout sequences get `lane_blocks` blocks each."""
     from llmopt.compiler.lower import kv_cache_spec, lower_to_onnx, lowering_options
+    from llmopt.compiler.native_plan import native_plan
     from llmopt.compiler.onnx_graph import save_with_external_data
-    from llmopt.runtime.assembly import make_executor
-    from llmopt.runtime.manifest import KVCacheSpec
+    from llmopt.runtime.assembly import make_executor, runs_native
+    from llmopt.runtime.manifest import GraphSpec, KVCacheSpec
 
     options = lowering_options(recipe, ir.arch)
-    save_with_external_data(lower_to_onnx(ir, options), path)
+    model = lower_to_onnx(ir, options)
+    data_file = save_with_external_data(model, path)
     kv_cache = KVCacheSpec.model_validate(kv_cache_spec(ir.arch, options.kv_layout))
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    graph = GraphSpec(file=path.name, data_file=data_file, opset=opset,
+                      operator_set=options.operator_set,
+                      nbits_accuracy_level=options.nbits_accuracy_level,
+                      native=native_plan(model))
+    if runs_native("auto", graph, kv_cache):
+        from llmopt.runtime.native.executor import NativeLaneExecutor
+
+        return NativeLaneExecutor(path.parent, graph, kv_cache, num_blocks=num_blocks,
+                                  block_size=recipe.runtime.block_size,
+                                  lane_blocks=lane_blocks, max_position=options.max_position)
     return make_executor(path, kv_cache, num_blocks=num_blocks,
                          block_size=recipe.runtime.block_size, lane_blocks=lane_blocks,
                          max_position=options.max_position,

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from draft_helpers import (
+    QUICK,
     SUBSET_TOKENS,
     TARGET_TOKENS,
     compile_with_draft,
@@ -14,11 +15,12 @@ from draft_helpers import (
     truncated_logits,
 )
 
-from llmopt.compiler.pipeline import check_pass_order
+from llmopt.compiler.pipeline import check_pass_order, compile_recipe
 from llmopt.compiler.recipe import Recipe
 from llmopt.passes import draft
 from llmopt.passes.draft import model as dm
 from llmopt.runtime.artifact import load_manifest
+from llmopt.runtime.native import unavailable_reason
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -90,6 +92,27 @@ def test_ngram_only_artifact(target_dir, word_text, tmp_path):
     spec = manifest.speculative
     assert set(manifest.graphs) == {"target"} and spec.model is None
     assert spec.ngram.min_n == 1 and 1 <= spec.gamma <= 8 and spec.cost_ratio == 0.0
+    # float32 projections: the native step cannot run them, ONNX Runtime's steps were timed
+    assert spec.measured["kernels"] == "onnxruntime"
+
+
+def test_step_costs_are_timed_on_the_kernels_the_runtime_picks(target_dir, word_text,
+                                                                tmp_path):
+    """int4 weights on int8 activations: where the native step runs here, the draft pass
+    times its steps (their cost differs in shape from ONNX Runtime's), as `kernels: auto`
+    will run the artifact."""
+    recipe = Recipe(model=str(target_dir),
+                    passes=[{"rtn": {"bits": 4, "group_size": 32, "symmetric": True,
+                                     "include_lm_head": True, "lm_head_bits": 8}},
+                            {"draft": {**QUICK, "kind": "ngram"}}],
+                    calibration={"text": str(word_text)}, target={"nbits_accuracy_level": 4},
+                    runtime={"block_size": 4, "max_context": 128})
+    compile_recipe(recipe, tmp_path / "n", log=lambda _: None)
+    manifest = load_manifest(tmp_path / "n")
+    reason = unavailable_reason(manifest.graphs["target"], manifest.kv_cache)
+    assert reason is None or "AVX-512" in reason or "no native kernels" in reason
+    assert manifest.speculative.measured["kernels"] == (
+        "native" if reason is None else "onnxruntime")
 
 
 def test_suffix_ngram_artifacts_keep_their_corpus(target_dir, word_text, tmp_path):
