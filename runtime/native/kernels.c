@@ -15,7 +15,10 @@ per block and an optional integer zero point (else 2^(bits-1)): w = (code - zero
 They are repacked at load (runtime/native/weights.py) for one 512-bit VNNI dot per four
 columns of sixteen rows: int32 lane i of a dot holds row i's four products with four
 activation bytes broadcast to every lane. A block of sixteen rows is 8 such vectors
-(8-bit codes), or 4 whose low and high nibbles are those 8 (4-bit codes).
+(8-bit codes), or 4 whose low and high nibbles are those 8 (4-bit codes). Activation
+rows are quantized into tiles of eight (QActivations); a full tile times symmetric 4-bit
+weights runs as one loop of inline assembly (tile8_q4), every other shape through the same
+operations written with intrinsics (gemm_tile).
 
 Every token's result is computed by the same operations in the same order whatever else
 the step holds (a block's integer dot is exact; the float sum runs over blocks in order),
@@ -87,8 +90,6 @@ int llmopt_native_supported(void) {
 #include <immintrin.h>
 
 #define PREFETCH_BLOCKS 16  /* how far ahead of the weight stream to prefetch */
-#define PREFETCH_KEYS 4096  /* bytes ahead of the key rows attention reads */
-#define PREFETCH_LANE 2048  /* bytes of the next lane's keys and values fetched early */
 #define TOKEN_TILE 8        /* activation rows that share each unpacked weight block */
 #define PARALLEL_ROWS 64    /* rows from which per-row work (quantizing, norms, rotary, SiLU)
                                is split between threads: below, a parallel region costs more
@@ -240,6 +241,7 @@ static inline __attribute__((always_inline)) void gemm_tile(
     for (int b = 0; b < blocks; b++) {
         const uint8_t *at = group + (int64_t)b * block_bytes;
         const char *ahead = (const char *)(at + PREFETCH_BLOCKS * block_bytes);
+        /* every other 64-byte line: the adjacent-line prefetcher fetches its pair */
         for (int line = 0; line < block_bytes; line += 128)
             _mm_prefetch(ahead + line, _MM_HINT_T0);
         __m512i codes[8];
@@ -458,24 +460,16 @@ static inline __m256 sum_lanes8(const __m512 v[8]) {
                          _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
-static inline void prefetch_bytes(const uint8_t *at, int64_t bytes) {
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)(at + b), _MM_HINT_T0);
-}
-
 /* scores[h][j] = scale * q_h . keys[j] for the group's heads, eight keys at a time (rows
-   of codes decoded to float32 first, eight at a time). A lane's rows are few kilobytes,
-   too short a stream for the hardware prefetcher: keys are fetched ahead, and the value
-   rows the next pass reads alongside them. */
+   of codes decoded to float32 first, eight at a time). */
 static inline __attribute__((always_inline)) void group_scores_as(
-        const float *q, int group, const uint8_t *keys, const uint8_t *values, int bits,
-        int len, const int dim, float scale, float *scores) {
+        const float *q, int group, const uint8_t *keys, int bits, int len, const int dim,
+        float scale, float *scores) {
     float padded[8 * 256];  /* decoded keys, or the last ones zero-padded to eight */
     const int64_t stride = row_bytes(bits, dim);
     for (int j0 = 0; j0 < len; j0 += 8) {
         const int rows = len - j0 < 8 ? len - j0 : 8;
         const float *block = (const float *)(keys + j0 * stride);
-        prefetch_bytes(keys + j0 * stride + PREFETCH_KEYS, 8 * stride);
-        prefetch_bytes(values + j0 * stride, 8 * stride);
         if (bits != 32 || rows < 8) {
             for (int u = 0; u < rows; u++)
                 for (int d = 0; d < dim; d += 16)
@@ -499,12 +493,12 @@ static inline __attribute__((always_inline)) void group_scores_as(
     }
 }
 
-static void group_scores(const float *q, int group, const uint8_t *keys, const uint8_t *values,
-                         int bits, int len, int dim, float scale, float *scores) {
+static void group_scores(const float *q, int group, const uint8_t *keys, int bits, int len,
+                         int dim, float scale, float *scores) {
     if (dim == 64)  /* the common head size: its loops unrolled */
-        group_scores_as(q, group, keys, values, bits, len, 64, scale, scores);
+        group_scores_as(q, group, keys, bits, len, 64, scale, scores);
     else
-        group_scores_as(q, group, keys, values, bits, len, dim, scale, scores);
+        group_scores_as(q, group, keys, bits, len, dim, scale, scores);
 }
 
 /* out [group][strips * 16] = p [group][len] @ values [len][strips * 16]: each value row read
@@ -563,7 +557,8 @@ static void scale_channels(const float *x, int group, int dim, const float *scal
 
 /* Loads every line of a lane's rows before attention reads them: a run of plain loads
    keeps many misses in flight and trains the hardware prefetcher, where the attention
-   loops (many operations per line) would wait for one line at a time. */
+   loops (~80 operations per line) would wait for one line at a time. (Software prefetches
+   ahead of the loops, near or far, into L1 or L2, did not help: measured.) */
 static void touch_rows(const uint8_t *keys, const uint8_t *values, int64_t bytes) {
     __m512i seen = _mm512_setzero_si512();
     for (int64_t b = 0; b < bytes; b += 64)
@@ -584,7 +579,7 @@ static void attend_group(const float *q, int group, const uint8_t *keys, const u
         scale_channels(q, group, dim, kv->key_scale + scale_at, scaled);
         q = scaled;
     }
-    group_scores(q, group, keys, values, kv->bits, len, dim, scale, scores);
+    group_scores(q, group, keys, kv->bits, len, dim, scale, scores);
     for (int h = 0; h < group; h++) {  /* softmax, in place */
         float *row = scores + (int64_t)h * len;
         __m512 peak = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
@@ -720,13 +715,6 @@ static void attention(const Model *m, const KVLayout *kv, int t_rows, const int3
         for (int g = 0; g < kv_heads; g++) {
             const float *q = s->qkv + (int64_t)t * qkv_width + g * group * dim;
             int64_t lane = (((int64_t)lanes[t] * kv_heads + g) * lane_tokens) * stride;
-            int next_t = g + 1 < kv_heads ? t : t + 1, next_g = g + 1 < kv_heads ? g + 1 : 0;
-            if (next_t < t_rows) {  /* the next lane's first rows, while this one computes */
-                int64_t next = (((int64_t)lanes[next_t] * kv_heads + next_g) * lane_tokens)
-                    * stride;
-                prefetch_bytes(key_pool + next, PREFETCH_LANE);
-                prefetch_bytes(value_pool + next, PREFETCH_LANE);
-            }
 #ifdef _OPENMP
             int id = omp_get_thread_num();
 #else
