@@ -24,8 +24,10 @@ def sample(
     seen_token_ids: Sequence[Sequence[int]],
 ) -> np.ndarray:
     """One token id per row of `logits`; `seen_token_ids[r]` is row r's prompt + output."""
-    logits = np.array(logits, dtype=np.float32)  # a copy: the penalties edit it in place
-    apply_repetition_penalty(logits, [p.repetition_penalty for p in params], seen_token_ids)
+    penalties = [p.repetition_penalty for p in params]
+    if any(penalty != 1.0 for penalty in penalties):
+        logits = np.array(logits, dtype=np.float32)  # a copy: the penalties edit it in place
+        apply_repetition_penalty(logits, penalties, seen_token_ids)
     token_ids = logits.argmax(axis=-1)  # right for greedy rows; random rows overwrite it
     for row, p in enumerate(params):
         if not p.greedy:

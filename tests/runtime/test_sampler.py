@@ -26,6 +26,18 @@ def test_greedy_is_argmax_with_ties_to_the_lowest_index():
     assert sample(logits, params, gens, [[], []]).tolist() == [1, 0]
 
 
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_sampling_leaves_the_logits_it_is_given(penalty):
+    """The engine samples a view of the step's logits and records logprobs from it after."""
+    logits = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
+    before = logits.copy()
+    params = [SamplingParams(temperature=0, repetition_penalty=penalty),
+              SamplingParams(temperature=0.8, top_k=5, repetition_penalty=penalty),
+              SamplingParams(temperature=1.0, top_p=0.9)]
+    sample(logits, params, [np.random.default_rng(i) for i in range(3)], [[1, 2], [3], []])
+    assert np.array_equal(logits, before)
+
+
 def test_top_k_keeps_the_k_largest_and_ties_at_the_threshold():
     scores = np.array([1.0, 4.0, 3.0, 3.0, 0.0])
     assert top_k_candidates(scores, 2).tolist() == [1, 2, 3]
