@@ -71,15 +71,7 @@ def write_artifact(
     """Write graphs (name -> (model, operator set)), tokenizer and manifest into `directory`."""
     graph_specs = {}
     for name, (model, operator_set) in graphs.items():
-        file = f"{name}.onnx"
-        data_file = save_with_external_data(model, directory / file)
-        props = {p.key: p.value for p in model.metadata_props}
-        graph_specs[name] = {"file": file, "data_file": data_file, "opset": _opset(model),
-                             "operator_set": operator_set, "nodes": len(model.graph.node),
-                             "nodes_per_layer": int(props.get("llmopt.nodes_per_layer", 0)),
-                             "nbits_accuracy_level": int(props.get("llmopt.nbits_accuracy_level",
-                                                                   0)),
-                             "native": native_plan(model)}
+        graph_specs[name] = save_graph(model, directory / f"{name}.onnx", operator_set)
     for file, content in ir.tokenizer_files.items():
         (directory / file).write_bytes(content)
     speculative = _speculative_spec(directory, ir, recipe)
@@ -128,6 +120,18 @@ def _speculative_spec(directory: Path, ir: ModelIR, recipe: Recipe) -> Speculati
             "token_map": token_map,
         }
     return SpeculativeSpec.model_validate(spec)
+
+
+def save_graph(model: onnx.ModelProto, path: Path, operator_set: str) -> dict[str, Any]:
+    """Write a graph (weights in a file beside it) and return its manifest entry
+    (`GraphSpec`'s fields), native plan included."""
+    data_file = save_with_external_data(model, path)
+    props = {p.key: p.value for p in model.metadata_props}
+    return {"file": path.name, "data_file": data_file, "opset": _opset(model),
+            "operator_set": operator_set, "nodes": len(model.graph.node),
+            "nodes_per_layer": int(props.get("llmopt.nodes_per_layer", 0)),
+            "nbits_accuracy_level": int(props.get("llmopt.nbits_accuracy_level", 0)),
+            "native": native_plan(model)}
 
 
 def _opset(model: onnx.ModelProto) -> int:

@@ -288,21 +288,15 @@ def _executor(ir: ModelIR, recipe: Recipe, path: Path, num_blocks: int,
     executor. The step costs measured are the ones the engine's pricing starts from, and
     the two kernels' costs differ in shape (a native 8-token step is relatively cheaper).
     Lanes-layout sequences get `lane_blocks` blocks each."""
+    from llmopt.compiler.artifact import save_graph
     from llmopt.compiler.lower import kv_cache_spec, lower_to_onnx, lowering_options
-    from llmopt.compiler.native_plan import native_plan
-    from llmopt.compiler.onnx_graph import save_with_external_data
     from llmopt.runtime.assembly import make_executor, runs_native
     from llmopt.runtime.manifest import GraphSpec, KVCacheSpec
 
     options = lowering_options(recipe, ir.arch)
-    model = lower_to_onnx(ir, options)
-    data_file = save_with_external_data(model, path)
+    graph = GraphSpec.model_validate(
+        save_graph(lower_to_onnx(ir, options), path, options.operator_set))
     kv_cache = KVCacheSpec.model_validate(kv_cache_spec(ir.arch, options.kv_layout))
-    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
-    graph = GraphSpec(file=path.name, data_file=data_file, opset=opset,
-                      operator_set=options.operator_set,
-                      nbits_accuracy_level=options.nbits_accuracy_level,
-                      native=native_plan(model))
     if runs_native("auto", graph, kv_cache):
         from llmopt.runtime.native.executor import NativeLaneExecutor
 

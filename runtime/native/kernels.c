@@ -116,9 +116,10 @@ static inline int64_t tile_at(int64_t t, int blocks, int b) {
     return ((t / TOKEN_TILE) * blocks + b) * TOKEN_TILE + t % TOKEN_TILE;
 }
 
-static void quantize_rows(const float *x, int t_rows, int k, int with_inputs,
-                          int zero_shift, int threads, QActivations *q) {
-    int blocks = k / 32;
+/* x [T][K] quantized as w's kernels read it (see QActivations). */
+static void quantize_rows(const float *x, int t_rows, const QMatrix *w, int threads,
+                          QActivations *q) {
+    const int k = w->k, blocks = k / 32;
     (void)threads;
     #pragma omp parallel for num_threads(threads) if (threads > 1 && t_rows >= PARALLEL_ROWS)
     for (int64_t t = 0; t < t_rows; t++)
@@ -139,8 +140,8 @@ static void quantize_rows(const float *x, int t_rows, int k, int with_inputs,
             for (int m = 0; m < 8; m++) codes[m * TOKEN_TILE] = quads[m];
             q->scales[at] = scale;
             int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-            q->zero_term[at] = zero_shift >= 0 ? -(sum << zero_shift) : -sum;
-            if (with_inputs)
+            q->zero_term[at] = w->zeros ? -sum : -(sum << (w->bits - 1));
+            if (w->offsets)
                 q->inputs[at] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
         }
 }
@@ -674,8 +675,7 @@ static void scratch_free(Scratch *s) {
 
 static void linear(const Model *m, const QMatrix *w, const float *x, int t_rows, Scratch *s,
                    float *y) {
-    quantize_rows(x, t_rows, w->k, w->offsets != NULL, w->zeros ? -1 : w->bits - 1,
-                  m->num_threads, &s->q);
+    quantize_rows(x, t_rows, w, m->num_threads, &s->q);
     gemm(w, &s->q, t_rows, y, m->num_threads);
 }
 
@@ -748,8 +748,7 @@ int llmopt_linear(const QMatrix *w, const float *x, int32_t t_rows, float *y, in
                       lines_alloc(sizeof(int32_t) * blocks), lines_alloc(sizeof(float) * blocks)};
     int ok = q.codes && q.scales && q.zero_term && q.inputs;
     if (ok) {
-        quantize_rows(x, t_rows, w->k, w->offsets != NULL, w->zeros ? -1 : w->bits - 1, threads,
-                      &q);
+        quantize_rows(x, t_rows, w, threads, &q);
         gemm(w, &q, t_rows, y, threads);
     }
     free(q.codes); free(q.scales); free(q.zero_term); free(q.inputs);
