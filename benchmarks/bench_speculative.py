@@ -3,8 +3,9 @@
     python benchmarks/bench_speculative.py --artifacts ngram=out/spec-ngram,tiny=out/spec-tiny
 
 Each artifact runs in its own worker process (ONNX Runtime pinned to --threads), which
-loads it twice, speculation on (the manifest's γ and batch-size limit) and off, and
-interleaves the two on the same prompts:
+loads it once and runs it with speculation on (the manifest's γ and batch-size limit) and
+off (its speculator detached; `--build-first spec|plain` loads two engines instead),
+interleaving the two on the same prompts:
 
 - batch 1, greedy, up to `--gen` new tokens (stopping at EOS: past it a chat model
   rambles, which is not what users run), per category of each prompt mix: decode tok/s
@@ -102,8 +103,10 @@ def main() -> None:
     parser.add_argument("--sweep-gen", type=int, default=48,
                         help="New tokens per prompt in the batch sweep (EOS ignored).")
     parser.add_argument("--max-context", type=int, default=1024)
-    parser.add_argument("--build-first", choices=("spec", "plain"), default="spec",
-                        help="Which engine the worker builds first (it tends to run slower).")
+    parser.add_argument("--build-first", choices=("one", "spec", "plain"), default="one",
+                        help="one: a single engine, its speculator detached for the plain "
+                        "runs (same weights and pool: no build-order bias); spec/plain: two "
+                        "engines, that one built first (it tends to run slower).")
     parser.add_argument("--sweep-only", action="store_true",
                         help="Only the batch sweep and step costs (no per-category batch 1).")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_speculative.json")
@@ -133,6 +136,23 @@ def main() -> None:
 
 
 # ------------------------------------------------------------------------- the worker
+class SpeculationOff:
+    """A speculating LLM run with its speculator detached: the plain engine that
+    `LLM(path, speculative=False)` builds is the same engine without one, so this is the
+    plain mode on the very same executor, weights and pool."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.engine = llm.engine
+
+    def generate(self, prompts, params):
+        speculator, self.engine.speculator = self.engine.speculator, None
+        try:
+            return self.llm.generate(prompts, params)
+        finally:
+            self.engine.speculator = speculator
+
+
 def run_worker(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     from llmopt.runtime import LLM, SamplingParams
 
@@ -143,8 +163,11 @@ def run_worker(path: Path, args: argparse.Namespace) -> dict[str, Any]:
               "max_context": args.max_context, "enable_prefix_caching": False}
     # Measured (2026-11-24): of three identical engines built in one process, the first
     # built ran batch-2 decoding 12-16 % slower than the third, whichever had
-    # speculation on; so the order is a flag, and a fair figure runs both orders.
-    if args.build_first == "spec":
+    # speculation on; so by default one engine runs both modes.
+    if args.build_first == "one":
+        spec_llm = LLM(path, **common)
+        plain_llm = SpeculationOff(spec_llm)
+    elif args.build_first == "spec":
         spec_llm = LLM(path, **common)
         plain_llm = LLM(path, speculative=False, **common)
     else:
@@ -155,7 +178,7 @@ def run_worker(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     steady = SamplingParams(temperature=0.0, max_tokens=args.sweep_gen, ignore_eos=True)
     mixes = {name: encode_mix(spec_llm.tokenizer, name) for name in args.mixes.split(",")}
     first = next(iter(next(iter(mixes.values())).values()))[0]
-    for llm in (spec_llm, plain_llm):  # warm-up: session start, first-run allocations
+    for llm in {id(e): e for e in (spec_llm, plain_llm)}.values():  # warm-up (once each)
         llm.generate([first], SamplingParams(temperature=0.0, max_tokens=8))
 
     costs = step_costs(spec_llm, spec.gamma)
@@ -251,11 +274,14 @@ def modelled_costs(spec_llm, plain_llm):
         yield totals
         return
     originals = {}
-    for mode, llm in (("on", spec_llm), ("off", plain_llm)):
-        executor = llm.engine.executor
-        originals[mode] = executor, executor.execute
+    for llm in (spec_llm, plain_llm):
+        engine, executor = llm.engine, llm.engine.executor
+        if id(executor) in originals:  # one engine runs both modes
+            continue
+        originals[id(executor)] = executor, executor.execute
 
-        def execute(batch, mode=mode, run=executor.execute):
+        def execute(batch, engine=engine, run=executor.execute):
+            mode = "off" if engine.speculator is None else "on"
             totals[mode] += policy.step_model.step_cost(batch.query_lens)
             return run(batch)
         executor.execute = execute

@@ -71,6 +71,8 @@ class Speculator:
         self.draft_seconds = 0.0  # the last step's drafting time
         self.discarded: dict[int, int] = {}  # batch-size bucket -> discarded steps in a row
         self.resting: dict[int, int] = {}  # batch-size bucket -> steps left without drafts
+        # this step's (batch size, extra tokens its drafts promised, extra tokens kept)
+        self.promise: tuple[int, float, int] | None = None
 
     def max_drafts(self, batch_size: int) -> Callable[[Request], int] | None:
         """This step's draft budget per sequence, for `batch_size` running sequences."""
@@ -90,6 +92,7 @@ class Speculator:
         policy = self.policy
         if policy is None:
             return lambda request: self.gamma
+        policy.prepare(batch_size)
         return lambda request: min(self.gamma, policy.num_drafts(request))
 
     def propose(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
@@ -106,6 +109,8 @@ class Speculator:
             policy.num_drafts if policy is not None else None)
         drafted, others = self._drafted(scheduled, speculating, proposals)
         cap = self.policy.cap(drafted, others) if self.policy is not None else self.gamma
+        if cap and self.policy is not None:
+            self.promise = (len(scheduled), self.policy.promised(drafted, cap), 0)
         self._note_discarded(len(scheduled), cap == 0 and len(scheduled) > 1 and any(
             self.policy.cap([entry]) for entry in drafted))
         scheduled = list(scheduled)
@@ -155,12 +160,18 @@ class Speculator:
         """A decode step gave `request` these tokens: evidence for its acceptance record."""
         if self.policy is not None:
             num_drafts = len(request.spec.token_ids)
-            self.policy.observe(request, request.spec.source, num_drafts,
-                                min(len(emitted) - 1, num_drafts))
+            accepted = min(len(emitted) - 1, num_drafts)
+            self.policy.observe(request, request.spec.source, num_drafts, accepted)
+            if self.promise is not None and num_drafts:
+                batch_size, promised, kept = self.promise
+                self.promise = (batch_size, promised, kept + accepted)
 
     def record_step(self, scheduled: Sequence[ScheduledRequest], seconds: float) -> None:
         """Time a pure decode step (every sequence one known token, plus its drafts) for
-        the governor, drafting time apart."""
+        the governor, drafting time apart; settle the step's promise with the policy."""
+        if self.promise is not None and self.policy is not None:
+            self.policy.record_promise(*self.promise)
+            self.promise = None
         pure_decode = all(not item.request.score_only and item.num_tokens
                           - item.num_spec_tokens == 1 for item in scheduled)
         if self.governor is not None and pure_decode:
