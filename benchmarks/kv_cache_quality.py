@@ -62,6 +62,9 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
                           "skip_dtype": "int8", "auto_skip": 6},
     "int4-static-skip8": {"dtype": "int4", "key_scales": "channel", "value_scales": "channel",
                           "skip_dtype": "int8", "auto_skip": 8},
+    # As many of them as it takes for the whole cache's calibration KL to be <= 0.05.
+    "int4-static-kl05": {"dtype": "int4", "key_scales": "channel", "value_scales": "channel",
+                         "skip_dtype": "int8", "max_kl": 0.05},
     "int4-g64-rot": {"dtype": "int4", "rotate": True},
     "int4-g32-rot": {"dtype": "int4", "group_size": 32, "rotate": True},
     "int8-rot": {"dtype": "int8", "rotate": True},
@@ -122,7 +125,9 @@ def main() -> None:
         out = ir if options is None else kv_cache.run(ir, kv_cache.Config(**options), context).ir
         out = weights(out)
         model = ReferenceModel(out, 512)
-        row = {"config": name, "options": options, **score(base, model, windows),
+        skipped = [i for i, s in enumerate(out.arch.layers) if s.kv_dtype == "int8"]
+        row = {"config": name, "options": options, "int8_layers": skipped,
+               **score(base, model, windows),
                "bytes_per_token": kv_cache.report(ir, out, 0, None)["bytes_per_token"]["after"],
                "seconds": round(time.perf_counter() - started, 1)}
         rows.append(row)

@@ -15,6 +15,9 @@ Recipe: `- kv_cache: {dtype: int8}`; options:
   auto_skip      N: the N layers whose cache suffers most from `dtype` (each measured alone
                  on calibration windows, sensitivity.py) join skip_layers. With int4 and
                  skip_dtype int8, a few layers buy most of int4's loss back (README table).
+  max_kl         a quality target: the fewest most-sensitive layers (at least auto_skip) in
+                 skip_dtype for which the whole cache's KL on calibration windows is at most
+                 this; an error naming the key when even all but one layer do not reach it.
   smooth_keys    SmoothAttention strength α (QServe): keys are divided per channel by
                  amax_c^α and queries multiplied by it, folded into the q/k projections
                  (or qk-norm weights), shared by each rotary pair: exact in real arithmetic,
@@ -44,7 +47,7 @@ from llmopt.passes.kv_cache.calibrate import (
     static_scale,
 )
 from llmopt.passes.kv_cache.folds import rotate_values, smooth_keys
-from llmopt.passes.kv_cache.sensitivity import layer_sensitivity
+from llmopt.passes.kv_cache.sensitivity import CacheKL, fewest_for_kl, layer_sensitivity
 from llmopt.passes.registry import PassContext, PassResult
 
 
@@ -60,13 +63,15 @@ class Config(BaseModel):
     skip_layers: list[int] = Field(default_factory=list)
     skip_dtype: Literal["float32", "int8"] = "float32"
     auto_skip: int = Field(0, ge=0)  # the N most sensitive layers (measured) join skip_layers
+    max_kl: float | None = Field(None, gt=0)  # ... or as many as this KL target takes
     smooth_keys: float | None = Field(None, gt=0, le=1)
     rotate: bool = False
     calibration_samples: int = Field(16, gt=0)  # windows of calibration.text for statistics
 
     def needs_calibration_text(self) -> bool:
-        """Static (channel) scales, smooth_keys and auto_skip measure calibration windows."""
-        return (self.smooth_keys is not None or self.auto_skip > 0
+        """Static (channel) scales, smooth_keys, auto_skip and max_kl measure calibration
+        windows."""
+        return (self.smooth_keys is not None or self.auto_skip > 0 or self.max_kl is not None
                 or "channel" in (self.key_scales, self.value_scales))
 
 
@@ -92,22 +97,36 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     float_ir = out.copy()  # every fold made, every cache still float: what auto_skip scores
     for i, dtype in stored.items():
         store(out, i, dtype, config, stats)
-    sensitivity = None
-    if config.auto_skip:
+    sensitivity, kl_by_skipped = None, None
+    if config.auto_skip or config.max_kl is not None:
+        probe = CacheKL(float_ir, windows)
         sensitivity = layer_sensitivity(
-            float_ir, lambda ir, i: store(ir, i, config.dtype, config, stats), kept, windows,
+            float_ir, lambda ir, i: store(ir, i, config.dtype, config, stats), kept, probe,
             context.log)
-        for i in sorted(kept, key=lambda i: -sensitivity[i])[:config.auto_skip]:
+        worst_first = sorted(kept, key=lambda i: -sensitivity[i])
+
+        def skipping(n: int) -> ModelIR:  # `out` with the n most sensitive in skip_dtype
+            skipped = out.copy()
+            for i in worst_first[:n]:
+                store(skipped, i, config.skip_dtype, config, stats)
+            return skipped
+
+        count = config.auto_skip
+        if config.max_kl is not None:
+            fewest, kl_by_skipped = fewest_for_kl(
+                lambda n: probe.of(skipping(n)), len(kept) - 1, config.max_kl)
+            count = max(count, fewest)
+        for i in worst_first[:count]:
             stored[i] = config.skip_dtype
-            store(out, i, config.skip_dtype, config, stats)
+        out = skipping(count)
     extra = {"skipped": sorted(i for i, d in stored.items() if d != config.dtype),
-             "sensitivity_kl": sensitivity}
+             "sensitivity_kl": sensitivity, "kl_by_skipped": kl_by_skipped}
     return PassResult(out, report(ir, out, time.perf_counter() - started, context, extra))
 
 
 def _windows(ir: ModelIR, config: Config, context: PassContext | None):
     if context is None or context.recipe.calibration.text is None:
-        raise ValueError("kv_cache: static scales, smooth_keys and auto_skip need "
+        raise ValueError("kv_cache: static scales, smooth_keys, auto_skip and max_kl need "
                          "calibration.text")
     calibration = context.recipe.calibration
     return calibration_windows(ir, calibration.model_copy(update={

@@ -20,9 +20,14 @@ rows are quantized into tiles of eight (QActivations); a full tile times symmetr
 weights runs as one loop of inline assembly (tile8_q4), every other shape through the same
 operations written with intrinsics (gemm_tile).
 
+A sequence's consecutive tokens in one step (a prefill chunk, a token and its drafts)
+attend together, up to RUN_TOKENS at a time, reading each lane row once for all of them
+(attend_run).
+
 Every token's result is computed by the same operations in the same order whatever else
-the step holds (a block's integer dot is exact; the float sum runs over blocks in order),
-so batching, chunked prefill and speculation change no output.
+the step holds (a block's integer dot is exact; the float sum runs over blocks in order;
+a run's token adds exact zeros for the rows past its own), so batching, chunked prefill
+and speculation change no output.
 */
 #include <math.h>
 #include <stdint.h>
@@ -94,6 +99,7 @@ int llmopt_native_supported(void) {
 #define PARALLEL_ROWS 64    /* rows from which per-row work (quantizing, norms, rotary, SiLU)
                                is split between threads: below, a parallel region costs more
                                than it saves */
+#define RUN_TOKENS 8        /* a lane's consecutive query tokens that attend together */
 #define ROW_CHUNK 64        /* activation rows a pass over the weights serves (their codes
                                stay in cache while it runs; a matrix's weights stay in L2/L3
                                between passes) */
@@ -568,43 +574,77 @@ static void touch_rows(const uint8_t *keys, const uint8_t *values, int64_t bytes
     __asm__ volatile("" : : "v"(seen));
 }
 
-/* The heads of one query group over their shared keys and values (lane rows [len] of the
-   layer's format, codes scaled per channel by kv's scales + scale_at): for head h (query
-   q + h*dim), out + h*dim = softmax(scale * q . keys) @ values. A key's scale multiplies the
-   queries instead (scaled: [group][dim]); a value's, the weighted sum. scores: [group][len]. */
-static void attend_group(const float *q, int group, const uint8_t *keys, const uint8_t *values,
-                         const KVLayout *kv, int64_t scale_at, int len, int dim, float scale,
-                         float *scores, float *scaled, float *out) {
-    touch_rows(keys, values, len * row_bytes(kv->bits, dim));
-    if (kv->bits != 32) {
-        scale_channels(q, group, dim, kv->key_scale + scale_at, scaled);
-        q = scaled;
+/* row[0 .. len) = softmax(row[0 .. len)) in place, and row[len .. width) = 0. */
+static void softmax_row(float *row, int len, int width) {
+    __m512 peak = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
+    for (int j = 0; j < len; j += 16) {
+        __mmask16 m = len - j >= 16 ? 0xFFFF : (__mmask16)((1u << (len - j)) - 1);
+        peak = _mm512_max_ps(peak, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, row + j));
     }
-    group_scores(q, group, keys, kv->bits, len, dim, scale, scores);
-    for (int h = 0; h < group; h++) {  /* softmax, in place */
-        float *row = scores + (int64_t)h * len;
-        __m512 peak = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
-        for (int j = 0; j < len; j += 16) {
-            __mmask16 m = len - j >= 16 ? 0xFFFF : (__mmask16)((1u << (len - j)) - 1);
-            peak = _mm512_max_ps(peak, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, row + j));
-        }
-        __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
-        for (int j = 0; j < len; j += 16) {
-            __mmask16 m = len - j >= 16 ? 0xFFFF : (__mmask16)((1u << (len - j)) - 1);
-            __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), top);
-            __m512 e = _mm512_maskz_mov_ps(m, exp512(x));
-            total = _mm512_add_ps(total, e);
-            _mm512_mask_storeu_ps(row + j, m, e);
-        }
-        __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-        for (int j = 0; j < len; j += 16) {
-            __mmask16 m = len - j >= 16 ? 0xFFFF : (__mmask16)((1u << (len - j)) - 1);
-            _mm512_mask_storeu_ps(row + j, m,
-                                  _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), inv));
-        }
+    __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
+    for (int j = 0; j < len; j += 16) {
+        __mmask16 m = len - j >= 16 ? 0xFFFF : (__mmask16)((1u << (len - j)) - 1);
+        __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), top);
+        __m512 e = _mm512_maskz_mov_ps(m, exp512(x));
+        total = _mm512_add_ps(total, e);
+        _mm512_mask_storeu_ps(row + j, m, e);
     }
-    weigh_values(scores, len, values, kv->bits, group, dim / 16, out);
-    if (kv->bits != 32) scale_channels(out, group, dim, kv->value_scale + scale_at, out);
+    __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+    for (int j = 0; j < len; j += 16) {
+        __mmask16 m = len - j >= 16 ? 0xFFFF : (__mmask16)((1u << (len - j)) - 1);
+        _mm512_mask_storeu_ps(row + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), inv));
+    }
+    memset(row + len, 0, sizeof(float) * (width - len));
+}
+
+/* A run of n query tokens of one lane at consecutive positions (a prefill chunk, or a
+   token and its drafts), the heads of one query group each: token i (queries q + i *
+   q_stride, [group][dim]) attends to the lane's rows 0 .. first_len + i - 1 (rows of the
+   layer's format, codes scaled per channel by kv's scales + scale_at) and writes
+   softmax(scale * q . keys) @ values to out + i * out_stride. The run reads each key and
+   value row once for all its tokens (from memory, then from cache), where token by token
+   it would read them n times; every token's arithmetic is what it would be alone (a
+   key's dot product does not depend on the others, its softmax covers its own rows, and
+   the weighted sum adds exact zeros for rows past them), so a step computes the same
+   whatever else it holds. A key's scale multiplies the queries instead, a value's the
+   weighted sum. scores: [n * group][first_len + n - 1]; rows: [n * group][dim]. */
+static void attend_run(const float *q, int64_t q_stride, int n, int group,
+                       const uint8_t *keys, const uint8_t *values, const KVLayout *kv,
+                       int64_t scale_at, int first_len, int dim, float scale, float *scores,
+                       float *rows, float *out, int64_t out_stride) {
+    const int heads = n * group, longest = first_len + n - 1, strips = dim / 16;
+    const int quantized = kv->bits != 32;
+    touch_rows(keys, values, longest * row_bytes(kv->bits, dim));
+    for (int i = 0; i < n; i++) {  /* the run's queries side by side */
+        float *to = rows + (int64_t)i * group * dim;
+        if (quantized)
+            scale_channels(q + i * q_stride, group, dim, kv->key_scale + scale_at, to);
+        else
+            memcpy(to, q + i * q_stride, sizeof(float) * group * dim);
+    }
+    group_scores(rows, heads, keys, kv->bits, longest, dim, scale, scores);
+    for (int h = 0; h < heads; h++)
+        softmax_row(scores + (int64_t)h * longest, first_len + h / group, longest);
+    /* the weighted sums, a few heads at a time so that their sums stay in registers */
+    const int at_once = strips <= 24 ? 24 / strips : 1;
+    for (int h = 0; h < heads; h += at_once)
+        weigh_values(scores + (int64_t)h * longest, longest, values, kv->bits,
+                     heads - h < at_once ? heads - h : at_once, strips, rows + (int64_t)h * dim);
+    if (quantized) scale_channels(rows, heads, dim, kv->value_scale + scale_at, rows);
+    for (int i = 0; i < n; i++)
+        memcpy(out + i * out_stride, rows + (int64_t)i * group * dim, sizeof(float) * group * dim);
+}
+
+/* The step's runs (attend_run): starts[r] is run r's first token, starts[runs] = t_rows. */
+static int query_runs(int t_rows, const int32_t *lanes, const int32_t *positions,
+                      int32_t *starts) {
+    int runs = 0;
+    for (int t = 0; t < t_rows; t++)
+        if (t == 0 || lanes[t] != lanes[t - 1] || positions[t] != positions[t - 1] + 1
+                || t - starts[runs - 1] == RUN_TOKENS)
+            starts[runs++] = t;
+    starts[runs] = t_rows;
+    return runs;
 }
 
 static void embed_row(const Model *m, int64_t token, float *out) {
@@ -629,9 +669,10 @@ static void embed_row(const Model *m, int64_t token, float *out) {
 
 typedef struct {
     float *x, *h, *qkv, *attn, *proj, *gate_up, *act;
-    float *scores;          /* [threads][group][longest] attention scores */
+    float *scores;          /* [threads][RUN_TOKENS * group][longest] attention scores */
     int64_t scores_stride;  /* one thread's share */
-    float *scaled;          /* [threads][group][head_dim] queries times a key scale */
+    float *rows;            /* [threads][RUN_TOKENS * heads][head_dim] a run's queries, sums */
+    int32_t *runs;          /* [T + 1] where each run of query tokens starts (query_runs) */
     QActivations q;
 } Scratch;
 
@@ -659,18 +700,19 @@ static int scratch_alloc(const Model *m, int t_rows, int longest, Scratch *s) {
     s->q.scales = lines_alloc(sizeof(float) * padded * (width / 32));
     s->q.zero_term = lines_alloc(sizeof(int32_t) * padded * (width / 32));
     s->q.inputs = lines_alloc(sizeof(float) * padded * (width / 32));
-    s->scores_stride = (int64_t)(m->heads / m->kv_heads) * longest;
+    s->scores_stride = (int64_t)RUN_TOKENS * (m->heads / m->kv_heads) * longest;
     int threads = m->num_threads > 1 ? m->num_threads : 1;
     s->scores = lines_alloc(sizeof(float) * s->scores_stride * threads);
-    s->scaled = lines_alloc(sizeof(float) * attn_width * threads);
+    s->rows = lines_alloc(sizeof(float) * RUN_TOKENS * attn_width * threads);
+    s->runs = lines_alloc(sizeof(int32_t) * (t + 1));
     return s->x && s->h && s->qkv && s->attn && s->proj && s->gate_up && s->act && s->q.codes
-        && s->q.inputs && s->q.scales && s->q.zero_term && s->scores && s->scaled;
+        && s->q.inputs && s->q.scales && s->q.zero_term && s->scores && s->rows && s->runs;
 }
 
 static void scratch_free(Scratch *s) {
     free(s->x); free(s->h); free(s->qkv); free(s->attn); free(s->proj); free(s->gate_up);
     free(s->act); free(s->q.codes); free(s->q.scales); free(s->q.zero_term); free(s->q.inputs);
-    free(s->scores); free(s->scaled);
+    free(s->scores); free(s->rows); free(s->runs);
 }
 
 static void linear(const Model *m, const QMatrix *w, const float *x, int t_rows, Scratch *s,
@@ -681,7 +723,7 @@ static void linear(const Model *m, const QMatrix *w, const float *x, int t_rows,
 
 /* One layer's attention: rotary (and the layer's rotation), the step's keys and values into
    their lanes in the layer's format, then every query token attends to its lane's
-   positions 0 .. its own. */
+   positions 0 .. its own, a lane's consecutive tokens together (attend_run). */
 static void attention(const Model *m, const KVLayout *kv, int t_rows, const int32_t *lanes,
                       const int32_t *positions, uint8_t *key_pool, uint8_t *value_pool,
                       int lane_tokens, Scratch *s) {
@@ -710,9 +752,11 @@ static void attention(const Model *m, const KVLayout *kv, int t_rows, const int3
                       dim, value_pool + at);
         }
     }
+    const int runs = query_runs(t_rows, lanes, positions, s->runs);
     #pragma omp parallel for num_threads(threads) collapse(2) schedule(static) if (threads > 1)
-    for (int t = 0; t < t_rows; t++) {
+    for (int r = 0; r < runs; r++) {
         for (int g = 0; g < kv_heads; g++) {
+            const int t = s->runs[r], n = s->runs[r + 1] - t;
             const float *q = s->qkv + (int64_t)t * qkv_width + g * group * dim;
             int64_t lane = (((int64_t)lanes[t] * kv_heads + g) * lane_tokens) * stride;
 #ifdef _OPENMP
@@ -720,10 +764,11 @@ static void attention(const Model *m, const KVLayout *kv, int t_rows, const int3
 #else
             int id = 0;
 #endif
-            attend_group(q, group, key_pool + lane, value_pool + lane, kv, (int64_t)g * dim,
-                         positions[t] + 1, dim, m->attn_scale, s->scores + id * s->scores_stride,
-                         s->scaled + (int64_t)id * heads * dim,
-                         s->attn + (int64_t)t * heads * dim + g * group * dim);
+            attend_run(q, qkv_width, n, group, key_pool + lane, value_pool + lane, kv,
+                       (int64_t)g * dim, positions[t] + 1, dim, m->attn_scale,
+                       s->scores + id * s->scores_stride,
+                       s->rows + (int64_t)id * RUN_TOKENS * heads * dim,
+                       s->attn + (int64_t)t * heads * dim + g * group * dim, (int64_t)heads * dim);
         }
     }
 }

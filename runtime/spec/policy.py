@@ -23,10 +23,11 @@ the most drafts any sequence keeps, chosen for the most tokens per unit of step 
 The estimates are checked against what they buy. A step speculates when its estimates
 are high, so the steps that run are the ones whose estimates erred upwards (and between
 its verifications a sequence's record drifts back to the optimistic prior): measured on
-SmolLM2, speculative steps kept 92 % of the extra tokens their estimates promised at batch
-1 and 64-80 % at batch 4, where drafts must beat three plain neighbours' cost. So per
+SmolLM2, speculative steps kept 92-94 % of the extra tokens their estimates promised at
+batch 1 and 70-80 % at batch 4, where drafts must beat three plain neighbours' cost. So per
 batch-size bucket the policy keeps the share of promised extra tokens that verification
-kept (decayed sums, a prior of 1) and discounts every promise by it (`prepare`).
+kept (decayed sums, a prior of promises all kept) and discounts every promise by it
+(`prepare`).
 """
 
 from __future__ import annotations

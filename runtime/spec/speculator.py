@@ -98,6 +98,7 @@ class Speculator:
     def propose(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
         """Fill the draft slots the scheduler reserved; give back the ones left unused."""
         started = time.perf_counter()
+        self.promise = None
         speculating = [i for i, item in enumerate(scheduled) if item.num_spec_tokens]
         if not speculating:
             self.draft_seconds = 0.0

@@ -12,7 +12,7 @@ from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.recipe import Recipe, RecipeError, load_recipe
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes import kv_cache
-from llmopt.passes.kv_cache import calibrate
+from llmopt.passes.kv_cache import calibrate, sensitivity
 from llmopt.passes.registry import PassContext
 
 IDS = torch.tensor([[5, 17, 99, 3, 42, 8, 61, 200, 7, 13, 150, 77]])
@@ -89,7 +89,7 @@ def test_bad_options_name_the_key(load, options, message):
 
 
 def test_static_scales_need_calibration(load):
-    with pytest.raises(ValueError, match="kv_cache: static scales, smooth_keys and auto_skip need"):
+    with pytest.raises(ValueError, match="kv_cache: static scales, smooth_keys, auto_skip"):
         kv_cache.run(load("llama"), kv_cache.Config(dtype="int8", key_scales="channel"), None)
 
 
@@ -174,6 +174,44 @@ def test_auto_skip_keeps_the_most_sensitive_layers_in_int8(load, context):
     assert dtypes == ["int8" if i == worst else "int4" for i in range(ir.arch.num_layers)]
     for i in range(ir.arch.num_layers):  # each layer's static scales fit its own codes
         assert f"layers.{i}.key_cache_scale" in result.ir.weights
+
+
+def test_max_kl_keeps_the_fewest_most_sensitive_layers_that_reach_it(load, context):
+    ir = load("llama")
+    config = kv_cache.Config(dtype="int4", key_scales="channel", value_scales="channel",
+                             skip_dtype="int8", max_kl=1e9, calibration_samples=2)
+    loose = kv_cache.run(ir, config, context).report
+    assert loose["skipped"] == []  # any cost is within a huge target
+    kl_none = loose["kl_by_skipped"][0]
+    target = kl_none * 0.999  # just below what int4 everywhere costs
+    report = kv_cache.run(ir, config.model_copy(update={"max_kl": target}), context).report
+    measured, skipped = report["kl_by_skipped"], report["skipped"]
+    by_layer = report["sensitivity_kl"]
+    count = len(skipped)
+    assert count >= 1 and measured[count] <= target
+    assert measured.get(count - 1, float("inf")) > target  # one layer fewer misses it
+    worst = sorted(by_layer, key=lambda i: -by_layer[i])[:count]
+    assert sorted(worst) == skipped
+
+
+def test_an_unreachable_max_kl_is_an_error_naming_the_key(load, context):
+    config = kv_cache.Config(dtype="int4", key_scales="channel", value_scales="channel",
+                             skip_dtype="int8", max_kl=1e-12, calibration_samples=2)
+    with pytest.raises(ValueError, match="kv_cache.max_kl: 1e-12 not reached"):
+        kv_cache.run(load("llama"), config, context)
+
+
+def test_fewest_for_kl_bisects_the_sensitivity_order():
+    kls = [0.5, 0.3, 0.2, 0.1, 0.05]
+    calls = []
+
+    def kl_with(n: int) -> float:
+        calls.append(n)
+        return kls[n]
+
+    assert sensitivity.fewest_for_kl(kl_with, 4, 0.15)[0] == 3
+    assert len(calls) <= 4 and len(set(calls)) == len(calls)  # each count measured once
+    assert sensitivity.fewest_for_kl(lambda n: kls[n], 4, 0.6)[0] == 0
 
 
 @pytest.mark.parametrize(("options", "message"), [

@@ -192,6 +192,36 @@ def test_batching_preemption_and_speculation_change_nothing(name, artifacts):
     assert sum(o.metrics.speculation.num_spec_steps for o in outputs) > 0
 
 
+@pytest.mark.parametrize("name", ["llama-sym-h8", "llama-kv-int4-mixed"])
+def test_a_lanes_run_of_tokens_attends_as_each_token_would_alone(name, artifacts):
+    """A step's consecutive tokens of one lane attend together (kernels.c's attend_run,
+    runs of up to 8): each token's logits equal, bit for bit, what the same token gives
+    fed alone, one step at a time, and a second sequence in the step changes nothing."""
+    from llmopt.runtime.step_batch import SequenceStep, make_step_batch
+
+    def executor():
+        llm = LLM(artifacts[name], kernels="native", speculative=False)
+        return llm.engine.executor, llm.engine.config
+
+    prompt, other = requests()[5], requests()[8]
+    tokens = [int(t) for t in np.random.default_rng(9).integers(3, 250, 11)]
+    together, config = executor()
+    size, lane_blocks = config.block_size, config.max_context // config.block_size
+    blocks, other_blocks = (list(range(1 + lane * lane_blocks, 1 + (lane + 1) * lane_blocks))
+                            for lane in (0, 1))  # lanes 0 and 1 (block 0 is the null block)
+    rows = range(len(prompt) + len(tokens))
+    got = together.execute(make_step_batch(
+        [SequenceStep(prompt + tokens, 0, blocks, rows),
+         SequenceStep(other, 0, other_blocks, [len(other) - 1])], size))
+    alone, _ = executor()
+    alone.execute(make_step_batch([SequenceStep(prompt, 0, blocks, [])], size))
+    for i, token in enumerate(tokens):
+        position = len(prompt) + i
+        row = alone.execute(make_step_batch([SequenceStep([token], position, blocks, [0])],
+                                            size))
+        assert np.array_equal(row[0], got[position]), f"token {i}"
+
+
 @pytest.mark.parametrize("name,reason", [
     ("llama-float-activations", "float activations"),
     ("llama-blocks", "not a lanes graph"),
