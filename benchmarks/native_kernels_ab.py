@@ -1,0 +1,106 @@
+"""Two builds of the native kernels on one artifact, in one process: the step shapes that
+matter, timed interleaved, so machine drift between runs does not enter the ratio.
+
+    cp runtime/native/_kernels*.so /tmp/old.so      # before editing kernels.c
+    pip install -e . --no-deps --no-build-isolation  # rebuild the edited kernels
+    python benchmarks/native_kernels_ab.py ART --old /tmp/old.so [--threads 1] [--rounds 15]
+
+The new build is the installed one. Steps (executor calls on prepared batches, nothing
+sampled): batch 1 with 1/2/4/8 tokens at context 128 (a decode step and speculation's
+verifications), batch 4 × 8 tokens, batch 16 × 1 token at context 192, a prefill of
+4 × 128 tokens. Prints median ms and new / old; writes
+benchmarks/results/native_kernels_ab.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+from _common import RESULTS_DIR, machine_info, write_json
+
+from llmopt.runtime import LLM
+from llmopt.runtime.native import executor as native_executor
+from llmopt.runtime.native.library import kernels
+from llmopt.runtime.step_batch import SequenceStep, StepBatch, make_step_batch
+
+FUNCTIONS = ("llmopt_forward", "llmopt_native_supported", "llmopt_linear")
+
+
+def load_build(path: str) -> ctypes.CDLL:
+    """Another build of the kernels, with the installed build's ctypes signatures."""
+    installed, lib = kernels(), ctypes.CDLL(path)
+    for name in FUNCTIONS:
+        getattr(lib, name).restype = getattr(installed, name).restype
+        getattr(lib, name).argtypes = getattr(installed, name).argtypes
+    return lib
+
+
+def engine_on(artifact: Path, lib: ctypes.CDLL, threads: int) -> LLM:
+    """An LLM whose native executor calls `lib` (the executor takes its library at build)."""
+    installed = native_executor.kernels
+    native_executor.kernels = lambda: lib
+    try:
+        return LLM(artifact, num_threads=threads, kernels="native", speculative=False,
+                   max_num_seqs=16, max_context=1024)
+    finally:
+        native_executor.kernels = installed
+
+
+def step_batches(llm: LLM) -> dict[str, StepBatch]:
+    config = llm.engine.config
+    size, lane_blocks = config.block_size, config.max_context // config.block_size
+
+    def lane(index: int) -> list[int]:  # lane i's blocks (block 0 is the null block)
+        return list(range(1 + index * lane_blocks, 1 + (index + 1) * lane_blocks))
+
+    def tokens(q: int) -> list[int]:
+        return [100 + i for i in range(q)]
+
+    batches = {f"batch 1, {q} token(s), context 128": make_step_batch(
+        [SequenceStep(tokens(q), 128, lane(0), range(q))], size) for q in (1, 2, 4, 8)}
+    batches["batch 4 x 8 tokens, context 128"] = make_step_batch(
+        [SequenceStep(tokens(8), 128, lane(i), range(8)) for i in range(4)], size)
+    batches["batch 16 x 1 token, context 192"] = make_step_batch(
+        [SequenceStep([100], 192, lane(i), [0]) for i in range(16)], size)
+    rng = np.random.default_rng(0)
+    batches["prefill 4 x 128 tokens"] = make_step_batch(
+        [SequenceStep([int(t) for t in rng.integers(100, 40000, 128)], 0, lane(i), [127])
+         for i in range(4)], size)
+    return batches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--old", required=True, help="the other build's shared library")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    engines = {"old": engine_on(args.artifact, load_build(args.old), args.threads),
+               "new": engine_on(args.artifact, kernels(), args.threads)}
+    batches = step_batches(engines["old"])
+    seconds: dict[str, dict[str, list[float]]] = {k: {"old": [], "new": []} for k in batches}
+    for round_ in range(args.rounds):
+        for name, batch in batches.items():
+            for build in ("old", "new") if round_ % 2 else ("new", "old"):
+                executor = engines[build].engine.executor
+                started = time.perf_counter()
+                executor.execute(batch)
+                seconds[name][build].append(time.perf_counter() - started)
+    rows = []
+    for name, times in seconds.items():  # the first two rounds warm up
+        old, new = (1000 * statistics.median(times[b][2:]) for b in ("old", "new"))
+        rows.append({"step": name, "old_ms": old, "new_ms": new, "new_over_old": new / old})
+        print(f"{name:<36} old {old:8.2f} ms   new {new:8.2f} ms   new/old {new / old:.3f}")
+    write_json(RESULTS_DIR / "native_kernels_ab.json",
+               {"machine": machine_info(), "artifact": str(args.artifact),
+                "threads": args.threads, "rounds": args.rounds, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
