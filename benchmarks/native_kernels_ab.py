@@ -10,6 +10,10 @@ sampled): batch 1 with 1/2/4/8 tokens at context 128 (a decode step and speculat
 verifications), batch 4 × 8 tokens, batch 16 × 1 token at context 192, a prefill of
 4 × 128 tokens. Prints median ms and new / old; writes
 benchmarks/results/native_kernels_ab.json.
+
+Where an engine's weights land in memory moves its steps by a few per cent (two engines
+of the same build measured 2-4 % apart, either way), so each build runs as two engines,
+built old, new, new, old, and a build's time is the median over both.
 """
 
 from __future__ import annotations
@@ -81,20 +85,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
-    engines = {"old": engine_on(args.artifact, load_build(args.old), args.threads),
-               "new": engine_on(args.artifact, kernels(), args.threads)}
-    batches = step_batches(engines["old"])
+    libs = {"old": load_build(args.old), "new": kernels()}
+    engines = [(build, engine_on(args.artifact, libs[build], args.threads))
+               for build in ("old", "new", "new", "old")]
+    batches = step_batches(engines[0][1])
     seconds: dict[str, dict[str, list[float]]] = {k: {"old": [], "new": []} for k in batches}
     for round_ in range(args.rounds):
         for name, batch in batches.items():
-            for build in ("old", "new") if round_ % 2 else ("new", "old"):
-                executor = engines[build].engine.executor
+            for build, llm in engines if round_ % 2 else engines[::-1]:
                 started = time.perf_counter()
-                executor.execute(batch)
-                seconds[name][build].append(time.perf_counter() - started)
+                llm.engine.executor.execute(batch)
+                if round_ >= 2:  # the first two rounds warm up
+                    seconds[name][build].append(time.perf_counter() - started)
     rows = []
-    for name, times in seconds.items():  # the first two rounds warm up
-        old, new = (1000 * statistics.median(times[b][2:]) for b in ("old", "new"))
+    for name, times in seconds.items():
+        old, new = (1000 * statistics.median(times[b]) for b in ("old", "new"))
         rows.append({"step": name, "old_ms": old, "new_ms": new, "new_over_old": new / old})
         print(f"{name:<36} old {old:8.2f} ms   new {new:8.2f} ms   new/old {new / old:.3f}")
     write_json(RESULTS_DIR / "native_kernels_ab.json",
