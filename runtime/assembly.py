@@ -65,6 +65,32 @@ def make_executor(graph_path: Path, kv_cache: KVCacheSpec, *, num_blocks: int,
     return OrtExecutor(graph_path, kv_cache, max_position=max_position, **common)
 
 
+def graph_executor(artifact: Path, graph: GraphSpec, kv_cache: KVCacheSpec, *, kernels: str,
+                   num_blocks: int, block_size: int, lane_blocks: int | None,
+                   max_position: int, num_threads: int | None = None,
+                   optimization_level: str = "all") -> Executor:
+    """The executor `kernels` puts a graph of the artifact on: the native step (see
+    `runs_native`) or ONNX Runtime's executor for its KV layout."""
+    if runs_native(kernels, graph, kv_cache):
+        from llmopt.runtime.native.executor import NativeLaneExecutor
+
+        return NativeLaneExecutor(artifact, graph, kv_cache, num_blocks=num_blocks,
+                                  block_size=block_size, lane_blocks=lane_blocks,
+                                  num_threads=num_threads, max_position=max_position)
+    return make_executor(artifact / graph.file, kv_cache, num_blocks=num_blocks,
+                         block_size=block_size, lane_blocks=lane_blocks,
+                         max_position=max_position, num_threads=num_threads,
+                         optimization_level=optimization_level,
+                         nbits_accuracy_level=graph.nbits_accuracy_level)
+
+
+def kernels_name(executor: Executor) -> str:
+    """Which kernels an executor runs: "native" (llmopt's step) or "onnxruntime"."""
+    from llmopt.runtime.native.executor import NativeLaneExecutor
+
+    return "native" if isinstance(executor, NativeLaneExecutor) else "onnxruntime"
+
+
 def runs_native(kernels: str, graph: GraphSpec, kv_cache: KVCacheSpec) -> bool:
     """Whether `kernels` puts this graph on the native step; `native` where it cannot run
     is a one-line error that says why."""
@@ -114,26 +140,12 @@ def build_engine(path: Path, manifest: Manifest, tokenizer: Tokenizer,
         threads = options.num_threads if graph == "target" else 1
         # `native` insists on the target; a draft graph takes it where it can run
         kernels = "auto" if options.kernels == "native" and graph != "target" else options.kernels
-        if runs_native(kernels, spec, kv_cache):
-            from llmopt.runtime.native.executor import NativeLaneExecutor
-
-            executor = NativeLaneExecutor(
-                path, spec, kv_cache, num_blocks=config.num_blocks,
-                block_size=config.block_size, lane_blocks=kv_cache_manager.lane_blocks,
-                num_threads=threads, max_position=max_position)
-            kv_cache_manager.copy_listeners.append(executor.copy_block)
-            return executor
-        executor = make_executor(
-            path / spec.file,
-            kv_cache,
-            num_blocks=config.num_blocks,
+        executor = graph_executor(
+            path, spec, kv_cache, kernels=kernels, num_blocks=config.num_blocks,
             block_size=config.block_size,
             lane_blocks=getattr(kv_cache_manager, "lane_blocks", None),
-            max_position=max_position,
-            num_threads=threads,
-            optimization_level=options.optimization_level,
-            nbits_accuracy_level=spec.nbits_accuracy_level,
-        )
+            max_position=max_position, num_threads=threads,
+            optimization_level=options.optimization_level)
         if isinstance(kv_cache_manager, LaneKVCacheManager):
             kv_cache_manager.copy_listeners.append(executor.copy_block)
         return executor

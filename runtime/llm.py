@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from llmopt.runtime.artifact import load_manifest
-from llmopt.runtime.assembly import EngineOptions, build_engine
+from llmopt.runtime.assembly import EngineOptions, build_engine, kernels_name
 from llmopt.runtime.output import RequestOutput
 from llmopt.runtime.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from llmopt.runtime.scheduler import check_prompt_length
@@ -71,9 +71,7 @@ class LLM:
 
     def kernels_in_use(self) -> str:
         """Which kernels run the target graph: llmopt's native step or ONNX Runtime."""
-        from llmopt.runtime.native.executor import NativeLaneExecutor
-
-        if isinstance(self.engine.executor, NativeLaneExecutor):
+        if kernels_name(self.engine.executor) == "native":
             return "native (llmopt's decoder step, runtime/native)"
         return "onnxruntime"
 

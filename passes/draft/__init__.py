@@ -233,6 +233,7 @@ def measure_pairing(ir: ModelIR, draft: ModelIR | None, token_map: torch.Tensor 
                     corpus: list[int] | None = None) -> dict[str, Any]:
     """Lower target (and draft) into a temporary directory and measure them there."""
     from llmopt.passes.draft import choice as m
+    from llmopt.runtime.assembly import kernels_name
 
     recipe = context.recipe
     block_size = recipe.runtime.block_size
@@ -258,15 +259,8 @@ def measure_pairing(ir: ModelIR, draft: ModelIR | None, token_map: torch.Tensor 
                                                           num_blocks, seq_blocks)
         mapping = None if token_map is None else token_map.numpy()
         spec = m.measure(target, draft_exec, mapping, settings)
-        spec["measured"]["kernels"] = _kernels_of(target)
+        spec["measured"]["kernels"] = kernels_name(target)
         return spec
-
-
-def _kernels_of(executor: Any) -> str:
-    """Which kernels ran the measured steps (the manifest records it beside the costs)."""
-    from llmopt.runtime.native.executor import NativeLaneExecutor
-
-    return "native" if isinstance(executor, NativeLaneExecutor) else "onnxruntime"
 
 
 def _ngram_lookup(ngram: NgramOptions | None, corpus: list[int] | None) -> Any:
@@ -290,23 +284,16 @@ def _executor(ir: ModelIR, recipe: Recipe, path: Path, num_blocks: int,
     Lanes-layout sequences get `lane_blocks` blocks each."""
     from llmopt.compiler.artifact import save_graph
     from llmopt.compiler.lower import kv_cache_spec, lower_to_onnx, lowering_options
-    from llmopt.runtime.assembly import make_executor, runs_native
+    from llmopt.runtime.assembly import graph_executor
     from llmopt.runtime.manifest import GraphSpec, KVCacheSpec
 
     options = lowering_options(recipe, ir.arch)
     graph = GraphSpec.model_validate(
         save_graph(lower_to_onnx(ir, options), path, options.operator_set))
     kv_cache = KVCacheSpec.model_validate(kv_cache_spec(ir.arch, options.kv_layout))
-    if runs_native("auto", graph, kv_cache):
-        from llmopt.runtime.native.executor import NativeLaneExecutor
-
-        return NativeLaneExecutor(path.parent, graph, kv_cache, num_blocks=num_blocks,
-                                  block_size=recipe.runtime.block_size,
-                                  lane_blocks=lane_blocks, max_position=options.max_position)
-    return make_executor(path, kv_cache, num_blocks=num_blocks,
-                         block_size=recipe.runtime.block_size, lane_blocks=lane_blocks,
-                         max_position=options.max_position,
-                         nbits_accuracy_level=options.nbits_accuracy_level)
+    return graph_executor(path.parent, graph, kv_cache, kernels="auto", num_blocks=num_blocks,
+                          block_size=recipe.runtime.block_size, lane_blocks=lane_blocks,
+                          max_position=options.max_position)
 
 
 def _log_summary(spec: dict[str, Any], log: Any) -> None:
