@@ -65,6 +65,15 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     # As many of them as it takes for the whole cache's calibration KL to be <= 0.05.
     "int4-static-kl05": {"dtype": "int4", "key_scales": "channel", "value_scales": "channel",
                          "skip_dtype": "int8", "max_kl": 0.05},
+    # Attention sinks: the first 4 positions of each window unrounded (and left out of the
+    # static scales' calibration).
+    "int4-g64-sink4": {"dtype": "int4", "sink_tokens": 4},
+    "int4-static-sink4": {"dtype": "int4", "key_scales": "channel", "value_scales": "channel",
+                          "sink_tokens": 4},
+    "int4-static-kl05-sink4": {"dtype": "int4", "key_scales": "channel",
+                               "value_scales": "channel", "skip_dtype": "int8", "max_kl": 0.05,
+                               "sink_tokens": 4},
+    "fp8-sink4": {"dtype": "fp8_e4m3", "sink_tokens": 4},
     "int4-g64-rot": {"dtype": "int4", "rotate": True},
     "int4-g32-rot": {"dtype": "int4", "group_size": 32, "rotate": True},
     "int8-rot": {"dtype": "int8", "rotate": True},

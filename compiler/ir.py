@@ -79,6 +79,9 @@ class LayerSpec:
     # unchanged): spreads key outliers over all channels before per-token quantization.
     kv_rotate_keys: bool = False
     kv_value_scales: str = "token"
+    # The first N positions of every sequence are kept in float32 beside the quantized
+    # cache (attention sinks, KVQuant/IntactKV): each query reads them unrounded.
+    kv_sink_tokens: int = 0
 
 
 @dataclass(frozen=True)

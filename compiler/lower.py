@@ -91,6 +91,9 @@ def lanes_unsupported(operator_set: str, arch: ArchSpec) -> str | None:
     if operator_set != "onnxruntime":
         return "needs the onnxruntime operator set (GroupQueryAttention is a contrib operator)"
     for index, spec in enumerate(arch.layers):
+        if spec.kv_sink_tokens:
+            return ("needs no sink tokens (GroupQueryAttention attends to every position as "
+                    f"stored; layer {index} keeps {spec.kv_sink_tokens} unrounded)")
         if not lane_storable(spec):
             return ("needs float32, or int8/int4 with static channel scales on both sides "
                     f"(layer {index} stores {spec.kv_dtype})")
@@ -114,7 +117,17 @@ def lane_storable(spec: LayerSpec) -> bool:
 def kv_cache_spec(arch: ArchSpec, layout: str) -> dict:
     """The manifest's `kv_cache` section for a model lowered with `layout`."""
     return {"layout": layout,
-            "layers": [{"tensors": cache_tensors(spec, layout)} for spec in arch.layers]}
+            "layers": [{"tensors": cache_tensors(spec, layout), "sink": sink_tensors(spec)}
+                       for spec in arch.layers],
+            "sink_tokens": max(spec.kv_sink_tokens for spec in arch.layers)}
+
+
+def sink_tensors(spec: LayerSpec) -> list[dict]:
+    """The manifest's sink tensors of one layer: its keys and values in float32 for the
+    first `kv_sink_tokens` positions (none when it keeps no sinks)."""
+    width = spec.num_kv_heads * spec.head_dim
+    return [{"name": name, "dtype": "float32", "slot_shape": [width]}
+            for name in ("key", "value")] if spec.kv_sink_tokens else []
 
 
 def lower_to_onnx(ir: ModelIR, options: LoweringOptions) -> onnx.ModelProto:
@@ -145,6 +158,7 @@ class _DecoderLowering:
         self.g = GraphBuilder("llmopt_decoder", ops_type.opset)
         self.ops: StandardOps = ops_type(self.g, self.arch.norm_eps)
         self._masks: dict[int | None, str] = {}
+        self._sink_masks: dict[int, tuple[str, str]] = {}
         self._positions: str | None = None  # lanes: the step's positions, built once
         self.lanes = options.kv_layout == "lanes"
 
@@ -185,6 +199,13 @@ class _DecoderLowering:
                 pool_shape = ["num_blocks", "block_size", *t["slot_shape"]]
                 g.input(C.past_name(i, t["name"]), elem, pool_shape)
                 g.output(C.new_name(i, t["name"]), elem, ["batch", "seq", *t["slot_shape"]])
+            for t in sink_tensors(spec):
+                g.input(C.sink_name(i, t["name"]), TensorProto.FLOAT,
+                        ["sink_store_rows", spec.kv_sink_tokens, *t["slot_shape"]])
+                g.output(C.new_sink_name(i, t["name"]), TensorProto.FLOAT,
+                         ["batch", "sink_rows_written", *t["slot_shape"]])
+        if any(spec.kv_sink_tokens for spec in self.arch.layers):
+            g.input(C.SINK_ROWS, TensorProto.INT64, ["batch"])
         g.output(C.LOGITS, TensorProto.FLOAT, ["num_logits", self.arch.vocab_size])
 
     def _declare_lane_io(self) -> None:
@@ -440,7 +461,41 @@ class _DecoderLowering:
             value = self.g.rename(stored[name], C.new_name(index, name))
             past = self._gathered(index, name, t["slot_shape"])
             combined[name] = self.g.op("Concat", [past, value], axis=1, name=f"{name}s")
-        return emit_decode(self.g, combined, side, static)
+        read = emit_decode(self.g, combined, side, static)
+        if spec.kv_sink_tokens:
+            return self._with_sinks(index, tensor, new, read, spec.kv_sink_tokens)
+        return read
+
+    def _with_sinks(self, index: int, tensor: str, new: str, read: str, sinks: int) -> str:
+        """`read` [B, Lp + S, W] (past blocks, then the step's rows) with positions < sinks
+        unrounded: past ones from the sink store, the step's own as computed (`new`), which
+        the step also returns for the store."""
+        g = self.g
+        g.rename(g.op("Slice", [new, g.const([0]), g.const([sinks]), g.const([1])]),
+                 C.new_sink_name(index, tensor))
+        stored = g.op("Gather", [C.sink_name(index, tensor), C.SINK_ROWS], axis=0)  # [B, N, W]
+        is_sink, past_len = self._sink_mask(sinks)
+        pads = g.op("Concat", [g.const([0, 0, 0, 0]), past_len, g.const([0])], axis=0)
+        past = g.op("Slice", [g.op("Pad", [stored, pads]), g.const([0]), past_len,
+                              g.const([1])])  # [B, Lp, W]: rows >= N are never read
+        unrounded = g.op("Concat", [past, new], axis=1)
+        return g.op("Where", [is_sink, unrounded, read], name=f"{tensor}s_with_sinks")
+
+    def _sink_mask(self, sinks: int) -> tuple[str, str]:
+        """Which of the keys attention reads are sink positions, [B, Lp + S, 1], and the
+        gathered past length Lp [1]; built once per step."""
+        if sinks not in self._sink_masks:
+            g = self.g
+            block_size = g.op("Shape", [C.past_name(0, "key")], start=1, end=2)
+            past_len = g.op("Mul", [g.op("Shape", [C.BLOCK_TABLES], start=1, end=2), block_size])
+            past_pos = g.op("Range", [g.const(0), g.op("Squeeze", [past_len]), g.const(1)])
+            batch = g.op("Shape", [C.POSITION_IDS], start=0, end=1)
+            past_pos = g.op("Expand", [past_pos, g.op("Concat", [batch, past_len], axis=0)])
+            positions = g.op("Concat", [past_pos, C.POSITION_IDS], axis=1)  # [B, Lp + S]
+            is_sink = g.op("Less", [g.op("Unsqueeze", [positions, g.const([2])]),
+                                    g.const(sinks)], name="is_sink")
+            self._sink_masks[sinks] = (is_sink, past_len)
+        return self._sink_masks[sinks]
 
     def _gathered(self, index: int, name: str, slot_shape: list[int]) -> str:
         """Pool tensor `name` of layer `index` at the step's block tables, [B, M*bs, slot]."""

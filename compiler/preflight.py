@@ -32,10 +32,20 @@ def check_calibration_text(recipe: Recipe) -> None:
                              "will see")
 
 
+def check_pass_options(recipe: Recipe) -> None:
+    """Each pass's options against the rest of the recipe (a Config says what it rules out
+    with `check_recipe(recipe)`)."""
+    for step in recipe.passes:
+        check = getattr(step.config, "check_recipe", None)
+        if check is not None:
+            check(recipe)
+
+
 def check_recipe(recipe: Recipe, out: Path) -> CheckpointRef:
-    """The passes' order constraints, their calibration text, where the artifact goes, and
-    where the checkpoint is."""
+    """The passes' order constraints, their options against the recipe, their calibration
+    text, where the artifact goes, and where the checkpoint is."""
     check_order([step.name for step in recipe.passes])
+    check_pass_options(recipe)
     check_calibration_text(recipe)
     check_output_directory(out)
     return resolve_checkpoint(recipe.model)

@@ -110,23 +110,27 @@ class ReferenceModel:
             q, k = rotate_heads(q), rotate_heads(k)
         if self.kv_observer is not None:  # sees the keys the cache stores
             self.kv_observer(index, q, k, v)
-        k, v = self._stored_kv(index, spec, k), self._stored_kv(index, spec, v, side=1)
+        k = self._stored_kv(index, spec, k, positions)
+        v = self._stored_kv(index, spec, v, positions, side=1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:
             k, v = cache.append(index, k, v)
         out = self._attend(spec, q, k, v, positions)
         return self.linear(index, out.transpose(1, 2).reshape(batch, seq, -1), "o_proj")
 
-    def _stored_kv(self, index: int, spec: LayerSpec, x: torch.Tensor, side: int = 0
-                   ) -> torch.Tensor:
-        """What the KV cache holds for x [batch, seq, kv_heads, head_dim]: the layer's
-        KV dtype round trip, exactly as the graph stores it (every query reads it so)."""
+    def _stored_kv(self, index: int, spec: LayerSpec, x: torch.Tensor,
+                   positions: torch.Tensor, side: int = 0) -> torch.Tensor:
+        """What the KV cache holds for x [batch, seq, kv_heads, head_dim] at `positions`:
+        the layer's KV dtype round trip, exactly as the graph stores it (every query reads
+        it so), except the sink positions, which are kept as they are."""
         if spec.kv_dtype == "float32":
             return x
         kv_side = kv_sides(spec)[side]
         static = self.ir.weights.get(f"layers.{index}.{kv_side.static_scale_weight}")
         flat = x.reshape(*x.shape[:2], -1)
-        return fake_quantize(flat, kv_side, static).reshape(x.shape)
+        stored = fake_quantize(flat, kv_side, static).reshape(x.shape)
+        sink = (positions < spec.kv_sink_tokens)[None, :, None, None]
+        return torch.where(sink, x, stored)
 
     def _attend(
         self, spec: LayerSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

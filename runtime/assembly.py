@@ -114,6 +114,10 @@ def engine_config(manifest: Manifest, options: EngineOptions) -> EngineConfig:
             f"max_context {max_context} exceeds the {manifest.model.max_position} "
             "positions the graph's rotary tables cover"
         )
+    if manifest.kv_cache.sink_tokens > block_size:  # a shared first block shares them all
+        raise ValueError(f"block_size {block_size} is below the artifact's "
+                         f"{manifest.kv_cache.sink_tokens} sink tokens (they live with a "
+                         "sequence's first block)")
     num_blocks = options.num_blocks
     if num_blocks is None:
         num_blocks = defaults.num_blocks or max_num_seqs * cdiv(max_context, block_size) + 1
@@ -148,6 +152,8 @@ def build_engine(path: Path, manifest: Manifest, tokenizer: Tokenizer,
             optimization_level=options.optimization_level)
         if isinstance(kv_cache_manager, LaneKVCacheManager):
             kv_cache_manager.copy_listeners.append(executor.copy_block)
+        if hasattr(executor, "forget_block"):  # it keeps something per block (sinks)
+            kv_cache_manager.block_pool.reuse_listeners.append(executor.forget_block)
         return executor
 
     speculator = build_speculator(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +55,9 @@ class BlockPool:
         # Insertion-ordered set: head = least recently freed = next to be evicted.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.cached_blocks: dict[BlockHash, Block] = {}
+        # Called with a block's id when it is handed out again: whatever an executor keeps
+        # for the block's old contents (its sequence's attention sinks) is stale.
+        self.reuse_listeners: list[Callable[[int], None]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -125,6 +128,8 @@ class BlockPool:
         self.cached_blocks[block_hash] = block
 
     def _evict(self, block: Block) -> None:
+        for listener in self.reuse_listeners:
+            listener(block.block_id)
         if block.block_hash is not None:
             del self.cached_blocks[block.block_hash]
             block.block_hash = None

@@ -24,6 +24,16 @@ plus e.g. "key_scale"/"value_scale" for a quantized KV dtype. Each is indexed by
 tensor the same way:
 `pool.reshape(-1, *slot_shape)[slot_mapping] = new.reshape(-1, *slot_shape)`.
 
+Attention sinks (manifest `kv_cache.sink_tokens` N > 0, blocks layout): a layer with
+`sink` tensors keeps the first N positions of each sequence in float32 beside its pool,
+in a sink store the runtime keys by the sequence's first block (so a prefix-cache hit
+shares them). Extra inputs and outputs:
+  sink_rows         int64 [B]            each sequence's row of the sink store
+  sink.{i}.{t}      float32 [R, N, *slot_shape]   sink store of tensor t of layer i
+  new_sink.{i}.{t}  float32 [B, min(S, N), *slot_shape]   the step's first rows unrounded;
+                    the runtime keeps those at positions < N
+Attention reads positions < N from the sink store (past) or unrounded (the step's own).
+
 Invariants the runtime keeps:
   - a sequence's token at position p lives at slot block_table[p // bs] * bs + p % bs;
   - the first `context_lens[b]` positions of sequence b are in the pool before the step,
@@ -68,6 +78,7 @@ BLOCK_TABLES = "block_tables"
 CONTEXT_LENS = "context_lens"
 LOGITS_INDICES = "logits_indices"
 LOGITS = "logits"
+SINK_ROWS = "sink_rows"
 
 NULL_BLOCK = 0
 
@@ -86,6 +97,16 @@ def present_name(layer: int, tensor: str) -> str:
 def present_of(past: str) -> str:
     """The lanes layout's present output bound to the same memory as input `past`."""
     return "present." + past.removeprefix("past.")
+
+
+def sink_name(layer: int, tensor: str) -> str:
+    """Graph input holding the sink store of tensor `tensor` of `layer`."""
+    return f"sink.{layer}.{tensor}"
+
+
+def new_sink_name(layer: int, tensor: str) -> str:
+    """Graph output holding the step's unrounded first rows for the sink store."""
+    return f"new_sink.{layer}.{tensor}"
 
 
 def new_name(layer: int, tensor: str) -> str:

@@ -16,6 +16,7 @@ import onnxruntime as ort
 from llmopt.runtime import contract
 from llmopt.runtime.manifest import KVCacheSpec
 from llmopt.runtime.paging import cdiv
+from llmopt.runtime.sink_store import SinkStore
 from llmopt.runtime.step_batch import StepBatch
 
 OPTIMIZATION_LEVELS = {
@@ -50,17 +51,20 @@ class OrtExecutor:
                 shape = (num_blocks, block_size, *t.slot_shape)
                 self.pools[contract.past_name(i, t.name)] = np.zeros(shape, dtype=t.dtype)
                 self.new_to_past[contract.new_name(i, t.name)] = contract.past_name(i, t.name)
+        self.sinks = SinkStore(kv_cache)
+        sink_inputs = [*self.sinks.arrays, contract.SINK_ROWS] if self.sinks else []
         check_graph_io(self.session, {contract.INPUT_IDS, contract.POSITION_IDS,
                                       contract.BLOCK_TABLES, contract.CONTEXT_LENS,
-                                      contract.LOGITS_INDICES, *self.pools},
-                       {contract.LOGITS, *self.new_to_past}, "paged-KV")
+                                      contract.LOGITS_INDICES, *self.pools, *sink_inputs},
+                       {contract.LOGITS, *self.new_to_past, *self.sinks.new_to_store},
+                       "paged-KV")
         # One binding for the executor's life: the pools are bound once, as OrtValues over
         # the arrays' own memory (binding copies nothing); a step rebinds the contract's
         # small inputs and its outputs (whose shapes change from step to step).
-        self.output_names = [contract.LOGITS, *self.new_to_past]
+        self.output_names = [contract.LOGITS, *self.new_to_past, *self.sinks.new_to_store]
         self.binding = self.session.io_binding()
-        for name, pool in self.pools.items():
-            self.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(pool))
+        for name, array in {**self.pools, **self.sinks.arrays}.items():
+            self.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
         # Flat [slots, *slot_shape] views of the pools, by the graph output written there.
         self.flat_pools = {
             new: self.pools[past].reshape(-1, *self.pools[past].shape[2:])
@@ -71,6 +75,11 @@ class OrtExecutor:
         """Copy one block of every pool tensor (lanes: a prefix hit held by another lane)."""
         for pool in self.pools.values():
             pool[destination] = pool[source]
+        self.sinks.copy_block(source, destination)
+
+    def forget_block(self, block_id: int) -> None:
+        """The block pool hands `block_id` out again: sinks kept for it are stale."""
+        self.sinks.forget_block(block_id)
 
     def execute(self, batch: StepBatch) -> np.ndarray:
         """Run the step as few right-padded graph calls as keep padding waste small.
@@ -90,6 +99,10 @@ class OrtExecutor:
 
     def _run(self, batch: StepBatch) -> np.ndarray:
         inputs, slots = contract_inputs(batch, self.block_size, self.max_position)
+        if self.sinks:
+            inputs[contract.SINK_ROWS] = rows = self.sinks.rows_for(
+                [table[0] for table in batch.block_tables])
+            self._bind_grown_sinks()
         for name, array in inputs.items():
             self.binding.bind_cpu_input(name, array)
         self.binding.clear_binding_outputs()
@@ -103,8 +116,18 @@ class OrtExecutor:
         for name, flat_pool in self.flat_pools.items():
             new = outputs[name]
             flat_pool[kept_slots] = new.reshape(-1, *flat_pool.shape[1:])[keep]
+        if self.sinks:
+            self.sinks.write(outputs, rows, inputs[contract.CONTEXT_LENS],
+                             np.asarray(batch.query_lens))
         logits = outputs[contract.LOGITS]
         return logits[: batch.logits_indices.size].astype(np.float32, copy=False)
+
+
+    def _bind_grown_sinks(self) -> None:
+        if self.sinks.grown:  # the store reallocated its arrays: bind the new ones
+            for name, array in self.sinks.arrays.items():
+                self.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+            self.sinks.grown = False
 
 
 def padding_groups(query_lens: list[int], max_waste: float = 0.25,

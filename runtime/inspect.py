@@ -38,6 +38,8 @@ def describe(path: str | Path, pool_mib: float = 1024.0) -> dict[str, Any]:
         "pool_mib": pool_mib,
         "tokens_in_pool": int(pool_mib * _MIB // kv_bytes),
         "kv_layout": kv_layout(manifest.kv_cache),
+        "kv_sink_tokens": manifest.kv_cache.sink_tokens,
+        "kv_sink_bytes_per_sequence": manifest.kv_cache.sink_bytes_per_sequence(),
         # float32 keys and values of the same shapes (the compiler's IR record): the baseline.
         "kv_float32_bytes_per_token": sum(8 * layer["num_kv_heads"] * layer["head_dim"]
                                           for layer in arch.get("layers", [])) or None,
@@ -121,6 +123,10 @@ def format_description(info: dict[str, Any]) -> str:
     lines += [f"  {'layers' if '-' in group['layers'] else 'layer'} {group['layers']}: "
               f"{group['tensors']} ({group['bytes_per_token']} bytes/token each)"
               for group in info["kv_layout"]["groups"]]
+    if info["kv_sink_tokens"]:
+        lines.append(f"KV sinks      the first {info['kv_sink_tokens']} positions of each "
+                     "sequence unrounded, beside the pool: "
+                     f"{info['kv_sink_bytes_per_sequence']} bytes a sequence")
     lines += _weight_lines(info["weights"]) + _speculative_lines(info["speculative"])
     lines += _tokenizer_lines(info["tokenizer"], info["generation"])
     lines.append(f"passes        {len(info['passes'])}")

@@ -29,6 +29,9 @@ class CacheTensor(_Strict):
 
 class CacheLayer(_Strict):
     tensors: list[CacheTensor]
+    # Tensors kept unrounded for each sequence's first `KVCacheSpec.sink_tokens` positions
+    # (float32, in a per-sequence sink store beside the pool; see contract). Empty: none.
+    sink: list[CacheTensor] = Field(default_factory=list)
 
 
 class KVCacheSpec(_Strict):
@@ -36,6 +39,12 @@ class KVCacheSpec(_Strict):
     # "lanes": [lanes, kv_heads, lane tokens, head_dim], read in place (see contract).
     layout: Literal["blocks", "lanes"] = "blocks"
     layers: list[CacheLayer]
+    sink_tokens: int = Field(0, ge=0)  # positions each layer's `sink` tensors keep
+
+    def sink_bytes_per_sequence(self) -> int:
+        """Sink-store bytes one sequence (one distinct first block) takes."""
+        return self.sink_tokens * sum(layer_bytes_per_token(CacheLayer(tensors=layer.sink))
+                                      for layer in self.layers)
 
     def bytes_per_token(self) -> int:
         """Pool bytes one token takes, codes and scales of every layer included."""

@@ -44,6 +44,11 @@ ARTIFACTS = {
     # int4 with the most sensitive layer kept in int8: lanes of both widths in one model.
     "llama-int4-mixed": ("llama", MIXED_INT4, {"kind": "ngram", "gamma": 3}),
     "llama-int4-mixed/blocks": ("llama", MIXED_INT4, None),
+    # Attention sinks: the first positions unrounded in the runtime's sink store (blocks).
+    "llama-int4-sinks": ("llama", {**STATIC_INT4, "sink_tokens": 2},
+                         {"kind": "ngram", "gamma": 3}),
+    "qwen3-int8-sinks": ("qwen3", {"dtype": "int8", "sink_tokens": 3},
+                         {"kind": "self", "layers": 1, "distill_steps": 5, "gamma": 3}),
     # ... and on every other architecture (biases, qk-norm, sliding windows, softcaps)
     **{f"{arch}-int4-mixed{twin}": (arch, MIXED_INT4, None)
        for arch in OTHER_ARCHS for twin in ("", "/blocks")},
@@ -109,7 +114,8 @@ def test_lanes_store_what_the_gathered_graph_stores(name, artifacts):
 
 
 @pytest.mark.parametrize("name", ["llama-int8", "gemma3-int4", "llama-int8-static",
-                                  "llama-int4-static-rot", "llama-int4-mixed"])
+                                  "llama-int4-static-rot", "llama-int4-mixed",
+                                  "llama-int4-sinks", "qwen3-int8-sinks"])
 def test_speculation_changes_no_greedy_output(name, artifacts):
     requests = shared_prefix_requests()
     expected = [o.token_ids for o in LLM(artifacts[name], speculative=False).generate(
@@ -159,3 +165,25 @@ def test_bfloat16_pools_hold_the_bit_patterns(artifacts):
     info = describe(artifacts["qwen2-bf16"], pool_mib=1)
     assert 2 * info["kv_bytes_per_token"] == info["kv_float32_bytes_per_token"]
     assert "key uint16[" in format_description(info)
+
+
+def test_sinks_live_with_first_blocks(artifacts):
+    """Sequences that share a cached first block share its sink row; the manifest and
+    `inspect` say what the store costs a sequence."""
+    llm = LLM(artifacts["llama-int4-sinks"], speculative=False)
+    assert llm.manifest.kv_cache.layout == "blocks" and llm.manifest.kv_cache.sink_tokens == 2
+    requests = shared_prefix_requests()
+    for request in requests:  # one at a time: each shared prefix is a cache hit
+        llm.generate([request], GREEDY)
+    sinks = llm.engine.executor.sinks
+    first_blocks = {tuple(r[:4]) for r in requests}  # block size 4
+    assert len(first_blocks) == 9 and len(sinks.row_of_block) == 9
+    assert len(set(sinks.row_of_block.values())) == 9
+    sinks.forget_block(next(iter(sinks.row_of_block)))  # the block is handed out again
+    assert len(sinks.row_of_block) == 8 and len(sinks.free_rows) == 16 - 8
+    info = describe(artifacts["llama-int4-sinks"], pool_mib=1)
+    width = info["kv_float32_bytes_per_token"] // (2 * 4 * llm.manifest.model.num_layers)
+    assert info["kv_sink_bytes_per_sequence"] == 2 * 2 * 4 * width * llm.manifest.model.num_layers
+    assert "sink" in format_description(info)
+    with pytest.raises(ValueError, match="block_size 1 is below the artifact's 2 sink tokens"):
+        LLM(artifacts["llama-int4-sinks"], block_size=1)

@@ -22,6 +22,9 @@ Recipe: `- kv_cache: {dtype: int8}`; options:
                  amax_c^α and queries multiplied by it, folded into the q/k projections
                  (or qk-norm weights), shared by each rotary pair: exact in real arithmetic,
                  it flattens the key outliers that per-token scales suffer from.
+  sink_tokens    N: the first N positions of every sequence stay in float32 beside the
+                 quantized cache (attention sinks: KVQuant, IntactKV); static scales are
+                 then calibrated on the other positions. Needs the blocks KV layout.
   rotate         Hadamard rotation per head (QuaRot): of queries and keys in the graph
                  after RoPE (q·k unchanged), of values folded into v_proj rows and o_proj
                  columns (exact). Spreads outlier channels before per-token quantization.
@@ -32,7 +35,7 @@ them, so the measured cost is the artifact's cost.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -50,6 +53,9 @@ from llmopt.passes.kv_cache.folds import rotate_values, smooth_keys
 from llmopt.passes.kv_cache.sensitivity import CacheKL, fewest_for_kl, layer_sensitivity
 from llmopt.passes.registry import PassContext, PassResult
 
+if TYPE_CHECKING:
+    from llmopt.compiler.recipe import Recipe
+
 
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -66,7 +72,19 @@ class Config(BaseModel):
     max_kl: float | None = Field(None, gt=0)  # ... or as many as this KL target takes
     smooth_keys: float | None = Field(None, gt=0, le=1)
     rotate: bool = False
+    sink_tokens: int = Field(0, ge=0)
     calibration_samples: int = Field(16, gt=0)  # windows of calibration.text for statistics
+
+    def check_recipe(self, recipe: Recipe) -> None:
+        """What the rest of the recipe rules out (preflight: before the model loads)."""
+        _check_sinks(self.sink_tokens, recipe.runtime.max_context, "runtime.max_context")
+        if self.sink_tokens > recipe.runtime.block_size:
+            raise ValueError(f"kv_cache.sink_tokens: {self.sink_tokens} do not fit one block "
+                             f"(runtime.block_size {recipe.runtime.block_size}): a sequence's "
+                             "sinks live with its first block, which prefixes share")
+        if self.sink_tokens and recipe.target.kv_layout == "lanes":
+            raise ValueError("kv_cache.sink_tokens: needs target.kv_layout blocks (lanes "
+                             "round every position they store)")
 
     def needs_calibration_text(self) -> bool:
         """Static (channel) scales, smooth_keys, auto_skip and max_kl measure calibration
@@ -77,7 +95,7 @@ class Config(BaseModel):
 
 def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     started = time.perf_counter()
-    check_config(ir, config)
+    check_config(ir, config, context)
     out = ir.copy()
     kept = [i for i in range(ir.arch.num_layers) if i not in config.skip_layers]
     stored = {i: config.dtype if i in kept else config.skip_dtype
@@ -89,11 +107,11 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
             out.arch = out.arch.replace_layer(i, kv_rotate_keys=True)
     windows = _windows(out, config, context) if config.needs_calibration_text() else None
     if config.smooth_keys is not None and config.dtype not in FLOAT_KV_DTYPES:
-        smooth_keys(out, kv_absmax(out, windows), config.smooth_keys, kept)
+        smooth_keys(out, kv_absmax(out, windows, config.sink_tokens), config.smooth_keys, kept)
     stats = None
     if "channel" in (config.key_scales, config.value_scales):
         searched = {d for d in stored.values() if searches(config.static_scales, d)}
-        stats = kv_scale_statistics(out, windows, searched)
+        stats = kv_scale_statistics(out, windows, searched, skip_first=config.sink_tokens)
     float_ir = out.copy()  # every fold made, every cache still float: what auto_skip scores
     for i, dtype in stored.items():
         store(out, i, dtype, config, stats)
@@ -124,6 +142,12 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     return PassResult(out, report(ir, out, time.perf_counter() - started, context, extra))
 
 
+def _check_sinks(sink_tokens: int, context: int, what: str) -> None:
+    if sink_tokens >= context:
+        raise ValueError(f"kv_cache.sink_tokens: {sink_tokens} is beyond the context "
+                         f"({what}: {context} positions)")
+
+
 def _windows(ir: ModelIR, config: Config, context: PassContext | None):
     if context is None or context.recipe.calibration.text is None:
         raise ValueError("kv_cache: static scales, smooth_keys, auto_skip and max_kl need "
@@ -141,20 +165,25 @@ def store(ir: ModelIR, index: int, dtype: str, config: Config,
     if dtype == "float32":
         ir.arch = ir.arch.replace_layer(index, kv_dtype="float32", kv_rotate_keys=False,
                                         kv_group_size=None, kv_value_group_size=None,
-                                        kv_key_scales="token", kv_value_scales="token")
+                                        kv_key_scales="token", kv_value_scales="token",
+                                        kv_sink_tokens=0)
         return
     ir.arch = ir.arch.replace_layer(
         index, kv_dtype=dtype, kv_rotate_keys=config.rotate, kv_group_size=config.group_size,
         kv_value_group_size=config.value_group_size,
-        kv_key_scales=config.key_scales, kv_value_scales=config.value_scales)
+        kv_key_scales=config.key_scales, kv_value_scales=config.value_scales,
+        kv_sink_tokens=config.sink_tokens)
     for side in kv_sides(ir.arch.layers[index]):
         if side.scales == "channel" and side.quantized:
             ir.weights[f"layers.{index}.{side.static_scale_weight}"] = static_scale(
                 stats[index][side.name], dtype, config.static_scales)
 
 
-def check_config(ir: ModelIR, config: Config) -> None:
+def check_config(ir: ModelIR, config: Config, context: PassContext | None = None) -> None:
     """One-line errors naming the key, before any work."""
+    if context is not None:
+        config.check_recipe(context.recipe)
+    _check_sinks(config.sink_tokens, ir.arch.max_position, "the model's positions")
     for i in config.skip_layers:
         if not 0 <= i < ir.arch.num_layers:
             raise ValueError(f"kv_cache.skip_layers: layer {i} does not exist "

@@ -30,13 +30,15 @@ SideStats = dict[str, torch.Tensor]  # "amax" [W], and per searched dtype its er
 
 
 @torch.no_grad()
-def kv_absmax(ir: ModelIR, windows: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-    """Per layer and side: absmax per channel ([W]) of what the cache is given."""
+def kv_absmax(ir: ModelIR, windows: torch.Tensor, skip_first: int = 0
+              ) -> list[dict[str, torch.Tensor]]:
+    """Per layer and side: absmax per channel ([W]) of what the cache is given at positions
+    from `skip_first` on (the ones before are sinks, kept unrounded)."""
     stats = [{side: torch.zeros(0) for side in SIDES} for _ in ir.arch.layers]
 
     def observe(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         for side, x in zip(SIDES, (k, v), strict=True):
-            amax = x.abs().flatten(0, 1).amax(0).flatten()
+            amax = x[:, skip_first:].abs().flatten(0, 1).amax(0).flatten()
             seen = stats[index][side]
             stats[index][side] = amax if seen.numel() == 0 else torch.maximum(seen, amax)
 
@@ -45,11 +47,12 @@ def kv_absmax(ir: ModelIR, windows: torch.Tensor) -> list[dict[str, torch.Tensor
 
 
 @torch.no_grad()
-def kv_scale_statistics(ir: ModelIR, windows: torch.Tensor, dtypes: Iterable[str]
-                        ) -> list[dict[str, SideStats]]:
+def kv_scale_statistics(ir: ModelIR, windows: torch.Tensor, dtypes: Iterable[str],
+                        skip_first: int = 0) -> list[dict[str, SideStats]]:
     """Per layer and side: the absmax, and for each dtype in `dtypes` (those searched) the
-    attention-weighted error of every candidate scale (two passes over the windows)."""
-    amax = kv_absmax(ir, windows)
+    attention-weighted error of every candidate scale (two passes over the windows), of
+    positions from `skip_first` on."""
+    amax = kv_absmax(ir, windows, skip_first)
     searched = list(dtypes)
     stats = [{side: {"amax": amax[i][side]} for side in SIDES} for i in range(len(amax))]
     if not searched:
@@ -60,7 +63,8 @@ def kv_scale_statistics(ir: ModelIR, windows: torch.Tensor, dtypes: Iterable[str
         weights = attention_weights(ir.arch, spec, q, k, v)
         for side, x, w in zip(SIDES, (k, v), weights, strict=True):
             for dtype in searched:
-                error = clip_errors(x.flatten(2).flatten(0, 1), w.flatten(0, 1),
+                error = clip_errors(x[:, skip_first:].flatten(2).flatten(0, 1),
+                                    w[:, skip_first:].flatten(0, 1),
                                     stats[index][side]["amax"], dtype)
                 seen = stats[index][side].get(dtype)
                 stats[index][side][dtype] = error if seen is None else seen + error

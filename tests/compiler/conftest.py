@@ -16,8 +16,10 @@ import torch
 from llmopt.compiler.architectures import FAMILIES
 from llmopt.compiler.ir import ArchSpec, ModelIR
 from llmopt.compiler.loader import load_checkpoint
-from llmopt.compiler.lower import cache_tensors
+from llmopt.compiler.lower import cache_tensors, kv_cache_spec
 from llmopt.runtime import contract as C
+from llmopt.runtime.manifest import KVCacheSpec
+from llmopt.runtime.sink_store import SinkStore
 
 # Test modules share helpers by name (`from test_lower import ...`) under importlib mode.
 sys.path.insert(0, str(Path(__file__).parent))
@@ -103,6 +105,8 @@ class PagedDriver:
                 past = C.past_name(i, t["name"])
                 self.pools[past] = rng.standard_normal(shape).astype(t["dtype"])
                 self.new_to_past[C.new_name(i, t["name"])] = past
+        # Layers that keep attention sinks read and write them through the runtime's store.
+        self.sinks = SinkStore(KVCacheSpec.model_validate(kv_cache_spec(arch, "blocks")))
         self.free = [int(b) for b in rng.permutation(np.arange(1, num_blocks))]
         self.block_tables: dict[int, list[int]] = {}
         self.context_lens: dict[int, int] = {}
@@ -131,9 +135,15 @@ class PagedDriver:
             C.INPUT_IDS: input_ids, C.POSITION_IDS: position_ids, C.BLOCK_TABLES: block_tables,
             C.CONTEXT_LENS: context_lens, C.LOGITS_INDICES: np.concatenate(rows), **self.pools,
         }
+        if self.sinks:
+            sink_rows = self.sinks.rows_for([self.block_tables[s][0] for s in seqs])
+            feeds.update(self.sinks.arrays, **{C.SINK_ROWS: sink_rows})
         names = [o.name for o in self.session.get_outputs()]
         outputs = dict(zip(names, self.session.run(names, feeds), strict=True))
         self._write(outputs, slots.ravel())
+        if self.sinks:
+            query_lens = np.array([len(queries[s]) for s in seqs])
+            self.sinks.write(outputs, sink_rows, context_lens, query_lens)
         for seq in seqs:
             self.context_lens[seq] = self.context_lens.get(seq, 0) + len(queries[seq])
         splits = np.cumsum([len(queries[s]) for s in seqs])[:-1]

@@ -133,6 +133,11 @@ def pool_cache(driver, ir: ModelIR, seq: int = 0) -> KVCache:
                 for t in side.tensors()}
             static = ir.weights.get(f"layers.{i}.{side.static_scale_weight}")
             x = decode(stored, side, static).reshape(1, length, spec.num_kv_heads, spec.head_dim)
+            if spec.kv_sink_tokens:  # the first positions come from the sink store, unrounded
+                sinks = driver.sinks.arrays[C.sink_name(i, side.name)]
+                row = driver.sinks.row_of_block[int(table[0])]
+                kept = min(spec.kv_sink_tokens, length)
+                x[0, :kept] = torch.from_numpy(sinks[row, :kept]).reshape(kept, *x.shape[2:])
             decoded.append(x.transpose(1, 2))
         cache.append(i, *decoded)
     return cache
@@ -190,3 +195,29 @@ def test_rotated_keys(load_ir, arch_name, operator_set, tmp_path, paged_driver):
     assert sum(node.name.startswith("rotate_heads") for node in model.graph.node) == (
         2 * qir.arch.num_layers)
     check_write_and_read(qir, open_session(path), paged_driver)
+
+
+@pytest.mark.parametrize("dtype", ["float16", *QUANTIZED])
+def test_sink_tokens_are_read_unrounded(load_ir, dtype, operator_set, tmp_path, paged_driver):
+    """The first N positions come from the sink store (written over several steps, the
+    first shorter than N), every later one from the pool: each step's logits are the
+    reference model's with the pool and the store as its cache, and it keeps exactly
+    those positions unrounded."""
+    base = load_ir("qwen2")
+    layout = {"kv_group_size": base.arch.layers[0].head_dim // 2}
+    qir = with_kv(base, dtype, kv_sink_tokens=3, **layout)
+    model, path = compile_graph(qir, tmp_path, operator_set=operator_set)
+    assert {o.name for o in model.graph.output} >= {C.new_sink_name(0, "key"),
+                                                    C.new_sink_name(0, "value")}
+    driver, reference = paged_driver(open_session(path), qir.arch), ReferenceModel(qir)
+    prompt, start = prompt_ids(14, seed=13), 0
+    for end in (1, 2, 9, 10, 11, 14):
+        cache = pool_cache(driver, qir) if start else None
+        expected = reference.forward(torch.tensor([prompt[start:end]]), cache)[0].numpy()
+        logits = driver.step({0: prompt[start:end]})[0]
+        np.testing.assert_allclose(logits, expected, rtol=0, atol=ATOL, err_msg=f"to {end}")
+        start = end
+    kept = reference.forward(torch.tensor([prompt]))[0]
+    for other in (with_kv(base, "float32"), with_kv(base, dtype, **layout)):
+        assert not torch.allclose(ReferenceModel(other).forward(torch.tensor([prompt]))[0],
+                                  kept, atol=1e-3)  # sinks unrounded, the rest rounded

@@ -82,6 +82,8 @@ def test_static_channel_scales_cover_calibration(load, context):
     ({"dtype": "int8", "group_size": 5}, "kv_cache.group_size: 5 does not divide head_dim"),
     ({"dtype": "int4", "value_group_size": 3}, "kv_cache.value_group_size: 3"),
     ({"dtype": "int8", "skip_layers": [99]}, "kv_cache.skip_layers: layer 99 does not exist"),
+    ({"dtype": "int4", "sink_tokens": 10**6}, "kv_cache.sink_tokens: 1000000 is beyond the "
+     "context"),
 ])
 def test_bad_options_name_the_key(load, options, message):
     with pytest.raises(ValueError, match=message):
