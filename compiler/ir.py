@@ -70,8 +70,8 @@ class LayerSpec:
     kv_dtype: str = "float32"
     # Quantized KV dtypes (the `kv_cache` pass): channels per dynamic per-token scale group
     # of keys (None: one group per head) and of values (None: as keys), and how each side
-    # is scaled: "token" (dynamic, computed at write time) or "channel" (static, calibrated:
-    # `layers.{i}.{key,value}_cache_scale`).
+    # is scaled: "token" (dynamic, computed at write time), "channel" (static, calibrated:
+    # `layers.{i}.{key,value}_cache_scale`) or, for keys, "block" (per channel per block).
     kv_group_size: int | None = None
     kv_value_group_size: int | None = None  # values' groups when they differ from keys'
     kv_key_scales: str = "token"
@@ -82,6 +82,9 @@ class LayerSpec:
     # The first N positions of every sequence are kept in float32 beside the quantized
     # cache (attention sinks, KVQuant/IntactKV): each query reads them unrounded.
     kv_sink_tokens: int = 0
+    # kv_key_scales "block": keys are scaled per channel within each block of this many
+    # positions (the runtime's block size, fixed by the artifact); see kv_cache_format.
+    kv_block_size: int | None = None
 
 
 @dataclass(frozen=True)

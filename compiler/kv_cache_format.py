@@ -19,6 +19,14 @@ of `group_size` channels and stored beside the codes: `key_scale` float16 [G] (a
 `key_min` float16 [G] for int4). Static scales (`scales == "channel"`) are per-channel
 constants calibrated at compile time, held in the IR as `layers.{i}.{side}_cache_scale`
 [W] and baked into the graph: nothing but codes is stored.
+
+Keys may also be scaled per channel within each paged block (`scales == "block"`, KIVI:
+key outliers live in channels, and a block is a natural group of tokens). A block's keys
+[block_size, W] are stored channel-major, [W, block_size], and quantized as W groups of
+block_size tokens by the dynamic quantizer above (int4: two tokens a byte), with `scale`
+(and `min`) float16 [W] per block. A block is quantized once it is full; until then its
+keys are kept in float32 beside the pool, so a query reads the keys of its own block
+unrounded and those of earlier blocks through their block's scales (`block_side`).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from onnx import TensorProto
 from llmopt.compiler.onnx_graph import GraphBuilder
 
 KV_DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "int8", "int4")
-SCALE_MODES = ("token", "channel")
+SCALE_MODES = ("token", "channel", "block")
 FLOAT_KV_DTYPES = ("float32", "float16", "bfloat16")
 # The largest code magnitude of each quantized dtype: a static scale is amax / this.
 CODE_MAX = {"int8": 127.0, "int4": 7.0, "fp8_e4m3": 448.0}
@@ -59,6 +67,10 @@ class KVSide:
         return self.quantized and self.scales == "token"
 
     @property
+    def per_block(self) -> bool:
+        return self.quantized and self.scales == "block"
+
+    @property
     def groups(self) -> int:
         return self.width // self.group_size
 
@@ -79,6 +91,17 @@ class KVSide:
                 out.append({"name": f"{self.name}_min", "dtype": "float16",
                             "slot_shape": [self.groups]})
         return out
+
+
+def block_side(side: KVSide, block_size: int) -> KVSide:
+    """The dynamic side that quantizes a whole block of `side` at once: one row per block,
+    [W * block_size] channel-major, in W groups of `block_size` tokens."""
+    return KVSide(side.name, side.dtype, side.width * block_size, block_size, "token")
+
+
+def block_tensors(side: KVSide, block_size: int) -> list[dict]:
+    """The pool tensors of a per-block scaled side: each entry is one block's."""
+    return block_side(side, block_size).tensors()
 
 
 def fp8_e4m3_table() -> np.ndarray:
@@ -219,6 +242,21 @@ def _torch_bf16_codes(x: torch.Tensor) -> torch.Tensor:
     return code.to(torch.int32).to(torch.uint16)
 
 
+def block_round_trip(x: torch.Tensor, side: KVSide, block_size: int) -> torch.Tensor:
+    """x [..., T, W] as blocks of `block_size` positions from position 0 read it back,
+    each quantized per channel over its block (the last, partial block padded by repeating
+    its last row: its read-back is never attended to)."""
+    length, width = x.shape[-2:]
+    pad = -length % block_size
+    if pad:
+        x = torch.cat([x, x[..., -1:, :].expand(*x.shape[:-2], pad, width)], dim=-2)
+    blocks = x.reshape(*x.shape[:-2], -1, block_size, width).transpose(-1, -2)
+    rows = blocks.reshape(*blocks.shape[:-2], width * block_size)
+    read = fake_quantize(rows, block_side(side, block_size), None)
+    read = read.reshape(*blocks.shape).transpose(-1, -2)
+    return read.reshape(*x.shape)[..., :length, :]
+
+
 def rotate_heads(x: torch.Tensor) -> torch.Tensor:
     """x [..., head_dim] times the Hadamard matrix (per head)."""
     return x @ torch.from_numpy(hadamard(x.shape[-1]))
@@ -313,6 +351,35 @@ def _graph_dequantize_int4(g: GraphBuilder, codes: str, stored: dict[str, str], 
     y4 = g.op("Reshape", [y, g.const([0, 0, side.groups, side.group_size])])
     y4 = g.op("Add", [y4, _unsqueezed_float(g, stored[f"{side.name}_min"])])
     return g.op("Reshape", [y4, g.const([0, 0, side.width])], name=f"{side.name}s_dequant")
+
+
+def emit_block_encode(g: GraphBuilder, aligned: str, side: KVSide, block_size: int
+                      ) -> dict[str, str]:
+    """Quantize whole blocks: aligned [B, nb * bs, W] (the step's blocks, in order) -> the
+    pool entries of each block, [B, nb, *entry] (read back by `emit_block_decode`)."""
+    rows = _block_rows(g, aligned, side.width, block_size)
+    return emit_encode(g, rows, block_side(side, block_size), None)
+
+
+def emit_block_decode(g: GraphBuilder, stored: dict[str, str], side: KVSide,
+                      block_size: int) -> str:
+    """float32 [B, M * bs, W] from per-block pool entries (each [B, M, *entry])."""
+    whole = block_side(side, block_size)
+    return _block_positions(g, emit_decode(g, stored, whole, None), side, block_size)
+
+
+def _block_rows(g: GraphBuilder, x: str, width: int, block_size: int) -> str:
+    """[B, nb * bs, W] -> [B, nb, W * bs]: each block channel-major."""
+    blocks = g.op("Reshape", [x, g.const([0, -1, block_size, width])])
+    return g.op("Reshape", [g.op("Transpose", [blocks], perm=[0, 1, 3, 2]),
+                            g.const([0, 0, width * block_size])])
+
+
+def _block_positions(g: GraphBuilder, rows: str, side: KVSide, block_size: int) -> str:
+    """[B, nb, W * bs] channel-major blocks -> [B, nb * bs, W] in position order."""
+    blocks = g.op("Reshape", [rows, g.const([0, 0, side.width, block_size])])
+    return g.op("Reshape", [g.op("Transpose", [blocks], perm=[0, 1, 3, 2]),
+                            g.const([0, -1, side.width])], name=f"{side.name}_blocks_read")
 
 
 def emit_rotate_heads(g: GraphBuilder, x: str, heads: int, head_dim: int) -> str:

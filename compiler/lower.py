@@ -19,6 +19,9 @@ from onnx import TensorProto
 from llmopt.compiler.ir import ArchSpec, LayerSpec, ModelIR
 from llmopt.compiler.kv_cache_format import (
     KVSide,
+    block_tensors,
+    emit_block_decode,
+    emit_block_encode,
     emit_decode,
     emit_encode,
     emit_rotate_heads,
@@ -117,9 +120,11 @@ def lane_storable(spec: LayerSpec) -> bool:
 def kv_cache_spec(arch: ArchSpec, layout: str) -> dict:
     """The manifest's `kv_cache` section for a model lowered with `layout`."""
     return {"layout": layout,
-            "layers": [{"tensors": cache_tensors(spec, layout), "sink": sink_tensors(spec)}
-                       for spec in arch.layers],
-            "sink_tokens": max(spec.kv_sink_tokens for spec in arch.layers)}
+            "layers": [{"tensors": cache_tensors(spec, layout), "sink": sink_tensors(spec),
+                        "tail": tail_tensors(spec)} for spec in arch.layers],
+            "sink_tokens": max(spec.kv_sink_tokens for spec in arch.layers),
+            "block_size": max((spec.kv_block_size for spec in arch.layers if spec.kv_block_size),
+                              default=None)}
 
 
 def sink_tensors(spec: LayerSpec) -> list[dict]:
@@ -128,6 +133,14 @@ def sink_tensors(spec: LayerSpec) -> list[dict]:
     width = spec.num_kv_heads * spec.head_dim
     return [{"name": name, "dtype": "float32", "slot_shape": [width]}
             for name in ("key", "value")] if spec.kv_sink_tokens else []
+
+
+def tail_tensors(spec: LayerSpec) -> list[dict]:
+    """The manifest's tail tensors of one layer: its keys in float32 while their block
+    fills (per-block key scales only)."""
+    width = spec.num_kv_heads * spec.head_dim
+    return ([{"name": "key", "dtype": "float32", "slot_shape": [width]}]
+            if kv_sides(spec)[0].per_block else [])
 
 
 def lower_to_onnx(ir: ModelIR, options: LoweringOptions) -> onnx.ModelProto:
@@ -148,7 +161,9 @@ def cache_tensors(spec: LayerSpec, layout: str = "blocks") -> list[dict]:
         dim = spec.head_dim // 2 if spec.kv_dtype == "int4" else spec.head_dim
         return [{"name": name, "dtype": dtype, "slot_shape": [spec.num_kv_heads, dim]}
                 for name in ("key", "value")]
-    return [t for side in kv_sides(spec) for t in side.tensors()]
+    return [t for side in kv_sides(spec) for t in (
+        [{**b, "per": "block"} for b in block_tensors(side, spec.kv_block_size)]
+        if side.per_block else side.tensors())]
 
 
 class _DecoderLowering:
@@ -159,6 +174,7 @@ class _DecoderLowering:
         self.ops: StandardOps = ops_type(self.g, self.arch.norm_eps)
         self._masks: dict[int | None, str] = {}
         self._sink_masks: dict[int, tuple[str, str]] = {}
+        self._blocks: _StepBlocks | None = None  # per-block key scales: built once
         self._positions: str | None = None  # lanes: the step's positions, built once
         self.lanes = options.kv_layout == "lanes"
 
@@ -196,9 +212,19 @@ class _DecoderLowering:
         for i, spec in enumerate(self.arch.layers):
             for t in cache_tensors(spec):
                 elem = NP_TO_ONNX[np.dtype(t["dtype"])]
+                if t.get("per") == "block":
+                    g.input(C.past_name(i, t["name"]), elem, ["num_blocks", *t["slot_shape"]])
+                    g.output(C.new_block_name(i, t["name"]), elem,
+                             ["batch", "step_blocks", *t["slot_shape"]])
+                    continue
                 pool_shape = ["num_blocks", "block_size", *t["slot_shape"]]
                 g.input(C.past_name(i, t["name"]), elem, pool_shape)
                 g.output(C.new_name(i, t["name"]), elem, ["batch", "seq", *t["slot_shape"]])
+            for t in tail_tensors(spec):
+                g.input(C.tail_name(i, t["name"]), TensorProto.FLOAT,
+                        ["tail_store_rows", spec.kv_block_size, *t["slot_shape"]])
+                g.output(C.new_tail_name(i, t["name"]), TensorProto.FLOAT,
+                         ["batch", "seq", *t["slot_shape"]])
             for t in sink_tensors(spec):
                 g.input(C.sink_name(i, t["name"]), TensorProto.FLOAT,
                         ["sink_store_rows", spec.kv_sink_tokens, *t["slot_shape"]])
@@ -206,6 +232,8 @@ class _DecoderLowering:
                          ["batch", "sink_rows_written", *t["slot_shape"]])
         if any(spec.kv_sink_tokens for spec in self.arch.layers):
             g.input(C.SINK_ROWS, TensorProto.INT64, ["batch"])
+        if any(tail_tensors(spec) for spec in self.arch.layers):
+            g.input(C.TAIL_ROWS, TensorProto.INT64, ["batch"])
         g.output(C.LOGITS, TensorProto.FLOAT, ["num_logits", self.arch.vocab_size])
 
     def _declare_lane_io(self) -> None:
@@ -360,9 +388,12 @@ class _DecoderLowering:
         if spec.kv_rotate_keys:  # q·k is unchanged; the cache stores rotated keys
             q = emit_rotate_heads(g, q, heads, dim)
             k = emit_rotate_heads(g, k, kv_heads, dim)
-        keys = self._cache_io(index, "key", k, spec)
-        values = self._cache_io(index, "value", v, spec)
-        mask = self._mask(spec.sliding_window)
+        if kv_sides(spec)[0].per_block:
+            keys, values, mask = self._block_scaled_kv(index, k, v, spec)
+        else:
+            keys = self._cache_io(index, "key", k, spec)
+            values = self._cache_io(index, "value", v, spec)
+            mask = self._mask(spec.sliding_window)
         out = self.ops.attention(q, keys, values, mask, spec, self.arch.attn_scale,
                                  self.arch.attn_softcap)
         return self._linear(out, p, ["o_proj"])
@@ -497,6 +528,39 @@ class _DecoderLowering:
             self._sink_masks[sinks] = (is_sink, past_len)
         return self._sink_masks[sinks]
 
+    def _block_scaled_kv(self, index: int, k: str, v: str, spec: LayerSpec
+                         ) -> tuple[str, str, str]:
+        """Keys scaled per channel per block: (keys, values, mask) laid out as
+        [complete past blocks | the step's blocks read back | the step's blocks unrounded].
+
+        The step's blocks run from the one holding context_lens[b] on: the tail store's
+        rows of it, then the step's keys (`_StepBlocks`). A query sees past blocks and
+        earlier step blocks through their scales, its own block unrounded (the mask picks
+        one copy of each key); values are stored per token as usual."""
+        g, bs = self.g, spec.kv_block_size
+        side = kv_sides(spec)[0]
+        step = self._step_blocks(bs)
+        g.rename(g.op("Identity", [k]), C.new_tail_name(index, "key"))
+        tail = g.op("Gather", [C.tail_name(index, "key"), C.TAIL_ROWS], axis=0)  # [B, bs, W]
+        unrounded = step.aligned(g.op("Concat", [tail, k], axis=1), step.key_index)
+        stored = {name: g.rename(value, C.new_block_name(index, name))
+                  for name, value in emit_block_encode(g, unrounded, side, bs).items()}
+        read = emit_block_decode(g, stored, side, bs)
+        past = emit_block_decode(g, {name: g.op("Gather", [C.past_name(index, name),
+                                                            C.BLOCK_TABLES], axis=0)
+                                     for name in stored}, side, bs)  # [B, M * bs, W]
+        keys = g.op("Concat", [past, read, unrounded], axis=1, name="block_keys")
+        values = self._cache_io(index, "value", v, spec)  # [B, M * bs + S, W]
+        step_values = step.aligned(values, step.value_index)
+        past_values = g.op("Slice", [values, g.const([0]), step.past_len, g.const([1])])
+        values = g.op("Concat", [past_values, step_values, step_values], axis=1)
+        return keys, values, step.mask(spec.sliding_window)
+
+    def _step_blocks(self, block_size: int) -> _StepBlocks:
+        if self._blocks is None:
+            self._blocks = _StepBlocks(self.g, block_size)
+        return self._blocks
+
     def _gathered(self, index: int, name: str, slot_shape: list[int]) -> str:
         """Pool tensor `name` of layer `index` at the step's block tables, [B, M*bs, slot]."""
         g = self.g
@@ -587,6 +651,80 @@ class _AllowedKeys:
         batch_seq = g.op("Shape", [C.POSITION_IDS])
         shape = g.op("Concat", [batch_seq, g.op("Unsqueeze", [length, g.const([0])])], axis=0)
         return g.op("Expand", [mask, shape])
+
+
+class _StepBlocks:
+    """Where a step's blocks come from, and what each query sees, for per-block key scales.
+
+    Sequence b continues block c_b = context_lens[b] // bs, of which t_b = context_lens[b]
+    % bs rows are in the tail store. The step's blocks are A = ceil((max t + S) / bs) * bs
+    positions from c_b * bs: row a is the tail's row a (a < t_b) or the step's row a - t_b.
+    Keys are laid out [past M * bs | step blocks read back (A) | step blocks unrounded (A)].
+    """
+
+    def __init__(self, g: GraphBuilder, block_size: int):
+        self.g, self.bs = g, block_size
+        bs = g.const(block_size)
+        ctx = C.CONTEXT_LENS
+        self.t = g.op("Mod", [ctx, bs])  # [B] rows of the continued block in the tail
+        self.start = g.op("Sub", [ctx, self.t])  # [B] its first position
+        self.seq = g.op("Shape", [C.INPUT_IDS], start=1, end=2)  # [1]
+        self.past_len = g.op("Mul", [g.op("Shape", [C.BLOCK_TABLES], start=1, end=2), bs])
+        rows = g.op("Add", [g.op("ReduceMax", [self.t], keepdims=1), self.seq])
+        blocks = g.op("Div", [g.op("Add", [rows, g.const([block_size - 1])]), bs])
+        self.length = g.op("Mul", [blocks, bs])  # [1] A
+        a = g.op("Range", [g.const(0), g.op("Squeeze", [self.length]), g.const(1)])
+        self.a = g.op("Unsqueeze", [a, g.const([0])])  # [1, A]
+        t = g.op("Unsqueeze", [self.t, g.const([1])])  # [B, 1]
+        in_tail = g.op("Less", [self.a, t])  # [B, A]
+        from_step = g.op("Sub", [self.a, t])  # the step's row, where not in the tail
+        self.key_index = self._rows(g.op("Where", [in_tail, self.a, g.op("Add", [
+            from_step, bs])]), g.op("Add", [self.seq, bs]))  # into [tail (bs) | step (S)]
+        start = g.op("Unsqueeze", [self.start, g.const([1])])
+        self.value_index = self._rows(g.op("Where", [in_tail, g.op("Add", [start, self.a]),
+                                                     g.op("Add", [from_step, self.past_len])]),
+                                      g.op("Add", [self.past_len, self.seq]))
+        self._masks: dict[int | None, str] = {}
+
+    def _rows(self, index: str, length: str) -> str:
+        """[B, A] row indices clipped into [0, length) as GatherND's [B, A, 1]."""
+        g = self.g
+        last = g.op("Sub", [length, g.const([1])])
+        clipped = g.op("Min", [g.op("Max", [index, g.const(0)]), last])
+        return g.op("Unsqueeze", [clipped, g.const([2])])
+
+    def aligned(self, x: str, index: str) -> str:
+        """x [B, L, W] gathered into the step's blocks, [B, A, W]."""
+        return self.g.op("GatherND", [x, index], batch_dims=1)
+
+    def mask(self, window: int | None) -> str:
+        """Additive [B, 1, S, M * bs + 2A], built once per window size."""
+        if window not in self._masks:
+            g = self.g
+            q_pos = g.op("Unsqueeze", [C.POSITION_IDS, g.const([2])])  # [B, S, 1]
+            start = g.op("Unsqueeze", [self.start, g.const([1, 2])])  # [B, 1, 1]
+            past_len = g.op("Squeeze", [self.past_len])
+            k_pos = g.op("Range", [g.const(0), past_len, g.const(1)])  # [Lp]
+            past = g.op("Less", [k_pos, start])  # complete blocks before the step's
+            a_pos = g.op("Add", [start, g.op("Unsqueeze", [self.a, g.const([0])])])  # [B,1,A]
+            causal = g.op("LessOrEqual", [a_pos, q_pos])  # [B, S, A]
+            block = g.const(self.bs)
+            earlier = g.op("Less", [g.op("Div", [a_pos, block]), g.op("Div", [q_pos, block])])
+            read = g.op("And", [causal, earlier])
+            unrounded = g.op("And", [causal, g.op("Not", [earlier])])
+            if window is not None:
+                past = g.op("And", [past, self._in_window(q_pos, k_pos, window)])
+                in_window = self._in_window(q_pos, a_pos, window)
+                read = g.op("And", [read, in_window])
+                unrounded = g.op("And", [unrounded, in_window])
+            shape = g.op("Concat", [g.op("Shape", [C.POSITION_IDS]), self.past_len], axis=0)
+            allowed = g.op("Concat", [g.op("Expand", [past, shape]), read, unrounded], axis=2)
+            bias = g.op("Where", [allowed, g.const(0.0, np.float32), g.const(_NEG_INF, np.float32)])
+            self._masks[window] = g.op("Unsqueeze", [bias, g.const([1])], name="block_mask")
+        return self._masks[window]
+
+    def _in_window(self, q_pos: str, k_pos: str, window: int) -> str:
+        return self.g.op("Less", [self.g.op("Sub", [q_pos, k_pos]), self.g.const(window)])
 
 
 def _np(tensor: torch.Tensor) -> np.ndarray:

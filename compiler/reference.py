@@ -13,7 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from llmopt.compiler.ir import ArchSpec, LayerSpec, ModelIR
-from llmopt.compiler.kv_cache_format import fake_quantize, kv_sides, rotate_heads
+from llmopt.compiler.kv_cache_format import (
+    KVSide,
+    block_round_trip,
+    fake_quantize,
+    kv_sides,
+    rotate_heads,
+)
 
 
 @dataclass
@@ -123,9 +129,9 @@ class ReferenceModel:
         """What the KV cache holds for x [batch, seq, kv_heads, head_dim] at `positions`:
         the layer's KV dtype round trip, exactly as the graph stores it (every query reads
         it so), except the sink positions, which are kept as they are."""
-        if spec.kv_dtype == "float32":
-            return x
         kv_side = kv_sides(spec)[side]
+        if spec.kv_dtype == "float32" or kv_side.per_block:  # per block: read in _attend
+            return x
         static = self.ir.weights.get(f"layers.{index}.{kv_side.static_scale_weight}")
         flat = x.reshape(*x.shape[:2], -1)
         stored = fake_quantize(flat, kv_side, static).reshape(x.shape)
@@ -137,14 +143,24 @@ class ReferenceModel:
         q_pos: torch.Tensor,
     ) -> torch.Tensor:
         groups = spec.num_heads // spec.num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = (q @ k.transpose(-1, -2)) * self.arch.attn_scale
-        if self.arch.attn_softcap:
-            scores = torch.tanh(scores / self.arch.attn_softcap) * self.arch.attn_softcap
         k_pos = torch.arange(k.shape[2])
+        scores = self._scores(q, k.repeat_interleave(groups, dim=1))
+        key_side = kv_sides(spec)[0]
+        if key_side.per_block:  # keys of earlier blocks through their block's scales
+            block = spec.kv_block_size
+            earlier = (k_pos[None, :] // block) < (q_pos[:, None] // block)
+            read = block_read(k, key_side, block).repeat_interleave(groups, dim=1)
+            scores = torch.where(earlier, self._scores(q, read), scores)
+        v = v.repeat_interleave(groups, dim=1)
         allowed = attention_mask(q_pos, k_pos, spec.sliding_window)
         scores = scores.masked_fill(~allowed, float("-inf"))
         return torch.softmax(scores, dim=-1) @ v
+
+    def _scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        scores = (q @ k.transpose(-1, -2)) * self.arch.attn_scale
+        if self.arch.attn_softcap:
+            scores = torch.tanh(scores / self.arch.attn_softcap) * self.arch.attn_softcap
+        return scores
 
     def mlp(self, index: int, x: torch.Tensor) -> torch.Tensor:
         gate = self.linear(index, x, "gate_proj")
@@ -173,6 +189,14 @@ class _LayerWeights:
 
     def get(self, name: str) -> torch.Tensor | None:
         return self.weights.get(self.prefix + name)
+
+
+def block_read(k: torch.Tensor, side: KVSide, block_size: int) -> torch.Tensor:
+    """Keys [B, kv_heads, T, D] as their blocks' per-channel scales read them back."""
+    batch, heads, length, dim = k.shape
+    flat = k.transpose(1, 2).reshape(batch, length, heads * dim)
+    read = block_round_trip(flat, side, block_size)
+    return read.reshape(batch, length, heads, dim).transpose(1, 2)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from llmopt.runtime import contract as C
 from llmopt.runtime import onnx_signature
-from llmopt.runtime.manifest import KVCacheSpec, Manifest
+from llmopt.runtime.manifest import CacheTensor, KVCacheSpec, Manifest
 from llmopt.runtime.onnx_signature import GraphSignature
 
 _PAST_INPUT = re.compile(r"past\.(\d+)\.(.+)")
@@ -126,16 +126,18 @@ def check_kv_inputs(signature: GraphSignature, kv_cache: KVCacheSpec, field: str
 def expected_kv_inputs(kv_cache: KVCacheSpec) -> dict[str, tuple[str, list[int | str]]]:
     """The `past.*` inputs the manifest's KV layout implies: name -> (dtype, shape).
 
-    Blocks: the paged pool [num_blocks, block_size, *slot_shape]; lanes: the rows' lanes
-    [batch, kv_heads, capacity, head_dim] (slot shape [kv_heads, head_dim]). The runtime
-    chooses the symbolic dimensions.
+    Blocks: the paged pool [num_blocks, block_size, *slot_shape] ([num_blocks, *entry]
+    for a per-block tensor); lanes: the rows' lanes [batch, kv_heads, capacity, head_dim]
+    (slot shape [kv_heads, head_dim]). The runtime chooses the symbolic dimensions.
     """
-    def shape(slot_shape: list[int]) -> list[int | str]:
+    def shape(tensor: CacheTensor) -> list[int | str]:
         if kv_cache.layout == "lanes":  # a slot shape of another rank fails the check
-            return ["batch", *slot_shape[:1], "capacity", *slot_shape[1:]]
-        return ["num_blocks", "block_size", *slot_shape]
+            return ["batch", *tensor.slot_shape[:1], "capacity", *tensor.slot_shape[1:]]
+        if tensor.per == "block":
+            return ["num_blocks", *tensor.slot_shape]
+        return ["num_blocks", "block_size", *tensor.slot_shape]
 
-    return {C.past_name(index, tensor.name): (tensor.dtype, shape(tensor.slot_shape))
+    return {C.past_name(index, tensor.name): (tensor.dtype, shape(tensor))
             for index, layer in enumerate(kv_cache.layers) for tensor in layer.tensors}
 
 

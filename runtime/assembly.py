@@ -114,6 +114,10 @@ def engine_config(manifest: Manifest, options: EngineOptions) -> EngineConfig:
             f"max_context {max_context} exceeds the {manifest.model.max_position} "
             "positions the graph's rotary tables cover"
         )
+    fixed = manifest.kv_cache.block_size
+    if fixed is not None and block_size != fixed:
+        raise ValueError(f"block_size {block_size}: the artifact's per-block key scales were "
+                         f"built for blocks of {fixed}")
     if manifest.kv_cache.sink_tokens > block_size:  # a shared first block shares them all
         raise ValueError(f"block_size {block_size} is below the artifact's "
                          f"{manifest.kv_cache.sink_tokens} sink tokens (they live with a "
@@ -152,8 +156,9 @@ def build_engine(path: Path, manifest: Manifest, tokenizer: Tokenizer,
             optimization_level=options.optimization_level)
         if isinstance(kv_cache_manager, LaneKVCacheManager):
             kv_cache_manager.copy_listeners.append(executor.copy_block)
-        if hasattr(executor, "forget_block"):  # it keeps something per block (sinks)
+        if hasattr(executor, "forget_block"):  # it keeps rows per block (sinks, tails)
             kv_cache_manager.block_pool.reuse_listeners.append(executor.forget_block)
+            kv_cache_manager.block_pool.release_listeners.append(executor.release_block)
         return executor
 
     speculator = build_speculator(

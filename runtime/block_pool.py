@@ -58,6 +58,8 @@ class BlockPool:
         # Called with a block's id when it is handed out again: whatever an executor keeps
         # for the block's old contents (its sequence's attention sinks) is stale.
         self.reuse_listeners: list[Callable[[int], None]] = []
+        # Called with a block's id when its last holder frees it (it keeps its contents).
+        self.release_listeners: list[Callable[[int], None]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -117,6 +119,8 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue[block.block_id] = None
+                for listener in self.release_listeners:
+                    listener(block.block_id)
 
     def cache_full_block(self, block: Block, block_hash: BlockHash) -> None:
         """Record that `block` holds the full, computed tokens hashed by `block_hash`."""

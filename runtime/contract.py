@@ -34,6 +34,23 @@ shares them). Extra inputs and outputs:
                     the runtime keeps those at positions < N
 Attention reads positions < N from the sink store (past) or unrounded (the step's own).
 
+Per-block key scales (a layer's tensors with `per: block`, manifest `kv_cache.block_size`
+fixed): those pool tensors are [num_blocks, *entry], one entry per block, quantized when
+the block is full. The keys of a sequence's block still being filled are kept in float32 in
+a tail store the runtime keys by block. Extra inputs and outputs:
+  tail_rows          int64 [B]   the tail-store row of the block holding position
+                                 context_lens[b] (the block the step continues)
+  tail.{i}.{t}       float32 [R, block_size, *slot_shape]   tail store of tensor t
+  new_tail.{i}.{t}   float32 [B, S, *slot_shape]   the step's rows, unrounded: the runtime
+                     keeps row s at offset p % block_size of block p // block_size's row
+                     (p = context_lens[b] + s)
+  new_block.{i}.{t}  [B, nb, *entry]   the step's blocks, from the one holding
+                     context_lens[b] on: the runtime writes block j into the pool at
+                     block_tables[b][context_lens[b] // block_size + j] when the step
+                     reached it; only full blocks are ever read
+A query reads the keys of earlier blocks through their blocks' scales and those of its
+own block unrounded.
+
 Invariants the runtime keeps:
   - a sequence's token at position p lives at slot block_table[p // bs] * bs + p % bs;
   - the first `context_lens[b]` positions of sequence b are in the pool before the step,
@@ -79,6 +96,7 @@ CONTEXT_LENS = "context_lens"
 LOGITS_INDICES = "logits_indices"
 LOGITS = "logits"
 SINK_ROWS = "sink_rows"
+TAIL_ROWS = "tail_rows"
 
 NULL_BLOCK = 0
 
@@ -107,6 +125,21 @@ def sink_name(layer: int, tensor: str) -> str:
 def new_sink_name(layer: int, tensor: str) -> str:
     """Graph output holding the step's unrounded first rows for the sink store."""
     return f"new_sink.{layer}.{tensor}"
+
+
+def tail_name(layer: int, tensor: str) -> str:
+    """Graph input holding the tail store (unrounded keys of unfilled blocks)."""
+    return f"tail.{layer}.{tensor}"
+
+
+def new_tail_name(layer: int, tensor: str) -> str:
+    """Graph output holding the step's unrounded rows for the tail store."""
+    return f"new_tail.{layer}.{tensor}"
+
+
+def new_block_name(layer: int, tensor: str) -> str:
+    """Graph output holding the step's whole-block entries of a per-block pool tensor."""
+    return f"new_block.{layer}.{tensor}"
 
 
 def new_name(layer: int, tensor: str) -> str:

@@ -18,6 +18,7 @@ from llmopt.runtime.manifest import KVCacheSpec
 from llmopt.runtime.paging import cdiv
 from llmopt.runtime.sink_store import SinkStore
 from llmopt.runtime.step_batch import StepBatch
+from llmopt.runtime.tail_store import TailStore
 
 OPTIMIZATION_LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -46,24 +47,32 @@ class OrtExecutor:
                                     nbits_accuracy_level)
         self.pools: dict[str, np.ndarray] = {}  # past name -> pool array
         self.new_to_past: dict[str, str] = {}  # graph output -> the pool it is written into
+        self.block_to_past: dict[str, str] = {}  # ... for per-block tensors (whole blocks)
         for i, layer in enumerate(kv_cache.layers):
             for t in layer.tensors:
+                past = contract.past_name(i, t.name)
+                if t.per == "block":
+                    self.pools[past] = np.zeros((num_blocks, *t.slot_shape), dtype=t.dtype)
+                    self.block_to_past[contract.new_block_name(i, t.name)] = past
+                    continue
                 shape = (num_blocks, block_size, *t.slot_shape)
-                self.pools[contract.past_name(i, t.name)] = np.zeros(shape, dtype=t.dtype)
-                self.new_to_past[contract.new_name(i, t.name)] = contract.past_name(i, t.name)
-        self.sinks = SinkStore(kv_cache)
-        sink_inputs = [*self.sinks.arrays, contract.SINK_ROWS] if self.sinks else []
+                self.pools[past] = np.zeros(shape, dtype=t.dtype)
+                self.new_to_past[contract.new_name(i, t.name)] = past
+        # What quantized layers keep unrounded beside the pool, by block (see contract).
+        self.sinks, self.tails = SinkStore(kv_cache), TailStore(kv_cache)
+        extra_inputs = ([*self.sinks.arrays, contract.SINK_ROWS] if self.sinks else []) + (
+            [*self.tails.arrays, contract.TAIL_ROWS] if self.tails else [])
+        self.output_names = [contract.LOGITS, *self.new_to_past, *self.block_to_past,
+                             *self.sinks.new_to_store, *self.tails.new_to_store]
         check_graph_io(self.session, {contract.INPUT_IDS, contract.POSITION_IDS,
                                       contract.BLOCK_TABLES, contract.CONTEXT_LENS,
-                                      contract.LOGITS_INDICES, *self.pools, *sink_inputs},
-                       {contract.LOGITS, *self.new_to_past, *self.sinks.new_to_store},
-                       "paged-KV")
+                                      contract.LOGITS_INDICES, *self.pools, *extra_inputs},
+                       set(self.output_names), "paged-KV")
         # One binding for the executor's life: the pools are bound once, as OrtValues over
         # the arrays' own memory (binding copies nothing); a step rebinds the contract's
         # small inputs and its outputs (whose shapes change from step to step).
-        self.output_names = [contract.LOGITS, *self.new_to_past, *self.sinks.new_to_store]
         self.binding = self.session.io_binding()
-        for name, array in {**self.pools, **self.sinks.arrays}.items():
+        for name, array in {**self.pools, **self.sinks.arrays, **self.tails.arrays}.items():
             self.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
         # Flat [slots, *slot_shape] views of the pools, by the graph output written there.
         self.flat_pools = {
@@ -78,8 +87,13 @@ class OrtExecutor:
         self.sinks.copy_block(source, destination)
 
     def forget_block(self, block_id: int) -> None:
-        """The block pool hands `block_id` out again: sinks kept for it are stale."""
+        """The block pool hands `block_id` out again: what was kept for it is stale."""
         self.sinks.forget_block(block_id)
+        self.tails.forget_block(block_id)
+
+    def release_block(self, block_id: int) -> None:
+        """No sequence holds `block_id` any more: nobody will continue filling it."""
+        self.tails.forget_block(block_id)
 
     def execute(self, batch: StepBatch) -> np.ndarray:
         """Run the step as few right-padded graph calls as keep padding waste small.
@@ -102,7 +116,10 @@ class OrtExecutor:
         if self.sinks:
             inputs[contract.SINK_ROWS] = rows = self.sinks.rows_for(
                 [table[0] for table in batch.block_tables])
-            self._bind_grown_sinks()
+        if self.tails:
+            inputs[contract.TAIL_ROWS] = self.tails.rows_continued(
+                batch.block_tables, inputs[contract.CONTEXT_LENS])
+        self._bind_grown_stores()
         for name, array in inputs.items():
             self.binding.bind_cpu_input(name, array)
         self.binding.clear_binding_outputs()
@@ -116,18 +133,35 @@ class OrtExecutor:
         for name, flat_pool in self.flat_pools.items():
             new = outputs[name]
             flat_pool[kept_slots] = new.reshape(-1, *flat_pool.shape[1:])[keep]
+        context_lens, query_lens = inputs[contract.CONTEXT_LENS], np.asarray(batch.query_lens)
+        if self.block_to_past:
+            self._write_blocks(outputs, batch.block_tables, context_lens, query_lens)
         if self.sinks:
-            self.sinks.write(outputs, rows, inputs[contract.CONTEXT_LENS],
-                             np.asarray(batch.query_lens))
+            self.sinks.write(outputs, rows, context_lens, query_lens)
+        if self.tails:
+            self.tails.write(outputs, batch.block_tables, context_lens, query_lens)
         logits = outputs[contract.LOGITS]
         return logits[: batch.logits_indices.size].astype(np.float32, copy=False)
 
 
-    def _bind_grown_sinks(self) -> None:
-        if self.sinks.grown:  # the store reallocated its arrays: bind the new ones
-            for name, array in self.sinks.arrays.items():
-                self.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
-            self.sinks.grown = False
+    def _write_blocks(self, outputs: dict[str, np.ndarray], block_tables: list[list[int]],
+                      context_lens: np.ndarray, query_lens: np.ndarray) -> None:
+        """Write each sequence's step blocks (from the one it continued) that it reached."""
+        bs = self.block_size
+        for b, table in enumerate(block_tables):
+            first = int(context_lens[b]) // bs
+            last = (int(context_lens[b] + query_lens[b]) - 1) // bs
+            blocks = table[first:last + 1]
+            for name, past in self.block_to_past.items():
+                self.pools[past][blocks] = outputs[name][b, : len(blocks)]
+
+    def _bind_grown_stores(self) -> None:
+        for store in (self.sinks, self.tails):
+            if store.grown:  # the store reallocated its arrays: bind the new ones
+                for name, array in store.arrays.items():
+                    self.binding.bind_ortvalue_input(name,
+                                                     ort.OrtValue.ortvalue_from_numpy(array))
+                store.grown = False
 
 
 def padding_groups(query_lens: list[int], max_waste: float = 0.25,

@@ -79,12 +79,13 @@ def kv_layout(kv_cache: KVCacheSpec) -> dict[str, Any]:
     """The pool tensors of runs of layers with the same layout, and float32's cost."""
     groups: list[dict[str, Any]] = []
     for index, layer in enumerate(kv_cache.layers):
-        tensors = " + ".join(f"{t.name} {t.dtype}{t.slot_shape}" for t in layer.tensors)
+        tensors = " + ".join(f"{t.name} {t.dtype}{t.slot_shape}"
+                             + (" a block" if t.per == "block" else "") for t in layer.tensors)
         if groups and groups[-1]["tensors"] == tensors:
             groups[-1]["layers"] = f"{groups[-1]['layers'].split('-')[0]}-{index}"
             continue
         groups.append({"layers": str(index), "tensors": tensors,
-                       "bytes_per_token": layer_bytes_per_token(layer)})
+                       "bytes_per_token": layer_bytes_per_token(layer, kv_cache.block_size)})
     return {"pool": kv_cache.layout, "groups": groups}
 
 

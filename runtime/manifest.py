@@ -25,6 +25,9 @@ class CacheTensor(_Strict):
     name: str  # "key", "value", "key_scale", "key_min", ... (see compiler/kv_cache_format)
     dtype: str  # numpy dtype name: float32, float16, int8, uint8 (int4 pairs, fp8 bits)
     slot_shape: list[int]  # shape of one slot's entry, e.g. [kv_heads * head_dim]
+    # "slot": one entry per token slot; "block": one entry per block (per-block key scales:
+    # the block's codes and scales, written whole; see contract)
+    per: Literal["slot", "block"] = "slot"
 
 
 class CacheLayer(_Strict):
@@ -32,6 +35,9 @@ class CacheLayer(_Strict):
     # Tensors kept unrounded for each sequence's first `KVCacheSpec.sink_tokens` positions
     # (float32, in a per-sequence sink store beside the pool; see contract). Empty: none.
     sink: list[CacheTensor] = Field(default_factory=list)
+    # Tensors kept unrounded for the block each sequence is filling (per-block scales;
+    # float32, in a tail store beside the pool; see contract). Empty: none.
+    tail: list[CacheTensor] = Field(default_factory=list)
 
 
 class KVCacheSpec(_Strict):
@@ -40,6 +46,8 @@ class KVCacheSpec(_Strict):
     layout: Literal["blocks", "lanes"] = "blocks"
     layers: list[CacheLayer]
     sink_tokens: int = Field(0, ge=0)  # positions each layer's `sink` tensors keep
+    # The block size the graph was built for (per-block tensors); None: any.
+    block_size: int | None = Field(None, gt=0)
 
     def sink_bytes_per_sequence(self) -> int:
         """Sink-store bytes one sequence (one distinct first block) takes."""
@@ -48,7 +56,8 @@ class KVCacheSpec(_Strict):
 
     def bytes_per_token(self) -> int:
         """Pool bytes one token takes, codes and scales of every layer included."""
-        return sum(layer_bytes_per_token(layer) for layer in self.layers)
+        total = sum(layer_bytes_per_token(layer, self.block_size) for layer in self.layers)
+        return round(total) if float(total).is_integer() else total
 
     def sequences_in_pool(self, pool_bytes: float, context: int, block_size: int) -> int:
         """Sequences of `context` tokens a pool of `pool_bytes` holds (whole blocks each)."""
@@ -56,10 +65,14 @@ class KVCacheSpec(_Strict):
         return max(num_blocks, 0) // -(-context // block_size)
 
 
-def layer_bytes_per_token(layer: CacheLayer) -> int:
+def layer_bytes_per_token(layer: CacheLayer, block_size: int | None = None) -> float:
+    """Pool bytes one token takes in this layer; a per-block entry counts 1/block_size."""
     import numpy as np
 
-    return sum(int(np.prod(t.slot_shape)) * np.dtype(t.dtype).itemsize for t in layer.tensors)
+    def size(t: CacheTensor) -> int:
+        return int(np.prod(t.slot_shape)) * np.dtype(t.dtype).itemsize
+
+    return sum(size(t) / (block_size if t.per == "block" else 1) for t in layer.tensors)
 
 
 class GraphSpec(_Strict):

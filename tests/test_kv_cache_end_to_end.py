@@ -49,6 +49,13 @@ ARTIFACTS = {
                          {"kind": "ngram", "gamma": 3}),
     "qwen3-int8-sinks": ("qwen3", {"dtype": "int8", "sink_tokens": 3},
                          {"kind": "self", "layers": 1, "distill_steps": 5, "gamma": 3}),
+    # Keys scaled per channel per block (KIVI); the filling block waits in a tail store.
+    "llama-int4-kblock": ("llama", {"dtype": "int4", "key_scales": "block"},
+                          {"kind": "ngram", "gamma": 3}),
+    "gemma2-int4-kblock": ("gemma2", {"dtype": "int4", "key_scales": "block"}, None),
+    "qwen3-int8-kblock": ("qwen3", {"dtype": "int8", "key_scales": "block",
+                                    "value_scales": "channel"},
+                          {"kind": "self", "layers": 1, "distill_steps": 5, "gamma": 3}),
     # ... and on every other architecture (biases, qk-norm, sliding windows, softcaps)
     **{f"{arch}-int4-mixed{twin}": (arch, MIXED_INT4, None)
        for arch in OTHER_ARCHS for twin in ("", "/blocks")},
@@ -115,7 +122,8 @@ def test_lanes_store_what_the_gathered_graph_stores(name, artifacts):
 
 @pytest.mark.parametrize("name", ["llama-int8", "gemma3-int4", "llama-int8-static",
                                   "llama-int4-static-rot", "llama-int4-mixed",
-                                  "llama-int4-sinks", "qwen3-int8-sinks"])
+                                  "llama-int4-sinks", "qwen3-int8-sinks",
+                                  "llama-int4-kblock", "qwen3-int8-kblock"])
 def test_speculation_changes_no_greedy_output(name, artifacts):
     requests = shared_prefix_requests()
     expected = [o.token_ids for o in LLM(artifacts[name], speculative=False).generate(

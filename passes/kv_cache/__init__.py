@@ -5,7 +5,10 @@ Recipe: `- kv_cache: {dtype: int8}`; options:
   group_size     channels per dynamic scale group (divides head_dim; default: one per head)
   value_group_size   values' group size when it differs (default: group_size)
   key_scales     "token": dynamic, computed in the graph at write time per token and group;
-                 "channel": static per-channel scales calibrated on `calibration.text`
+                 "channel": static per-channel scales calibrated on `calibration.text`;
+                 "block": dynamic per channel within each paged block (KIVI), computed when
+                 the block is full; a query reads its own block's keys unrounded (they wait
+                 in float32 beside the pool until the block fills)
   value_scales   the same for values
   static_scales  how channel scales are chosen: "search" (int8/int4: the clip per channel
                  that minimises attention-weighted rounding error, calibrate.py), "absmax"
@@ -63,7 +66,7 @@ class Config(BaseModel):
     dtype: Literal["float16", "bfloat16", "fp8_e4m3", "int8", "int4"]
     group_size: int | None = Field(None, gt=0)
     value_group_size: int | None = Field(None, gt=0)
-    key_scales: Literal["token", "channel"] = "token"
+    key_scales: Literal["token", "channel", "block"] = "token"
     value_scales: Literal["token", "channel"] = "token"
     static_scales: Literal["auto", "search", "absmax"] = "auto"  # see calibrate.py
     skip_layers: list[int] = Field(default_factory=list)
@@ -82,6 +85,8 @@ class Config(BaseModel):
             raise ValueError(f"kv_cache.sink_tokens: {self.sink_tokens} do not fit one block "
                              f"(runtime.block_size {recipe.runtime.block_size}): a sequence's "
                              "sinks live with its first block, which prefixes share")
+        if self.key_scales == "block":
+            _check_block_keys(self, recipe.runtime.block_size, recipe.target.kv_layout)
         if self.sink_tokens and recipe.target.kv_layout == "lanes":
             raise ValueError("kv_cache.sink_tokens: needs target.kv_layout blocks (lanes "
                              "round every position they store)")
@@ -96,6 +101,7 @@ class Config(BaseModel):
 def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     started = time.perf_counter()
     check_config(ir, config, context)
+    block_size = context.recipe.runtime.block_size if context is not None else None
     out = ir.copy()
     kept = [i for i in range(ir.arch.num_layers) if i not in config.skip_layers]
     stored = {i: config.dtype if i in kept else config.skip_dtype
@@ -113,20 +119,23 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
         searched = {d for d in stored.values() if searches(config.static_scales, d)}
         stats = kv_scale_statistics(out, windows, searched, skip_first=config.sink_tokens)
     float_ir = out.copy()  # every fold made, every cache still float: what auto_skip scores
+    def put(ir: ModelIR, index: int, dtype: str) -> None:
+        store(ir, index, dtype, config, stats, block_size)
+
     for i, dtype in stored.items():
-        store(out, i, dtype, config, stats)
+        put(out, i, dtype)
     sensitivity, kl_by_skipped = None, None
     if config.auto_skip or config.max_kl is not None:
         probe = CacheKL(float_ir, windows)
         sensitivity = layer_sensitivity(
-            float_ir, lambda ir, i: store(ir, i, config.dtype, config, stats), kept, probe,
+            float_ir, lambda ir, i: put(ir, i, config.dtype), kept, probe,
             context.log)
         worst_first = sorted(kept, key=lambda i: -sensitivity[i])
 
         def skipping(n: int) -> ModelIR:  # `out` with the n most sensitive in skip_dtype
             skipped = out.copy()
             for i in worst_first[:n]:
-                store(skipped, i, config.skip_dtype, config, stats)
+                put(skipped, i, config.skip_dtype)
             return skipped
 
         count = config.auto_skip
@@ -140,6 +149,20 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     extra = {"skipped": sorted(i for i, d in stored.items() if d != config.dtype),
              "sensitivity_kl": sensitivity, "kl_by_skipped": kl_by_skipped}
     return PassResult(out, report(ir, out, time.perf_counter() - started, context, extra))
+
+
+def _check_block_keys(config: Config, block_size: int, kv_layout: str) -> None:
+    if config.dtype in ("float16", "bfloat16"):
+        raise ValueError(f"kv_cache.key_scales: block needs a quantized dtype, not "
+                         f"{config.dtype}")
+    if "int4" in (config.dtype, config.skip_dtype) and block_size % 2:
+        raise ValueError(f"kv_cache.key_scales: block needs an even runtime.block_size for "
+                         f"int4 (two positions a byte), got {block_size}")
+    if config.sink_tokens:
+        raise ValueError("kv_cache.sink_tokens: not with key_scales block (a query already "
+                         "reads its own block unrounded)")
+    if kv_layout == "lanes":
+        raise ValueError("kv_cache.key_scales: block needs target.kv_layout blocks")
 
 
 def _check_sinks(sink_tokens: int, context: int, what: str) -> None:
@@ -158,21 +181,23 @@ def _windows(ir: ModelIR, config: Config, context: PassContext | None):
 
 
 def store(ir: ModelIR, index: int, dtype: str, config: Config,
-          stats: list[dict[str, SideStats]] | None) -> None:
-    """Set layer `index` to store its KV cache in `dtype` (float32: as the input IR did)."""
+          stats: list[dict[str, SideStats]] | None, block_size: int | None = None) -> None:
+    """Set layer `index` to store its KV cache in `dtype` (float32: as the input IR did;
+    per-block key scales over blocks of `block_size`)."""
     for side in ("key", "value"):
         ir.weights.pop(f"layers.{index}.{side}_cache_scale", None)
     if dtype == "float32":
         ir.arch = ir.arch.replace_layer(index, kv_dtype="float32", kv_rotate_keys=False,
                                         kv_group_size=None, kv_value_group_size=None,
                                         kv_key_scales="token", kv_value_scales="token",
-                                        kv_sink_tokens=0)
+                                        kv_sink_tokens=0, kv_block_size=None)
         return
     ir.arch = ir.arch.replace_layer(
         index, kv_dtype=dtype, kv_rotate_keys=config.rotate, kv_group_size=config.group_size,
         kv_value_group_size=config.value_group_size,
         kv_key_scales=config.key_scales, kv_value_scales=config.value_scales,
-        kv_sink_tokens=config.sink_tokens)
+        kv_sink_tokens=config.sink_tokens,
+        kv_block_size=block_size if config.key_scales == "block" else None)
     for side in kv_sides(ir.arch.layers[index]):
         if side.scales == "channel" and side.quantized:
             ir.weights[f"layers.{index}.{side.static_scale_weight}"] = static_scale(
@@ -184,6 +209,8 @@ def check_config(ir: ModelIR, config: Config, context: PassContext | None = None
     if context is not None:
         config.check_recipe(context.recipe)
     _check_sinks(config.sink_tokens, ir.arch.max_position, "the model's positions")
+    if config.key_scales == "block" and context is None:
+        raise ValueError("kv_cache.key_scales: block needs the recipe's runtime.block_size")
     for i in config.skip_layers:
         if not 0 <= i < ir.arch.num_layers:
             raise ValueError(f"kv_cache.skip_layers: layer {i} does not exist "
@@ -216,12 +243,11 @@ def check_config(ir: ModelIR, config: Config, context: PassContext | None = None
 
 def report(before: ModelIR, after: ModelIR, seconds: float, context: PassContext | None,
            extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    from llmopt.compiler.lower import cache_tensors
+    from llmopt.compiler.lower import kv_cache_spec
     from llmopt.runtime.manifest import KVCacheSpec
 
-    def bytes_per_token(ir: ModelIR) -> int:
-        return KVCacheSpec.model_validate({"layers": [
-            {"tensors": cache_tensors(s)} for s in ir.arch.layers]}).bytes_per_token()
+    def bytes_per_token(ir: ModelIR) -> float:
+        return KVCacheSpec.model_validate(kv_cache_spec(ir.arch, "blocks")).bytes_per_token()
 
     probe = context.quality_probe(before) if context is not None else None
     return {

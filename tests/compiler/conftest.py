@@ -20,6 +20,7 @@ from llmopt.compiler.lower import cache_tensors, kv_cache_spec
 from llmopt.runtime import contract as C
 from llmopt.runtime.manifest import KVCacheSpec
 from llmopt.runtime.sink_store import SinkStore
+from llmopt.runtime.tail_store import TailStore
 
 # Test modules share helpers by name (`from test_lower import ...`) under importlib mode.
 sys.path.insert(0, str(Path(__file__).parent))
@@ -99,14 +100,21 @@ class PagedDriver:
         self.session, self.block_size = session, block_size
         self.pools: dict[str, np.ndarray] = {}
         self.new_to_past: dict[str, str] = {}
+        self.block_to_past: dict[str, str] = {}
         for i, spec in enumerate(arch.layers):
             for t in cache_tensors(spec):
-                shape = (num_blocks, block_size, *t["slot_shape"])
                 past = C.past_name(i, t["name"])
+                if t.get("per") == "block":  # per-block key scales: whole blocks
+                    shape = (num_blocks, *t["slot_shape"])
+                    self.block_to_past[C.new_block_name(i, t["name"])] = past
+                else:
+                    shape = (num_blocks, block_size, *t["slot_shape"])
+                    self.new_to_past[C.new_name(i, t["name"])] = past
                 self.pools[past] = rng.standard_normal(shape).astype(t["dtype"])
-                self.new_to_past[C.new_name(i, t["name"])] = past
-        # Layers that keep attention sinks read and write them through the runtime's store.
-        self.sinks = SinkStore(KVCacheSpec.model_validate(kv_cache_spec(arch, "blocks")))
+        # What quantized layers keep unrounded beside the pool: the runtime's stores.
+        kv_cache = KVCacheSpec.model_validate(kv_cache_spec(arch, "blocks"))
+        assert kv_cache.block_size in (None, block_size)
+        self.sinks, self.tails = SinkStore(kv_cache), TailStore(kv_cache)
         self.free = [int(b) for b in rng.permutation(np.arange(1, num_blocks))]
         self.block_tables: dict[int, list[int]] = {}
         self.context_lens: dict[int, int] = {}
@@ -135,15 +143,22 @@ class PagedDriver:
             C.INPUT_IDS: input_ids, C.POSITION_IDS: position_ids, C.BLOCK_TABLES: block_tables,
             C.CONTEXT_LENS: context_lens, C.LOGITS_INDICES: np.concatenate(rows), **self.pools,
         }
+        tables = [self.block_tables[s] for s in seqs]
         if self.sinks:
-            sink_rows = self.sinks.rows_for([self.block_tables[s][0] for s in seqs])
+            sink_rows = self.sinks.rows_for([table[0] for table in tables])
             feeds.update(self.sinks.arrays, **{C.SINK_ROWS: sink_rows})
+        if self.tails:
+            feeds[C.TAIL_ROWS] = self.tails.rows_continued(tables, context_lens)
+            feeds.update(self.tails.arrays)
         names = [o.name for o in self.session.get_outputs()]
         outputs = dict(zip(names, self.session.run(names, feeds), strict=True))
         self._write(outputs, slots.ravel())
+        query_lens = np.array([len(queries[s]) for s in seqs])
+        self._write_blocks(outputs, tables, context_lens, query_lens)
         if self.sinks:
-            query_lens = np.array([len(queries[s]) for s in seqs])
             self.sinks.write(outputs, sink_rows, context_lens, query_lens)
+        if self.tails:
+            self.tails.write(outputs, tables, context_lens, query_lens)
         for seq in seqs:
             self.context_lens[seq] = self.context_lens.get(seq, 0) + len(queries[seq])
         splits = np.cumsum([len(queries[s]) for s in seqs])[:-1]
@@ -153,6 +168,15 @@ class PagedDriver:
         table = self.block_tables.setdefault(seq, [])
         while len(table) * self.block_size < num_tokens:
             table.append(self.free.pop())
+
+    def _write_blocks(self, outputs, tables, context_lens, query_lens) -> None:
+        """Per-block tensors: the step's blocks from the continued one, as far as reached."""
+        bs = self.block_size
+        for b, table in enumerate(tables):
+            first = int(context_lens[b]) // bs
+            blocks = table[first:(int(context_lens[b] + query_lens[b]) - 1) // bs + 1]
+            for name, past in self.block_to_past.items():
+                self.pools[past][blocks] = outputs[name][b, : len(blocks)]
 
     def _write(self, outputs: dict[str, np.ndarray], slots: np.ndarray) -> None:
         keep = slots >= 0  # padded query rows are never written

@@ -1,0 +1,56 @@
+"""TailStore: the keys of each block still filling, unrounded (per-block key scales).
+
+A layer that scales keys per channel within each block can only quantize a block once it
+is full; until then its keys wait here in float32, one row per block (see contract). A
+sequence needs the row of the block it continues, and after a speculative step the rows
+of every block that step wrote (verification may keep fewer tokens and continue an
+earlier block). Rows of blocks before the one a step continues, and of blocks freed, are
+released.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llmopt.runtime import contract
+from llmopt.runtime.manifest import KVCacheSpec
+from llmopt.runtime.row_store import RowStore
+
+
+class TailStore(RowStore):
+    def __init__(self, kv_cache: KVCacheSpec):
+        self.block_size = kv_cache.block_size
+        self.new_to_store: dict[str, str] = {}  # new_tail output -> tail input
+        shapes = {}
+        for i, layer in enumerate(kv_cache.layers):
+            for t in layer.tail:
+                shapes[contract.tail_name(i, t.name)] = ([self.block_size, *t.slot_shape],
+                                                         t.dtype)
+                self.new_to_store[contract.new_tail_name(i, t.name)] = contract.tail_name(
+                    i, t.name)
+        super().__init__(shapes)
+
+    def rows_continued(self, block_tables: list[list[int]], context_lens: np.ndarray
+                       ) -> np.ndarray:
+        """Each sequence's row of the block it continues; rows of its earlier blocks,
+        complete and committed, are released."""
+        continued = []
+        for table, context in zip(block_tables, context_lens, strict=True):
+            first = int(context) // self.block_size
+            for block in table[:first]:
+                self.forget_block(block)
+            continued.append(table[first])
+        return self.rows_for(continued)
+
+    def write(self, outputs: dict[str, np.ndarray], block_tables: list[list[int]],
+              context_lens: np.ndarray, query_lens: np.ndarray) -> None:
+        """Keep each sequence's step rows in the rows of the blocks they fall in."""
+        bs = self.block_size
+        for b, table in enumerate(block_tables):
+            start, end = int(context_lens[b]), int(context_lens[b] + query_lens[b])
+            for block_index in range(start // bs, (end - 1) // bs + 1):
+                lo, hi = max(start, block_index * bs), min(end, (block_index + 1) * bs)
+                [row] = self.rows_for([table[block_index]])
+                for new, store in self.new_to_store.items():
+                    self.arrays[store][row, lo % bs:lo % bs + hi - lo] = (
+                        outputs[new][b, lo - start:hi - start])
