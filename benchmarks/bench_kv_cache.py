@@ -45,7 +45,12 @@ KV = {"float32": None, "float16": {"dtype": "float16"}, "int8": {"dtype": "int8"
       # the 6 layers whose int4 cache costs most (measured at compile time) kept in int8
       "int4-static-skip6": {"dtype": "int4", "key_scales": "channel", "value_scales": "channel",
                             "skip_dtype": "int8", "auto_skip": 6},
-      "int4": {"dtype": "int4", "group_size": 32, "rotate": True}}
+      "int4": {"dtype": "int4", "group_size": 32, "rotate": True},
+      # keys per channel within each block of 16 (KIVI), values per token: gathered
+      "int4-kblock": {"dtype": "int4", "key_scales": "block"},
+      # static int4 with the first 4 positions unrounded beside the pool: gathered
+      "int4-static-sink4": {"dtype": "int4", "key_scales": "channel", "value_scales": "channel",
+                            "sink_tokens": 4}}
 POOL_MIB, POOL_CONTEXT = 256, 2048
 WEIGHTS = {  # --weights: the weight pass after kv_cache, target options, artifact suffix
     "rtn4-g64": ({"rtn": {"bits": 4, "group_size": 64}}, {}, ""),
@@ -119,7 +124,7 @@ def main() -> None:
                         "sequences": spec.sequences_in_pool(POOL_MIB * 2**20, POOL_CONTEXT, 16)}
     base = capacity["float32"]["sequences"]
     for kv, c in capacity.items():
-        print(f"{kv:<16} {c['bytes_per_token']:6d} bytes/token, {c['sequences']:3d} sequences of "
+        print(f"{kv:<16} {c['bytes_per_token']:6g} bytes/token, {c['sequences']:3d} sequences of "
               f"{POOL_CONTEXT} tokens in {POOL_MIB} MiB ({c['sequences'] / base:.1f}x float32)")
     for kv in paths:
         print(f"{kv:<16} kernels: {rows[-1]['kernels'][kv]}")

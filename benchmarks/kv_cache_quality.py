@@ -74,6 +74,11 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
                                "value_scales": "channel", "skip_dtype": "int8", "max_kl": 0.05,
                                "sink_tokens": 4},
     "fp8-sink4": {"dtype": "fp8_e4m3", "sink_tokens": 4},
+    # Keys per channel within each block (KIVI; `--block-size`), values per token.
+    "int4-kblock": {"dtype": "int4", "key_scales": "block"},
+    "int4-kblock-v32": {"dtype": "int4", "key_scales": "block", "value_group_size": 32},
+    "int4-kblock-vstatic": {"dtype": "int4", "key_scales": "block", "value_scales": "channel"},
+    "fp8-kblock": {"dtype": "fp8_e4m3", "key_scales": "block"},
     "int4-g64-rot": {"dtype": "int4", "rotate": True},
     "int4-g32-rot": {"dtype": "int4", "group_size": 32, "rotate": True},
     "int8-rot": {"dtype": "int8", "rotate": True},
@@ -114,11 +119,14 @@ def main() -> None:
     parser.add_argument("--kv-after-weights", action="store_true",
                         help="run the weight pass once, first, and each KV configuration on "
                         "its output (scales calibrated on the quantized weights; no rotate)")
+    parser.add_argument("--block-size", type=int, default=16,
+                        help="the recipe's runtime.block_size (per-block key scales' group)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ir = load_checkpoint(MODEL)
     recipe = Recipe(model=MODEL, calibration={"text": str(DATA / "wikitext2-valid.tokens.txt"),
-                                              "samples": 16, "seq_len": 512})
+                                              "samples": 16, "seq_len": 512},
+                    runtime={"block_size": args.block_size})
     context = PassContext(recipe=recipe, log=print)
     # Integer weights come after the KV pass (as a recipe orders them, so that `rotate`
     # folds into float v/o weights); the baseline ("fp32" row) is the weight pass alone.
@@ -151,8 +159,11 @@ def main() -> None:
     order = "_kv_after" if args.kv_after_weights else ""
     name = "kv_cache_quality.json" if args.weights == "float" else (
         f"kv_cache_quality_{args.weights}{order}.json")
+    if args.block_size != 16:
+        name = name.replace(".json", f"_block{args.block_size}.json")
     write_json(RESULTS_DIR / name, {"machine": machine_info(), "rows": rows,
-                                    "windows": args.windows, "weights": args.weights})
+                                    "windows": args.windows, "weights": args.weights,
+                                    "block_size": args.block_size})
 
 
 def weight_pass(kind: str, context: PassContext):

@@ -40,6 +40,8 @@ def describe(path: str | Path, pool_mib: float = 1024.0) -> dict[str, Any]:
         "kv_layout": kv_layout(manifest.kv_cache),
         "kv_sink_tokens": manifest.kv_cache.sink_tokens,
         "kv_sink_bytes_per_sequence": manifest.kv_cache.sink_bytes_per_sequence(),
+        "kv_block_size": manifest.kv_cache.block_size,
+        "kv_tail_bytes_per_sequence": manifest.kv_cache.tail_bytes_per_sequence(),
         # float32 keys and values of the same shapes (the compiler's IR record): the baseline.
         "kv_float32_bytes_per_token": sum(8 * layer["num_kv_heads"] * layer["head_dim"]
                                           for layer in arch.get("layers", [])) or None,
@@ -128,6 +130,10 @@ def format_description(info: dict[str, Any]) -> str:
         lines.append(f"KV sinks      the first {info['kv_sink_tokens']} positions of each "
                      "sequence unrounded, beside the pool: "
                      f"{info['kv_sink_bytes_per_sequence']} bytes a sequence")
+    if info["kv_tail_bytes_per_sequence"]:
+        lines.append(f"KV tails      keys scaled per block of {info['kv_block_size']}: the "
+                     "block each sequence fills waits unrounded beside the pool, "
+                     f"{info['kv_tail_bytes_per_sequence']} bytes a sequence")
     lines += _weight_lines(info["weights"]) + _speculative_lines(info["speculative"])
     lines += _tokenizer_lines(info["tokenizer"], info["generation"])
     lines.append(f"passes        {len(info['passes'])}")

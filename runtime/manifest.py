@@ -51,8 +51,13 @@ class KVCacheSpec(_Strict):
 
     def sink_bytes_per_sequence(self) -> int:
         """Sink-store bytes one sequence (one distinct first block) takes."""
-        return self.sink_tokens * sum(layer_bytes_per_token(CacheLayer(tensors=layer.sink))
-                                      for layer in self.layers)
+        return int(self.sink_tokens * sum(layer_bytes_per_token(CacheLayer(tensors=layer.sink))
+                                          for layer in self.layers))
+
+    def tail_bytes_per_sequence(self) -> int:
+        """Tail-store bytes one sequence's filling block takes (per-block key scales)."""
+        return int((self.block_size or 0) * sum(
+            layer_bytes_per_token(CacheLayer(tensors=layer.tail)) for layer in self.layers))
 
     def bytes_per_token(self) -> int:
         """Pool bytes one token takes, codes and scales of every layer included."""

@@ -195,3 +195,22 @@ def test_sinks_live_with_first_blocks(artifacts):
     assert "sink" in format_description(info)
     with pytest.raises(ValueError, match="block_size 1 is below the artifact's 2 sink tokens"):
         LLM(artifacts["llama-int4-sinks"], block_size=1)
+
+
+def test_per_block_key_scales_are_described_and_fix_the_block_size(artifacts):
+    llm = LLM(artifacts["llama-int4-kblock"], speculative=False)
+    assert llm.manifest.kv_cache.block_size == 4
+    pools = llm.engine.executor.pools
+    assert pools["past.0.key_scale"].shape[1:] == pools["past.0.key_min"].shape[1:]
+    assert pools["past.0.key_scale"].ndim == 2  # one entry per block
+    info = describe(artifacts["llama-int4-kblock"], pool_mib=1)
+    width = info["kv_float32_bytes_per_token"] // (8 * llm.manifest.model.num_layers)
+    groups = llm.manifest.kv_cache.layers[0].tensors[-1].slot_shape[0]  # value groups
+    # keys: half a byte + two float16 per channel per block of 4; values: per token
+    per_layer = width / 2 + 2 * 2 * width / 4 + width / 2 + 2 * 2 * groups
+    assert info["kv_bytes_per_token"] == per_layer * llm.manifest.model.num_layers
+    assert info["kv_tail_bytes_per_sequence"] == 4 * 4 * width * llm.manifest.model.num_layers
+    text = format_description(info)
+    assert "a block" in text and "KV tails" in text
+    with pytest.raises(ValueError, match="built for blocks of 4"):
+        LLM(artifacts["llama-int4-kblock"], block_size=8)

@@ -256,6 +256,16 @@ def test_sink_tokens_are_read_unrounded(load_ir, dtype, operator_set, tmp_path, 
 
 @pytest.mark.parametrize("dtype", QUANTIZED)
 def test_per_block_key_scales(load_ir, dtype, operator_set, tmp_path, paged_driver):
+    check_per_block_keys(load_ir("qwen2"), dtype, operator_set, tmp_path, paged_driver)
+
+
+def test_per_block_int4_keys_on_every_architecture(ir, operator_set, tmp_path, paged_driver):
+    """Sliding windows, softcaps, qk-norm and biases, with int4 keys per block."""
+    check_per_block_keys(ir, "int4", operator_set, tmp_path, paged_driver)
+
+
+def check_per_block_keys(base: ModelIR, dtype: str, operator_set: str, tmp_path, paged_driver
+                         ) -> None:
     """Keys scaled per channel within each block of 4: a step's logits are the reference
     model's with the pool's full blocks and the tail store's filling block as its cache,
     over steps that stay inside a block, fill one, and span several (a chunked prefill);
@@ -265,7 +275,6 @@ def test_per_block_key_scales(load_ir, dtype, operator_set, tmp_path, paged_driv
     graph's keys, where float32 noise may flip a rounding tie that the reference's keys
     do not: those rows are held to 2e-3 (measured: 6e-4 with one int4 flip), the others
     to 1e-4."""
-    base = load_ir("qwen2")
     qir = with_kv(base, dtype, kv_key_scales="block", kv_block_size=4)
     model, path = compile_graph(qir, tmp_path, operator_set=operator_set)
     assert {o.name for o in model.graph.output} >= {C.new_block_name(0, "key"),
