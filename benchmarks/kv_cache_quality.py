@@ -79,6 +79,9 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "int4-kblock-v32": {"dtype": "int4", "key_scales": "block", "value_group_size": 32},
     "int4-kblock-vstatic": {"dtype": "int4", "key_scales": "block", "value_scales": "channel"},
     "fp8-kblock": {"dtype": "fp8_e4m3", "key_scales": "block"},
+    # ... with as many layers in int8 (keys per block too) as keep the calibration KL <= 0.01
+    "int4-kblock-kl01": {"dtype": "int4", "key_scales": "block", "skip_dtype": "int8",
+                         "max_kl": 0.01},
     "int4-g64-rot": {"dtype": "int4", "rotate": True},
     "int4-g32-rot": {"dtype": "int4", "group_size": 32, "rotate": True},
     "int8-rot": {"dtype": "int8", "rotate": True},

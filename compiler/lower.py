@@ -517,7 +517,7 @@ class _DecoderLowering:
         gathered past length Lp [1]; built once per step."""
         if sinks not in self._sink_masks:
             g = self.g
-            block_size = g.op("Shape", [C.past_name(0, "key")], start=1, end=2)
+            block_size = g.op("Shape", [C.past_name(0, "value")], start=1, end=2)
             past_len = g.op("Mul", [g.op("Shape", [C.BLOCK_TABLES], start=1, end=2), block_size])
             past_pos = g.op("Range", [g.const(0), g.op("Squeeze", [past_len]), g.const(1)])
             batch = g.op("Shape", [C.POSITION_IDS], start=0, end=1)
@@ -621,7 +621,8 @@ class _AllowedKeys:
 
     def _past(self, q_pos: str, window: int | None) -> str:
         g = self.g
-        block_size = g.op("Shape", [C.past_name(0, "key")], start=1, end=2)
+        # (values: one entry per slot in every layer; keys may be per block)
+        block_size = g.op("Shape", [C.past_name(0, "value")], start=1, end=2)
         num_blocks = g.op("Shape", [C.BLOCK_TABLES], start=1, end=2)
         length = g.op("Squeeze", [g.op("Mul", [num_blocks, block_size])])
         k_pos = g.op("Range", [g.const(0), length, g.const(1)])  # [Lp]

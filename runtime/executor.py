@@ -147,13 +147,10 @@ class OrtExecutor:
     def _write_blocks(self, outputs: dict[str, np.ndarray], block_tables: list[list[int]],
                       context_lens: np.ndarray, query_lens: np.ndarray) -> None:
         """Write each sequence's step blocks (from the one it continued) that it reached."""
-        bs = self.block_size
-        for b, table in enumerate(block_tables):
-            first = int(context_lens[b]) // bs
-            last = (int(context_lens[b] + query_lens[b]) - 1) // bs
-            blocks = table[first:last + 1]
-            for name, past in self.block_to_past.items():
-                self.pools[past][blocks] = outputs[name][b, : len(blocks)]
+        seqs, steps, block_ids = step_blocks(block_tables, context_lens, query_lens,
+                                             self.block_size)
+        for name, past in self.block_to_past.items():
+            self.pools[past][block_ids] = outputs[name][seqs, steps]
 
     def _bind_grown_stores(self) -> None:
         for store in (self.sinks, self.tails):
@@ -162,6 +159,21 @@ class OrtExecutor:
                     self.binding.bind_ortvalue_input(name,
                                                      ort.OrtValue.ortvalue_from_numpy(array))
                 store.grown = False
+
+
+def step_blocks(block_tables: list[list[int]], context_lens: np.ndarray,
+                query_lens: np.ndarray, block_size: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The blocks a step reached, from each sequence's continued block on: (sequence,
+    step block index, block id), one entry per block."""
+    seqs, steps, block_ids = [], [], []
+    for b, table in enumerate(block_tables):
+        first = int(context_lens[b]) // block_size
+        last = (int(context_lens[b] + query_lens[b]) - 1) // block_size
+        seqs += [b] * (last + 1 - first)
+        steps += range(last + 1 - first)
+        block_ids += table[first:last + 1]
+    return np.array(seqs), np.array(steps), np.array(block_ids)
 
 
 def padding_groups(query_lens: list[int], max_waste: float = 0.25,

@@ -46,11 +46,11 @@ class TailStore(RowStore):
               context_lens: np.ndarray, query_lens: np.ndarray) -> None:
         """Keep each sequence's step rows in the rows of the blocks they fall in."""
         bs = self.block_size
-        for b, table in enumerate(block_tables):
-            start, end = int(context_lens[b]), int(context_lens[b] + query_lens[b])
-            for block_index in range(start // bs, (end - 1) // bs + 1):
-                lo, hi = max(start, block_index * bs), min(end, (block_index + 1) * bs)
-                [row] = self.rows_for([table[block_index]])
-                for new, store in self.new_to_store.items():
-                    self.arrays[store][row, lo % bs:lo % bs + hi - lo] = (
-                        outputs[new][b, lo - start:hi - start])
+        seqs = np.repeat(np.arange(len(block_tables)), query_lens)
+        steps = np.concatenate([np.arange(n) for n in query_lens])
+        positions = context_lens[seqs] + steps
+        blocks = [block_tables[b][p // bs] for b, p in zip(seqs.tolist(), positions.tolist(),
+                                                           strict=True)]
+        rows, offsets = self.rows_for(blocks), positions % bs
+        for new, store in self.new_to_store.items():
+            self.arrays[store][rows, offsets] = outputs[new][seqs, steps]

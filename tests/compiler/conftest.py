@@ -18,6 +18,7 @@ from llmopt.compiler.ir import ArchSpec, ModelIR
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.lower import cache_tensors, kv_cache_spec
 from llmopt.runtime import contract as C
+from llmopt.runtime.executor import step_blocks
 from llmopt.runtime.manifest import KVCacheSpec
 from llmopt.runtime.sink_store import SinkStore
 from llmopt.runtime.tail_store import TailStore
@@ -171,12 +172,9 @@ class PagedDriver:
 
     def _write_blocks(self, outputs, tables, context_lens, query_lens) -> None:
         """Per-block tensors: the step's blocks from the continued one, as far as reached."""
-        bs = self.block_size
-        for b, table in enumerate(tables):
-            first = int(context_lens[b]) // bs
-            blocks = table[first:(int(context_lens[b] + query_lens[b]) - 1) // bs + 1]
-            for name, past in self.block_to_past.items():
-                self.pools[past][blocks] = outputs[name][b, : len(blocks)]
+        seqs, steps, block_ids = step_blocks(tables, context_lens, query_lens, self.block_size)
+        for name, past in self.block_to_past.items():
+            self.pools[past][block_ids] = outputs[name][seqs, steps]
 
     def _write(self, outputs: dict[str, np.ndarray], slots: np.ndarray) -> None:
         keep = slots >= 0  # padded query rows are never written

@@ -137,7 +137,8 @@ def pool_cache(driver, ir: ModelIR, seq: int = 0) -> KVCache:
                 driver.pools[C.past_name(i, t["name"])].reshape(-1, *t["slot_shape"])[slots]))
                 for t in side.tensors()}
             static = ir.weights.get(f"layers.{i}.{side.static_scale_weight}")
-            x = decode(stored, side, static).reshape(1, length, spec.num_kv_heads, spec.head_dim)
+            x = stored[side.name] if side.dtype == "float32" else decode(stored, side, static)
+            x = x.reshape(1, length, spec.num_kv_heads, spec.head_dim)
             if spec.kv_sink_tokens:  # the first positions come from the sink store, unrounded
                 sinks = driver.sinks.arrays[C.sink_name(i, side.name)]
                 row = driver.sinks.row_of_block[int(table[0])]
@@ -264,8 +265,15 @@ def test_per_block_int4_keys_on_every_architecture(ir, operator_set, tmp_path, p
     check_per_block_keys(ir, "int4", operator_set, tmp_path, paged_driver)
 
 
-def check_per_block_keys(base: ModelIR, dtype: str, operator_set: str, tmp_path, paged_driver
-                         ) -> None:
+def test_per_block_keys_beside_a_float_layer(load_ir, tmp_path, paged_driver):
+    """Layer 0 keys per block, layer 1 float32: each reads its own layout's positions."""
+    base = load_ir("llama")
+    check_per_block_keys(base, "int4", "onnxruntime", tmp_path, paged_driver,
+                         float_layers=[1])
+
+
+def check_per_block_keys(base: ModelIR, dtype: str, operator_set: str, tmp_path, paged_driver,
+                         float_layers: tuple[int, ...] = ()) -> None:
     """Keys scaled per channel within each block of 4: a step's logits are the reference
     model's with the pool's full blocks and the tail store's filling block as its cache,
     over steps that stay inside a block, fill one, and span several (a chunked prefill);
@@ -276,6 +284,9 @@ def check_per_block_keys(base: ModelIR, dtype: str, operator_set: str, tmp_path,
     do not: those rows are held to 2e-3 (measured: 6e-4 with one int4 flip), the others
     to 1e-4."""
     qir = with_kv(base, dtype, kv_key_scales="block", kv_block_size=4)
+    for i in float_layers:
+        qir.arch = qir.arch.replace_layer(i, kv_dtype="float32", kv_key_scales="token",
+                                          kv_block_size=None)
     model, path = compile_graph(qir, tmp_path, operator_set=operator_set)
     assert {o.name for o in model.graph.output} >= {C.new_block_name(0, "key"),
                                                     C.new_tail_name(0, "key")}
