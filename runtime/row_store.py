@@ -9,7 +9,11 @@ arrays it bound were replaced.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
+
+from llmopt.runtime.manifest import KVCacheSpec
 
 _FIRST_ROWS = 8
 
@@ -56,3 +60,16 @@ class RowStore:
             self.free_rows = list(range(2 * rows - 1, rows - 1, -1))
             self.grown = True
         return self.free_rows.pop()
+
+
+def layer_arrays(kv_cache: KVCacheSpec, kind: str, positions: int,
+                 input_name: Callable[[int, str], str], output_name: Callable[[int, str], str]
+                 ) -> tuple[dict[str, tuple[list[int], str]], dict[str, str]]:
+    """The arrays of each layer's `kind` tensors ("sink", "tail"), `positions` rows each:
+    ({input name: (row shape, dtype)}, {the step output written there: input name})."""
+    shapes, new_to_store = {}, {}
+    for i, layer in enumerate(kv_cache.layers):
+        for t in getattr(layer, kind):
+            shapes[input_name(i, t.name)] = ([positions, *t.slot_shape], t.dtype)
+            new_to_store[output_name(i, t.name)] = input_name(i, t.name)
+    return shapes, new_to_store

@@ -13,20 +13,14 @@ import numpy as np
 
 from llmopt.runtime import contract
 from llmopt.runtime.manifest import KVCacheSpec
-from llmopt.runtime.row_store import RowStore
+from llmopt.runtime.row_store import RowStore, layer_arrays
 
 
 class SinkStore(RowStore):
     def __init__(self, kv_cache: KVCacheSpec):
         self.sink_tokens = kv_cache.sink_tokens
-        self.new_to_store: dict[str, str] = {}  # new_sink output -> sink input
-        shapes = {}
-        for i, layer in enumerate(kv_cache.layers):
-            for t in layer.sink:
-                shapes[contract.sink_name(i, t.name)] = ([self.sink_tokens, *t.slot_shape],
-                                                         t.dtype)
-                self.new_to_store[contract.new_sink_name(i, t.name)] = contract.sink_name(
-                    i, t.name)
+        shapes, self.new_to_store = layer_arrays(kv_cache, "sink", self.sink_tokens,
+                                                 contract.sink_name, contract.new_sink_name)
         super().__init__(shapes)
 
     def write(self, outputs: dict[str, np.ndarray], rows: np.ndarray,

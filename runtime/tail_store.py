@@ -14,20 +14,14 @@ import numpy as np
 
 from llmopt.runtime import contract
 from llmopt.runtime.manifest import KVCacheSpec
-from llmopt.runtime.row_store import RowStore
+from llmopt.runtime.row_store import RowStore, layer_arrays
 
 
 class TailStore(RowStore):
     def __init__(self, kv_cache: KVCacheSpec):
         self.block_size = kv_cache.block_size
-        self.new_to_store: dict[str, str] = {}  # new_tail output -> tail input
-        shapes = {}
-        for i, layer in enumerate(kv_cache.layers):
-            for t in layer.tail:
-                shapes[contract.tail_name(i, t.name)] = ([self.block_size, *t.slot_shape],
-                                                         t.dtype)
-                self.new_to_store[contract.new_tail_name(i, t.name)] = contract.tail_name(
-                    i, t.name)
+        shapes, self.new_to_store = layer_arrays(kv_cache, "tail", self.block_size or 0,
+                                                 contract.tail_name, contract.new_tail_name)
         super().__init__(shapes)
 
     def rows_continued(self, block_tables: list[list[int]], context_lens: np.ndarray
