@@ -143,7 +143,6 @@ class OrtExecutor:
         logits = outputs[contract.LOGITS]
         return logits[: batch.logits_indices.size].astype(np.float32, copy=False)
 
-
     def _write_blocks(self, outputs: dict[str, np.ndarray], block_tables: list[list[int]],
                       context_lens: np.ndarray, query_lens: np.ndarray) -> None:
         """Write each sequence's step blocks (from the one it continued) that it reached."""

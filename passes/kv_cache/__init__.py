@@ -119,6 +119,7 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
         searched = {d for d in stored.values() if searches(config.static_scales, d)}
         stats = kv_scale_statistics(out, windows, searched, skip_first=config.sink_tokens)
     float_ir = out.copy()  # every fold made, every cache still float: what auto_skip scores
+
     def put(ir: ModelIR, index: int, dtype: str) -> None:
         store(ir, index, dtype, config, stats, block_size)
 
