@@ -99,11 +99,6 @@ def block_side(side: KVSide, block_size: int) -> KVSide:
     return KVSide(side.name, side.dtype, side.width * block_size, block_size, "token")
 
 
-def block_tensors(side: KVSide, block_size: int) -> list[dict]:
-    """The pool tensors of a per-block scaled side: each entry is one block's."""
-    return block_side(side, block_size).tensors()
-
-
 def fp8_e4m3_table() -> np.ndarray:
     """float32 value of each of the 256 e4m3fn bit patterns. The NaN patterns (0x7f, 0xff)
     are never written; they read as 0 so that no stale pool byte can poison attention."""

@@ -19,7 +19,7 @@ from onnx import TensorProto
 from llmopt.compiler.ir import ArchSpec, LayerSpec, ModelIR
 from llmopt.compiler.kv_cache_format import (
     KVSide,
-    block_tensors,
+    block_side,
     emit_block_decode,
     emit_block_encode,
     emit_decode,
@@ -162,7 +162,7 @@ def cache_tensors(spec: LayerSpec, layout: str = "blocks") -> list[dict]:
         return [{"name": name, "dtype": dtype, "slot_shape": [spec.num_kv_heads, dim]}
                 for name in ("key", "value")]
     return [t for side in kv_sides(spec) for t in (
-        [{**b, "per": "block"} for b in block_tensors(side, spec.kv_block_size)]
+        [{**b, "per": "block"} for b in block_side(side, spec.kv_block_size).tensors()]
         if side.per_block else side.tensors())]
 
 
@@ -173,8 +173,9 @@ class _DecoderLowering:
         self.g = GraphBuilder("llmopt_decoder", ops_type.opset)
         self.ops: StandardOps = ops_type(self.g, self.arch.norm_eps)
         self._masks: dict[int | None, str] = {}
-        self._sink_masks: dict[int, tuple[str, str]] = {}
+        self._sink_masks: dict[int, str] = {}
         self._blocks: _StepBlocks | None = None  # per-block key scales: built once
+        self._past_len: str | None = None  # gathered past positions M * block_size, [1]
         self._positions: str | None = None  # lanes: the step's positions, built once
         self.lanes = options.kv_layout == "lanes"
 
@@ -505,27 +506,26 @@ class _DecoderLowering:
         g.rename(g.op("Slice", [new, g.const([0]), g.const([sinks]), g.const([1])]),
                  C.new_sink_name(index, tensor))
         stored = g.op("Gather", [C.sink_name(index, tensor), C.SINK_ROWS], axis=0)  # [B, N, W]
-        is_sink, past_len = self._sink_mask(sinks)
+        is_sink, past_len = self._sink_mask(sinks), self._past_length()
         pads = g.op("Concat", [g.const([0, 0, 0, 0]), past_len, g.const([0])], axis=0)
         past = g.op("Slice", [g.op("Pad", [stored, pads]), g.const([0]), past_len,
                               g.const([1])])  # [B, Lp, W]: rows >= N are never read
         unrounded = g.op("Concat", [past, new], axis=1)
         return g.op("Where", [is_sink, unrounded, read], name=f"{tensor}s_with_sinks")
 
-    def _sink_mask(self, sinks: int) -> tuple[str, str]:
-        """Which of the keys attention reads are sink positions, [B, Lp + S, 1], and the
-        gathered past length Lp [1]; built once per step."""
+    def _sink_mask(self, sinks: int) -> str:
+        """Which of the keys attention reads are sink positions, [B, Lp + S, 1]; built once
+        per step."""
         if sinks not in self._sink_masks:
             g = self.g
-            block_size = g.op("Shape", [C.past_name(0, "value")], start=1, end=2)
-            past_len = g.op("Mul", [g.op("Shape", [C.BLOCK_TABLES], start=1, end=2), block_size])
+            past_len = self._past_length()
             past_pos = g.op("Range", [g.const(0), g.op("Squeeze", [past_len]), g.const(1)])
             batch = g.op("Shape", [C.POSITION_IDS], start=0, end=1)
             past_pos = g.op("Expand", [past_pos, g.op("Concat", [batch, past_len], axis=0)])
             positions = g.op("Concat", [past_pos, C.POSITION_IDS], axis=1)  # [B, Lp + S]
             is_sink = g.op("Less", [g.op("Unsqueeze", [positions, g.const([2])]),
                                     g.const(sinks)], name="is_sink")
-            self._sink_masks[sinks] = (is_sink, past_len)
+            self._sink_masks[sinks] = is_sink
         return self._sink_masks[sinks]
 
     def _block_scaled_kv(self, index: int, k: str, v: str, spec: LayerSpec
@@ -558,7 +558,7 @@ class _DecoderLowering:
 
     def _step_blocks(self, block_size: int) -> _StepBlocks:
         if self._blocks is None:
-            self._blocks = _StepBlocks(self.g, block_size)
+            self._blocks = _StepBlocks(self.g, block_size, self._past_length())
         return self._blocks
 
     def _gathered(self, index: int, name: str, slot_shape: list[int]) -> str:
@@ -573,11 +573,21 @@ class _DecoderLowering:
         name = f"layers.{index}.{side.static_scale_weight}"
         return static_scale_initializer(self.g, name, self.ir.weights[name], side)
 
+    def _past_length(self) -> str:
+        """Positions the step's gathered blocks hold, M * block_size, [1]; built once.
+        (From the values' pool: one entry per slot in every layer; keys may be per block.)"""
+        if self._past_len is None:
+            g = self.g
+            block_size = g.op("Shape", [C.past_name(0, "value")], start=1, end=2)
+            self._past_len = g.op("Mul", [g.op("Shape", [C.BLOCK_TABLES], start=1, end=2),
+                                          block_size], name="past_len")
+        return self._past_len
+
     def _mask(self, window: int | None) -> str:
         """Additive mask [B, 1, S, L], built once per window size and shared by layers."""
         if window not in self._masks:
             g = self.g
-            allowed = _AllowedKeys(g).build(window)
+            allowed = _AllowedKeys(g, self._past_length()).build(window)
             bias = g.op("Where", [allowed, g.const(0.0, np.float32), g.const(_NEG_INF, np.float32)])
             self._masks[window] = g.op("Unsqueeze", [bias, g.const([1])], name="mask")
         return self._masks[window]
@@ -609,8 +619,8 @@ class _AllowedKeys:
     j <= i (index causality, so right padding never leaks) and inside the window.
     """
 
-    def __init__(self, g: GraphBuilder):
-        self.g = g
+    def __init__(self, g: GraphBuilder, past_len: str):
+        self.g, self.past_len = g, past_len
 
     def build(self, window: int | None) -> str:
         g = self.g
@@ -621,10 +631,7 @@ class _AllowedKeys:
 
     def _past(self, q_pos: str, window: int | None) -> str:
         g = self.g
-        # (values: one entry per slot in every layer; keys may be per block)
-        block_size = g.op("Shape", [C.past_name(0, "value")], start=1, end=2)
-        num_blocks = g.op("Shape", [C.BLOCK_TABLES], start=1, end=2)
-        length = g.op("Squeeze", [g.op("Mul", [num_blocks, block_size])])
+        length = g.op("Squeeze", [self.past_len])
         k_pos = g.op("Range", [g.const(0), length, g.const(1)])  # [Lp]
         ctx = g.op("Unsqueeze", [C.CONTEXT_LENS, g.const([1, 2])])  # [B, 1, 1]
         allowed = g.op("Less", [k_pos, ctx])  # [B, 1, Lp]
@@ -663,14 +670,13 @@ class _StepBlocks:
     Keys are laid out [past M * bs | step blocks read back (A) | step blocks unrounded (A)].
     """
 
-    def __init__(self, g: GraphBuilder, block_size: int):
-        self.g, self.bs = g, block_size
+    def __init__(self, g: GraphBuilder, block_size: int, past_len: str):
+        self.g, self.bs, self.past_len = g, block_size, past_len
         bs = g.const(block_size)
         ctx = C.CONTEXT_LENS
         self.t = g.op("Mod", [ctx, bs])  # [B] rows of the continued block in the tail
         self.start = g.op("Sub", [ctx, self.t])  # [B] its first position
         self.seq = g.op("Shape", [C.INPUT_IDS], start=1, end=2)  # [1]
-        self.past_len = g.op("Mul", [g.op("Shape", [C.BLOCK_TABLES], start=1, end=2), bs])
         rows = g.op("Add", [g.op("ReduceMax", [self.t], keepdims=1), self.seq])
         blocks = g.op("Div", [g.op("Add", [rows, g.const([block_size - 1])]), bs])
         self.length = g.op("Mul", [blocks, bs])  # [1] A

@@ -15,7 +15,7 @@ import onnxruntime as ort
 
 from llmopt.runtime import contract
 from llmopt.runtime.manifest import KVCacheSpec
-from llmopt.runtime.paging import cdiv
+from llmopt.runtime.paging import cdiv, step_blocks
 from llmopt.runtime.sink_store import SinkStore
 from llmopt.runtime.step_batch import StepBatch
 from llmopt.runtime.tail_store import TailStore
@@ -158,21 +158,6 @@ class OrtExecutor:
                     self.binding.bind_ortvalue_input(name,
                                                      ort.OrtValue.ortvalue_from_numpy(array))
                 store.grown = False
-
-
-def step_blocks(block_tables: list[list[int]], context_lens: np.ndarray,
-                query_lens: np.ndarray, block_size: int
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The blocks a step reached, from each sequence's continued block on: (sequence,
-    step block index, block id), one entry per block."""
-    seqs, steps, block_ids = [], [], []
-    for b, table in enumerate(block_tables):
-        first = int(context_lens[b]) // block_size
-        last = (int(context_lens[b] + query_lens[b]) - 1) // block_size
-        seqs += [b] * (last + 1 - first)
-        steps += range(last + 1 - first)
-        block_ids += table[first:last + 1]
-    return np.array(seqs), np.array(steps), np.array(block_ids)
 
 
 def padding_groups(query_lens: list[int], max_waste: float = 0.25,

@@ -20,6 +20,21 @@ def slots_of(block_table: Sequence[int], start: int, num_tokens: int,
     return block_ids[positions // block_size] * block_size + positions % block_size
 
 
+def step_blocks(block_tables: list[list[int]], context_lens: np.ndarray,
+                query_lens: np.ndarray, block_size: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The blocks a step reached, from each sequence's continued block on: (sequence,
+    step block index, block id), one entry per block."""
+    seqs, steps, block_ids = [], [], []
+    for b, table in enumerate(block_tables):
+        first = int(context_lens[b]) // block_size
+        last = (int(context_lens[b] + query_lens[b]) - 1) // block_size
+        seqs += [b] * (last + 1 - first)
+        steps += range(last + 1 - first)
+        block_ids += table[first:last + 1]
+    return np.array(seqs), np.array(steps), np.array(block_ids)
+
+
 # The lanes layout: lane l owns blocks 1 + l*L .. (l+1)*L (block 0 is the null block).
 def num_lanes(num_blocks: int, lane_blocks: int) -> int:
     """Lanes of `lane_blocks` blocks a pool of `num_blocks` holds (at least one)."""

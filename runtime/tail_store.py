@@ -14,6 +14,7 @@ import numpy as np
 
 from llmopt.runtime import contract
 from llmopt.runtime.manifest import KVCacheSpec
+from llmopt.runtime.paging import step_blocks
 from llmopt.runtime.row_store import RowStore, layer_arrays
 
 
@@ -40,11 +41,14 @@ class TailStore(RowStore):
               context_lens: np.ndarray, query_lens: np.ndarray) -> None:
         """Keep each sequence's step rows in the rows of the blocks they fall in."""
         bs = self.block_size
-        seqs = np.repeat(np.arange(len(block_tables)), query_lens)
-        steps = np.concatenate([np.arange(n) for n in query_lens])
-        positions = context_lens[seqs] + steps
-        blocks = [block_tables[b][p // bs] for b, p in zip(seqs.tolist(), positions.tolist(),
-                                                           strict=True)]
-        rows, offsets = self.rows_for(blocks), positions % bs
+        seqs, _, blocks = step_blocks(block_tables, context_lens, query_lens, bs)
+        block_rows = self.rows_for(blocks.tolist())  # the step's blocks, sequence by sequence
+        first_of_seq = np.searchsorted(seqs, np.arange(len(block_tables)))
+        token_seqs = np.repeat(np.arange(len(block_tables)), query_lens)
+        token_steps = np.arange(len(token_seqs)) - np.repeat(np.cumsum(query_lens) - query_lens,
+                                                             query_lens)
+        positions = context_lens[token_seqs] + token_steps
+        in_step = positions // bs - context_lens[token_seqs] // bs  # step block of each token
+        rows = block_rows[first_of_seq[token_seqs] + in_step]
         for new, store in self.new_to_store.items():
-            self.arrays[store][rows, offsets] = outputs[new][seqs, steps]
+            self.arrays[store][rows, positions % bs] = outputs[new][token_seqs, token_steps]

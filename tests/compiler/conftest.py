@@ -18,8 +18,8 @@ from llmopt.compiler.ir import ArchSpec, ModelIR
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.lower import cache_tensors, kv_cache_spec
 from llmopt.runtime import contract as C
-from llmopt.runtime.executor import step_blocks
 from llmopt.runtime.manifest import KVCacheSpec
+from llmopt.runtime.paging import step_blocks
 from llmopt.runtime.sink_store import SinkStore
 from llmopt.runtime.tail_store import TailStore
 

@@ -21,7 +21,6 @@ from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.kv_cache_format import (
     KVSide,
     block_side,
-    block_tensors,
     decode,
     encode,
     fake_quantize,
@@ -156,7 +155,7 @@ def block_keys(driver, index: int, spec, side: KVSide, table: np.ndarray, length
     bs = driver.block_size
     blocks = table[: -(-length // bs)]
     stored = {t["name"]: torch.from_numpy(driver.pools[C.past_name(index, t["name"])][blocks])[None]
-              for t in block_tensors(side, bs)}
+              for t in block_side(side, bs).tensors()}
     keys = emit_free_block_decode(stored, side, bs)[0]  # [blocks * bs, W]
     if length % bs:
         row = driver.tails.row_of_block[int(table[length // bs])]
