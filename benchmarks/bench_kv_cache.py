@@ -1,6 +1,7 @@
 """KV cache dtype: decode speed and pool capacity of SmolLM2 int4-weight artifacts whose
 KV pools are float32, float16, int8 and int4 (the `kv_cache` pass), side by side, 1 thread;
-`-static` choices (static channel scales) run on the lanes layout, the others gather blocks.
+float16 and the `-static` choices (static channel scales) run on the lanes layout, the
+others gather blocks.
 
 For each context (128, 1024, 2048) and batch (1, 8), every artifact decodes `--gen-len`
 greedy tokens (ending at that context) for `batch` sequences whose prompts share all but
@@ -11,7 +12,7 @@ context every step, shared blocks included). Reported: decode tok/s summed over 
 Capacity: sequences of 2048 tokens a 256 MiB pool holds, from each manifest.
 Artifacts are compiled first if missing (recipes: `kv_cache` + `rtn` int4 g64, or with
 `--weights rtn4-a8` the int4 g32 weights with a 4-bit head and int8 activations that the
-native decoder step runs: lanes of float32 and of int8/int4 codes alike).
+native decoder step runs: lanes of float32, float16 and int8/int4 codes alike).
 
     python benchmarks/bench_kv_cache.py --out-dir /tmp/kvart
     python benchmarks/bench_kv_cache.py --out-dir /tmp/kvart --weights rtn4-a8 --kernels native

@@ -2,10 +2,11 @@
 shares in place (past and present bound to one buffer, as the lanes layout binds them):
 which positions of each row's lane a call writes, and how long a decode call takes.
 
-Why the lanes layout takes float32, int8 and int4 (static per-channel scales) and leaves
-float16 to the gathered blocks: a float16 cache under float32 queries rewrites each row's
-lane from the step's first position to the end (idle rows included), and costs several
-times a float32 call. Prints a table; writes benchmarks/results/probe_gqa_cache_dtypes.json.
+Why the lanes layout runs a float16 cache's node wholly in float16 (queries, keys, values
+and output; `float16-node`): a float16 cache under float32 queries (`float16`) rewrites
+each row's lane from the step's first position to the end (idle rows included), and costs
+several times a float32 call. float32, int8 and int4 (static per-channel scales) take
+float32 queries. Prints a table; writes benchmarks/results/probe_gqa_cache_dtypes.json.
 
     python benchmarks/probe_gqa_cache_dtypes.py
 """
@@ -21,16 +22,17 @@ from _common import RESULTS_DIR, machine_info, write_json
 from onnx import TensorProto, helper
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2's attention
-CACHES = {  # name -> (ONNX element type, numpy dtype, quantized bit width or 0)
-    "float32": (TensorProto.FLOAT, np.float32, 0),
-    "float16": (TensorProto.FLOAT16, np.float16, 0),
-    "int8": (TensorProto.INT8, np.int8, 8),
-    "int4": (TensorProto.UINT8, np.uint8, 4),
+CACHES = {  # name -> (ONNX element type, numpy dtype, quantized bit width or 0, queries' type)
+    "float32": (TensorProto.FLOAT, np.float32, 0, TensorProto.FLOAT),
+    "float16": (TensorProto.FLOAT16, np.float16, 0, TensorProto.FLOAT),
+    "float16-node": (TensorProto.FLOAT16, np.float16, 0, TensorProto.FLOAT16),
+    "int8": (TensorProto.INT8, np.int8, 8, TensorProto.FLOAT),
+    "int4": (TensorProto.UINT8, np.uint8, 4, TensorProto.FLOAT),
 }
 
 
 def session(cache: str, capacity: int) -> ort.InferenceSession:
-    element, _, bits = CACHES[cache]
+    element, _, bits, query = CACHES[cache]
     attrs: dict[str, Any] = {"num_heads": HEADS, "kv_num_heads": KV_HEADS, "do_rotary": 0}
     inputs = ["q", "k", "v", "past_k", "past_v", "seqlens_k", "total", *[""] * 5,
               "k_scale" if bits else "", "v_scale" if bits else "", "", "", "query_seqlens"]
@@ -42,16 +44,16 @@ def session(cache: str, capacity: int) -> ort.InferenceSession:
                             domain="com.microsoft", **attrs)
     info = helper.make_tensor_value_info
     graph_inputs = [
-        info("q", TensorProto.FLOAT, ["B", "S", HEADS * HEAD_DIM]),
-        info("k", TensorProto.FLOAT, ["B", "S", KV_HEADS * HEAD_DIM]),
-        info("v", TensorProto.FLOAT, ["B", "S", KV_HEADS * HEAD_DIM]),
+        info("q", query, ["B", "S", HEADS * HEAD_DIM]),
+        info("k", query, ["B", "S", KV_HEADS * HEAD_DIM]),
+        info("v", query, ["B", "S", KV_HEADS * HEAD_DIM]),
         info("past_k", element, ["B", KV_HEADS, capacity, width]),
         info("past_v", element, ["B", KV_HEADS, capacity, width]),
         info("seqlens_k", TensorProto.INT32, ["B"]), info("total", TensorProto.INT32, []),
         info("query_seqlens", TensorProto.INT32, ["B"])]
     scales = [helper.make_tensor(n, TensorProto.FLOAT, [KV_HEADS * HEAD_DIM],
                                  [0.05] * (KV_HEADS * HEAD_DIM)) for n in ("k_scale", "v_scale")]
-    outputs = [info("out", TensorProto.FLOAT, None), info("present_k", element, None),
+    outputs = [info("out", query, None), info("present_k", element, None),
                info("present_v", element, None)]
     model = helper.make_model(
         helper.make_graph([node], "gqa", graph_inputs, outputs, scales if bits else []),
@@ -68,9 +70,10 @@ def bound_call(sess: ort.InferenceSession, cache: str, queries: np.ndarray,
     rng = np.random.default_rng(0)
     rows, steps = len(seqlens), int(queries.max())
     binding = sess.io_binding()
-    feeds = {"q": rng.standard_normal((rows, steps, HEADS * HEAD_DIM), np.float32),
-             "k": rng.standard_normal((rows, steps, KV_HEADS * HEAD_DIM), np.float32),
-             "v": rng.standard_normal((rows, steps, KV_HEADS * HEAD_DIM), np.float32),
+    dtype = np.float16 if CACHES[cache][3] == TensorProto.FLOAT16 else np.float32
+    feeds = {"q": rng.standard_normal((rows, steps, HEADS * HEAD_DIM)).astype(dtype),
+             "k": rng.standard_normal((rows, steps, KV_HEADS * HEAD_DIM)).astype(dtype),
+             "v": rng.standard_normal((rows, steps, KV_HEADS * HEAD_DIM)).astype(dtype),
              "seqlens_k": seqlens.astype(np.int32), "query_seqlens": queries.astype(np.int32),
              "total": np.array(int(seqlens.max()) + 1, np.int32)}
     for name, value in feeds.items():
@@ -85,7 +88,7 @@ def bound_call(sess: ort.InferenceSession, cache: str, queries: np.ndarray,
 
 def written_positions(cache: str) -> list[list[int]]:
     """Lane positions each row's call changed: rows (past, new) = (10, 6), idle (0, 0), (3, 2)."""
-    _, dtype, bits = CACHES[cache]
+    _, dtype, bits, _ = CACHES[cache]
     capacity, width = 32, HEAD_DIM // 2 if bits == 4 else HEAD_DIM
     queries, seqlens = np.array([6, 0, 2]), np.array([15, 0, 4])  # seqlens_k = past + new - 1
     pool = np.random.default_rng(1).integers(0, 100, (3, KV_HEADS, capacity, width)).astype(dtype)
@@ -96,7 +99,7 @@ def written_positions(cache: str) -> list[list[int]]:
 
 def decode_call_us(cache: str, context: int, capacity: int, calls: int = 300) -> float:
     """Microseconds of one batch-1 decode call at `context` tokens in a `capacity` lane."""
-    _, dtype, bits = CACHES[cache]
+    _, dtype, bits, _ = CACHES[cache]
     pool = np.zeros((1, KV_HEADS, capacity, HEAD_DIM // 2 if bits == 4 else HEAD_DIM), dtype)
     run = bound_call(session(cache, capacity), cache, np.array([1]), np.array([context]), pool)
     for _ in range(20):
@@ -114,7 +117,7 @@ def main() -> None:
                **{f"us_at_{n}": decode_call_us(cache, n, 2048) for n in (128, 1024)}}
         rows.append(row)
         spans = ", ".join(f"{w[0]}-{w[-1]}" if w else "none" for w in row["written"])
-        print(f"{cache:<8} writes rows' positions {spans:<22} decode call in a 2048 lane: "
+        print(f"{cache:<12} writes rows' positions {spans:<22} decode call in a 2048 lane: "
               f"{row['us_at_128']:.1f} us at 128 tokens, {row['us_at_1024']:.1f} us at 1024")
     print("the new positions only would be 10-15, none, 3-4 (of a 32-token lane)")
     write_json(RESULTS_DIR / "probe_gqa_cache_dtypes.json",

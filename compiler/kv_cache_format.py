@@ -473,6 +473,13 @@ def _clip(g: GraphBuilder, x: str, low: float, high: float) -> str:
     return g.op("Clip", [x, g.const(low, np.float32), g.const(high, np.float32)])
 
 
+def half_precision_attention(spec) -> bool:
+    """Whether a `LayerSpec`'s attention takes float16 queries and returns float16 (its
+    cache is float16): one node type in ONNX Runtime's GroupQueryAttention, which sums in
+    float32, as float16 attention kernels do; every layout and the reference round so."""
+    return spec.kv_dtype == "float16"
+
+
 def kv_sides(spec) -> tuple[KVSide, KVSide]:
     """The key and value sides of a `LayerSpec`."""
     width = spec.num_kv_heads * spec.head_dim

@@ -26,6 +26,7 @@ from llmopt.compiler.kv_cache_format import (
     emit_encode,
     emit_rotate_heads,
     emit_round_trip,
+    half_precision_attention,
     kv_sides,
     static_scale_initializer,
 )
@@ -109,12 +110,14 @@ def lanes_unsupported(operator_set: str, arch: ArchSpec) -> str | None:
 
 def lane_storable(spec: LayerSpec) -> bool:
     """Whether ONNX Runtime's CPU GroupQueryAttention stores this layer's KV dtype in place:
-    float32 as is, int8 and int4 (two codes a byte, low nibble first, code + 8: the static
-    int4 of kv_cache_format) with one static scale per channel. Not float16: with a float16
-    cache under float32 queries it rewrites every row's lane from the step's first position
-    to the end (ONNX Runtime 1.32), which would clobber idle lanes in a call's span."""
+    float32 as is; float16, with the queries and the attention output in float16 too (the
+    node has one type; under float32 queries a float16 cache makes ONNX Runtime 1.32 rewrite
+    every row's lane from the step's first position to the end, clobbering idle lanes);
+    int8 and int4 (two codes a byte, low nibble first, code + 8: the static int4 of
+    kv_cache_format) with one static scale per channel."""
     static = spec.kv_key_scales == "channel" and spec.kv_value_scales == "channel"
-    return spec.kv_dtype == "float32" or (spec.kv_dtype in ("int8", "int4") and static)
+    return spec.kv_dtype in ("float32", "float16") or (
+        spec.kv_dtype in ("int8", "int4") and static)
 
 
 def kv_cache_spec(arch: ArchSpec, layout: str) -> dict:
@@ -152,8 +155,8 @@ def cache_tensors(spec: LayerSpec, layout: str = "blocks") -> list[dict]:
 
     Blocks: a slot holds all KV heads of a token side by side, [kv_heads * head_dim]
     (packed for int4, plus per-group scales for dynamically scaled dtypes; see
-    kv_cache_format). Lanes: keys and values as the layer stores them (float32, or
-    int8/int4 codes with static scales baked into the graph), [kv_heads, head_dim] per
+    kv_cache_format). Lanes: keys and values as the layer stores them (float32, float16,
+    or int8/int4 codes with static scales baked into the graph), [kv_heads, head_dim] per
     token ([kv_heads, head_dim / 2] bytes for int4).
     """
     if layout == "lanes":
@@ -395,48 +398,63 @@ class _DecoderLowering:
             keys = self._cache_io(index, "key", k, spec)
             values = self._cache_io(index, "value", v, spec)
             mask = self._mask(spec.sliding_window)
+        half = half_precision_attention(spec)
+        if half:  # the queries and the output in float16, as the lanes' node has them
+            q = self._round_to_float16(q)
         out = self.ops.attention(q, keys, values, mask, spec, self.arch.attn_scale,
                                  self.arch.attn_softcap)
+        if half:
+            out = self._round_to_float16(out)
         return self._linear(out, p, ["o_proj"])
+
+    def _round_to_float16(self, x: str) -> str:
+        g = self.g
+        return g.op("Cast", [g.op("Cast", [x], to=TensorProto.FLOAT16)], to=TensorProto.FLOAT)
 
     def _lane_attention(self, index: int, qkv: str) -> str:
         """One GroupQueryAttention node: qk-norm and RoPE, the step's valid keys and values
         appended to each row's lane in place, attention over the lane's first
         seqlens_k + 1 entries (`query_seqlens` marks right padding and idle rows).
 
-        A quantized layer must attend to its step's keys and values as the lane holds them
-        (a token's key then does not depend on which step computed it, and the reference
-        model is matched): RoPE, the key rotation and the storage rounding run before the
-        node, whose own quantization of the rounded values is then exact."""
+        A layer stored rounded must attend to its step's keys and values as the lane holds
+        them (a token's key then does not depend on which step computed it, and the
+        reference model is matched): RoPE, the key rotation and the storage rounding run
+        before the node, whose own quantization of the rounded values is then exact. A
+        float16 layer's node runs on float16 queries, keys and values and returns float16,
+        as every layout's float16 attention does (`half_precision_attention`)."""
         g, spec, p = self.g, self.arch.layers[index], f"layers.{index}."
         heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         table = f"rope.{spec.rope}"
-        quantized = spec.kv_dtype != "float32"  # int8/int4, static per-channel scales
-        scales = [self._lane_kv_scale(index, s) for s in kv_sides(spec)] if quantized else []
+        rounded = spec.kv_dtype != "float32"  # stored rounded: RoPE before the node
+        coded = spec.kv_dtype in ("int8", "int4")  # static per-channel scales
+        scales = [self._lane_kv_scale(index, s) for s in kv_sides(spec)] if coded else []
         qkv_inputs, rotary = [qkv, "", ""], [f"{table}.cos", f"{table}.sin"]  # packed
-        if self.arch.qk_norm or quantized:
+        if self.arch.qk_norm or rounded:
             q, k, v = g.op("Split", [qkv, g.const([heads * dim, kv_heads * dim,
                                                    kv_heads * dim])], axis=-1, outputs=3)
             if self.arch.qk_norm:  # (ONNX Runtime's CPU kernel does not fuse the norms)
                 q = self._head_norm(q, heads, dim, p + "q_norm")
                 k = self._head_norm(k, kv_heads, dim, p + "k_norm")
             qkv_inputs = [q, k, v]
-        if quantized:
+        if rounded:
             positions = self._lane_positions()
             q = self.ops.rotary(q, heads, dim, table, positions)
             k = self.ops.rotary(k, kv_heads, dim, table, positions)
             if spec.kv_rotate_keys:  # the lane stores rotated keys; q·k is unchanged
                 q, k = emit_rotate_heads(g, q, heads, dim), emit_rotate_heads(g, k, kv_heads, dim)
-            k, v = (emit_round_trip(g, x, side, scale)
-                    for x, side, scale in zip((k, v), kv_sides(spec), scales, strict=True))
+            if coded:
+                k, v = (emit_round_trip(g, x, side, scale)
+                        for x, side, scale in zip((k, v), kv_sides(spec), scales, strict=True))
+            else:  # float16: the whole node runs on float16 inputs (sums in float32)
+                q, k, v = (g.op("Cast", [x], to=TensorProto.FLOAT16) for x in (q, k, v))
             qkv_inputs, rotary = [q, k, v], ["", ""]
         attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": self.arch.attn_scale,
-                 "do_rotary": int(not quantized), "rotary_interleaved": 0}
+                 "do_rotary": int(not rounded), "rotary_interleaved": 0}
         if self.arch.attn_softcap:
             attrs["softcap"] = self.arch.attn_softcap
         if spec.sliding_window is not None:  # keys at distance < window, as `_in_window`
             attrs["local_window_size"] = spec.sliding_window
-        if quantized:
+        if coded:
             attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL",
                          kv_cache_bit_width=8 if spec.kv_dtype == "int8" else 4)
         out = g.fresh("attention")
@@ -448,6 +466,8 @@ class _DecoderLowering:
         g.op_into("GroupQueryAttention", inputs,
                   [out, C.present_name(index, "key"), C.present_name(index, "value")],
                   domain=MS_DOMAIN, **attrs)
+        if rounded and not coded:
+            return g.op("Cast", [out], to=TensorProto.FLOAT)
         return out
 
     def _lane_positions(self) -> str:

@@ -5,9 +5,10 @@ computes what a lanes graph computes, for the graphs it knows: a llama-style dec
 (RMS norms, fused QKV and gate/up projections, SiLU, GroupQueryAttention with rotary, no
 biases, softcap or sliding window) whose projections are MatMulNBits at accuracy level 4
 with 4- or 8-bit codes in blocks of 32, and KV lanes of float32 or, per layer, the KV-cache
-pass's int8/int4 codes with static per-channel scales (rotary and an optional rotation of
-queries and keys run before the node then, and the step's keys and values are rounded to
-their codes: `_quantized_kv` reads that chain). The plan is read off the
+pass's float16 or int8/int4 codes with static per-channel scales (rotary and an optional
+rotation of queries and keys run before the node then, and the step's keys and values are
+rounded to their codes, or the node's inputs cast to float16: `_quantized_kv` and
+`_float16_kv` read those chains). The plan is read off the
 saved graph itself, so it describes exactly what ONNX Runtime runs; a graph with
 anything else gets `{"unsupported": reason}` and the runtime keeps ONNX Runtime.
 
@@ -62,8 +63,7 @@ class _Planner:
         if any(_attrs(n).get("accuracy_level", 0) != 4 for n in self.by_weight.values()):
             raise Unsupported("float activations (nbits_accuracy_level 0): the native step "
                               "multiplies int8 activations")
-        kv = [self._quantized_kv(n) if "k_quant_type" in _attrs(n) else None
-              for n in attention]
+        kv = [self._lane_kv(n) for n in attention]
         self._check_node_counts(layers, [entry for entry in kv if entry])
         heads, kv_heads, scale, cos, sin = self._attention(attention, kv)
         head_dim = self._dims(cos)[1] * 2
@@ -97,9 +97,12 @@ class _Planner:
             "SimplifiedLayerNormalization": 2, "SkipSimplifiedLayerNormalization": 2 * layers - 1,
             "Split": layers, "Sigmoid": layers, "Mul": 2 * layers, "Add": 1 + offset,
             "Reshape": 1, "Identity": 1, "MatMul": 2 * offset})
-        for kv in quantized:  # the chain `_quantized_kv` read
-            expected.update({"Split": 1, "RotaryEmbedding": 2, "Div": 2, "Round": 2, "Clip": 2,
-                             "Mul": 2})
+        for kv in quantized:  # the chain `_quantized_kv` or `_float16_kv` read
+            expected.update({"Split": 1, "RotaryEmbedding": 2})
+            if kv["bits"] == 16:
+                expected.update({"Cast": 4})
+            else:
+                expected.update({"Div": 2, "Round": 2, "Clip": 2, "Mul": 2})
             if kv["rotation"]:
                 expected.update({"Reshape": 4, "MatMul": 2})
         if quantized:  # the step's positions, built once (lower.py's _lane_positions)
@@ -124,7 +127,8 @@ class _Planner:
             if {"softcap", "local_window_size"} & set(attrs):
                 raise Unsupported("softcap or sliding windows")
             if quantized:  # rotary before the node (see _quantized_kv)
-                tables = tuple(self._rotated(n.input[0])[0].input[2:4])
+                tables = tuple(self._rotated(self._uncast(n.input[0], onnx.TensorProto.FLOAT16))[0]
+                               .input[2:4])
             elif attrs.get("do_rotary") != 1 or attrs.get("rotary_interleaved", 0):
                 raise Unsupported("attention without fused non-interleaved rotary")
             elif any(n.input[1:3]):
@@ -136,6 +140,37 @@ class _Planner:
         if len(shapes) != 1:
             raise Unsupported("layers with different attention shapes")
         return shapes.pop()
+
+    def _lane_kv(self, node: onnx.NodeProto) -> dict[str, Any] | None:
+        """How a GroupQueryAttention node's lanes hold keys and values (None: float32)."""
+        if "k_quant_type" in _attrs(node):
+            return self._quantized_kv(node)
+        cast = self.producer.get(node.input[0])
+        if cast is not None and cast.op_type == "Cast":
+            return self._float16_kv(node)
+        return None
+
+    def _float16_kv(self, node: onnx.NodeProto) -> dict[str, Any]:
+        """A float16 lanes layer (lower.py's `_lane_attention`): the node's queries, keys and
+        values cast to float16 after rotary (and rotation), its output cast back."""
+        q, k, values = (self._uncast(name, onnx.TensorProto.FLOAT16) for name in node.input[:3])
+        out = self.consumers.get(node.output[0], [])
+        if len(out) != 1 or self._uncast(out[0].output[0]) != node.output[0]:
+            raise Unsupported("a float16 attention output not cast back to float32")
+        q_rope, q_rotation = self._rotated(q)
+        k_rope, k_rotation = self._rotated(k)
+        self._check_lane_inputs(node, q_rope, k_rope, values, q_rotation, k_rotation)
+        return {"bits": 16, "key_scale": None, "value_scale": None,
+                "rotation": self._tensor(q_rotation) if q_rotation else None}
+
+    def _uncast(self, name: str, to: int = onnx.TensorProto.FLOAT) -> str:
+        """The input of the Cast to `to` that produces `name` (`name` if none does)."""
+        node = self.producer.get(name)
+        if node is None or node.op_type != "Cast":
+            return name
+        if _attrs(node)["to"] != to:
+            raise Unsupported(f"{name}: a cast to an unexpected type")
+        return node.input[0]
 
     def _quantized_kv(self, node: onnx.NodeProto) -> dict[str, Any]:
         """A quantized lanes layer (lower.py's `_lane_attention`): the queries and keys
@@ -150,24 +185,33 @@ class _Planner:
         q_rope, q_rotation = self._rotated(node.input[0])
         k_rope, k_rotation = self._rotated(self._rounded(node.input[1], key_scale, bits))
         values = self._rounded(node.input[2], value_scale, bits)
+        self._check_lane_inputs(node, q_rope, k_rope, values, q_rotation, k_rotation)
+        for name in (key_scale, value_scale):
+            if self.tensors[name].data_type != onnx.TensorProto.FLOAT:
+                raise Unsupported(f"{name} is not float32")
+        return {"bits": bits, "key_scale": self._tensor(key_scale),
+                "value_scale": self._tensor(value_scale),
+                "rotation": self._tensor(q_rotation) if q_rotation else None}
+
+    def _check_lane_inputs(self, node: onnx.NodeProto, q_rope: onnx.NodeProto,
+                           k_rope: onnx.NodeProto, values: str, q_rotation: str | None,
+                           k_rotation: str | None) -> None:
+        """The node's queries, keys and values come from one Split of the fused projection,
+        the queries and keys embedded (and rotated) alike."""
+        attrs = _attrs(node)
         split = self.producer.get(values)
         sizes = self._scalars(split.input[1]) if split is not None else []
         if (split is None or split.op_type != "Split" or list(split.output) != [
                 q_rope.input[0], k_rope.input[0], values] or len(sizes) != 3
                 or sizes[0] * attrs["kv_num_heads"] != sizes[1] * attrs["num_heads"]
                 or sizes[1] != sizes[2]):
-            raise Unsupported("quantized KV lanes not fed by a Split of queries, keys, values")
+            raise Unsupported("KV lanes not fed by a Split of queries, keys, values")
         if q_rotation != k_rotation or q_rope.input[2:4] != k_rope.input[2:4]:
             raise Unsupported("queries and keys embedded or rotated differently")
         head_dim = sizes[1] // attrs["kv_num_heads"]
-        if q_rotation and self._dims(q_rotation) != [head_dim, head_dim]:
-            raise Unsupported(f"{q_rotation} is not a [{head_dim}, {head_dim}] rotation")
-        for name in (key_scale, value_scale, q_rotation):
-            if name and self.tensors[name].data_type != onnx.TensorProto.FLOAT:
-                raise Unsupported(f"{name} is not float32")
-        return {"bits": bits, "key_scale": self._tensor(key_scale),
-                "value_scale": self._tensor(value_scale),
-                "rotation": self._tensor(q_rotation) if q_rotation else None}
+        if q_rotation and (self._dims(q_rotation) != [head_dim, head_dim]
+                           or self.tensors[q_rotation].data_type != onnx.TensorProto.FLOAT):
+            raise Unsupported(f"{q_rotation} is not a float32 [{head_dim}, {head_dim}] rotation")
 
     def _rotated(self, name: str) -> tuple[onnx.NodeProto, str | None]:
         """The RotaryEmbedding node behind `name`, and the rotation matrix applied after it

@@ -17,6 +17,7 @@ from llmopt.compiler.kv_cache_format import (
     KVSide,
     block_round_trip,
     fake_quantize,
+    half_precision_attention,
     kv_sides,
     rotate_heads,
 )
@@ -121,7 +122,11 @@ class ReferenceModel:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:
             k, v = cache.append(index, k, v)
+        if half_precision_attention(spec):  # float16 in, float16 out (sums in float32)
+            q = q.half().float()
         out = self._attend(spec, q, k, v, positions)
+        if half_precision_attention(spec):
+            out = out.half().float()
         return self.linear(index, out.transpose(1, 2).reshape(batch, seq, -1), "o_proj")
 
     def _stored_kv(self, index: int, spec: LayerSpec, x: torch.Tensor,

@@ -60,8 +60,10 @@ typedef struct {  /* embedding rows: MatMulNBits' layout, row after row */
 } QRows;
 
 typedef struct {  /* how one layer's lanes hold keys and values */
-    int32_t bits;               /* 32: float32; 8: int8 codes; 4: int4 codes + 8, two a byte,
-                                   element 2j in the low nibble of byte j */
+    int32_t bits;               /* 32: float32; 16: float16 (queries and the attention output
+                                   rounded to float16 too, as the graph's node has them); 8:
+                                   int8 codes; 4: int4 codes + 8, two a byte, element 2j in
+                                   the low nibble of byte j */
     const float *key_scale;     /* [kv_heads * head_dim] static per-channel scales of codes */
     const float *value_scale;
     const float *rotation;      /* [head_dim][head_dim]: queries and keys times it after
@@ -413,7 +415,7 @@ static void rotate_heads(float *x, int heads, int dim, const float *r) {
     }
 }
 
-/* A lane row's bytes: dim float32s, or dim codes of `bits`. */
+/* A lane row's bytes: dim float32s or float16s, or dim codes of `bits`. */
 static inline int64_t row_bytes(int bits, int dim) { return (int64_t)dim * bits / 8; }
 
 /* x [dim] as a lane row of `bits`: codes round(x / scale) clipped to the code range, as the
@@ -421,6 +423,12 @@ static inline int64_t row_bytes(int bits, int dim) { return (int64_t)dim * bits 
 static void store_row(const float *x, const float *scale, int bits, int dim, uint8_t *row) {
     if (bits == 32) {
         memcpy(row, x, sizeof(float) * dim);
+        return;
+    }
+    if (bits == 16) {  /* round to nearest even, as the graph's Cast */
+        for (int d = 0; d < dim; d += 16)
+            _mm256_storeu_si256((__m256i *)(row + 2 * d), _mm512_cvtps_ph(
+                _mm512_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         return;
     }
     const __m512 top = _mm512_set1_ps(bits == 8 ? 127.f : 7.f);
@@ -444,6 +452,7 @@ static void store_row(const float *x, const float *scale, int bits, int dim, uin
 /* Elements d .. d+15 of a lane row of `bits`, as float32 (codes without their scale). */
 static inline __m512 row_strip(const uint8_t *row, int bits, int d) {
     if (bits == 32) return _mm512_loadu_ps((const float *)row + d);
+    if (bits == 16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * d)));
     if (bits == 8)
         return _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + d))));
@@ -548,6 +557,7 @@ static void weigh_values(const float *p, int len, const uint8_t *values, int bit
                          int strips, float *out) {
     switch (bits) {  /* one body per row format */
     case 32: weigh_values_bits(p, len, values, 32, group, strips, out); return;
+    case 16: weigh_values_bits(p, len, values, 16, group, strips, out); return;
     case 8: weigh_values_bits(p, len, values, 8, group, strips, out); return;
     default: weigh_values_bits(p, len, values, 4, group, strips, out); return;
     }
@@ -560,6 +570,13 @@ static void scale_channels(const float *x, int group, int dim, const float *scal
         for (int d = 0; d < dim; d += 16)
             _mm512_storeu_ps(out + h * dim + d, _mm512_mul_ps(_mm512_loadu_ps(x + h * dim + d),
                                                               _mm512_loadu_ps(scale + d)));
+}
+
+/* x [n] rounded to float16 and back (to nearest even), in place: n a multiple of 16. */
+static void round_to_half(float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16)
+        _mm512_storeu_ps(x + i, _mm512_cvtph_ps(_mm512_cvtps_ph(
+            _mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
 }
 
 /* Loads every line of a lane's rows before attention reads them: a run of plain loads
@@ -613,7 +630,7 @@ static void attend_run(const float *q, int64_t q_stride, int n, int group,
                        int64_t scale_at, int first_len, int dim, float scale, float *scores,
                        float *rows, float *out, int64_t out_stride) {
     const int heads = n * group, longest = first_len + n - 1, strips = dim / 16;
-    const int quantized = kv->bits != 32;
+    const int quantized = kv->bits == 8 || kv->bits == 4, half = kv->bits == 16;
     touch_rows(keys, values, longest * row_bytes(kv->bits, dim));
     for (int i = 0; i < n; i++) {  /* the run's queries side by side */
         float *to = rows + (int64_t)i * group * dim;
@@ -621,6 +638,7 @@ static void attend_run(const float *q, int64_t q_stride, int n, int group,
             scale_channels(q + i * q_stride, group, dim, kv->key_scale + scale_at, to);
         else
             memcpy(to, q + i * q_stride, sizeof(float) * group * dim);
+        if (half) round_to_half(to, (int64_t)group * dim);
     }
     group_scores(rows, heads, keys, kv->bits, longest, dim, scale, scores);
     for (int h = 0; h < heads; h++)
@@ -631,6 +649,7 @@ static void attend_run(const float *q, int64_t q_stride, int n, int group,
         weigh_values(scores + (int64_t)h * longest, longest, values, kv->bits,
                      heads - h < at_once ? heads - h : at_once, strips, rows + (int64_t)h * dim);
     if (quantized) scale_channels(rows, heads, dim, kv->value_scale + scale_at, rows);
+    if (half) round_to_half(rows, (int64_t)heads * dim);
     for (int i = 0; i < n; i++)
         memcpy(out + i * out_stride, rows + (int64_t)i * group * dim, sizeof(float) * group * dim);
 }
@@ -746,10 +765,10 @@ static void attention(const Model *m, const KVLayout *kv, int t_rows, const int3
         for (int g = 0; g < kv_heads; g++) {
             int64_t at = (((int64_t)lanes[t] * kv_heads + g) * lane_tokens + positions[t]) * stride;
             const int64_t channel = (int64_t)g * dim;
-            store_row(k + channel, kv->bits != 32 ? kv->key_scale + channel : NULL, kv->bits,
+            store_row(k + channel, kv->key_scale ? kv->key_scale + channel : NULL, kv->bits,
                       dim, key_pool + at);
-            store_row(v + channel, kv->bits != 32 ? kv->value_scale + channel : NULL, kv->bits,
-                      dim, value_pool + at);
+            store_row(v + channel, kv->value_scale ? kv->value_scale + channel : NULL,
+                      kv->bits, dim, value_pool + at);
         }
     }
     const int runs = query_runs(t_rows, lanes, positions, s->runs);

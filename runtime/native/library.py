@@ -27,8 +27,9 @@ class QRows(ctypes.Structure):
 
 
 class KVLayout(ctypes.Structure):
-    """kernels.c's KVLayout: how one layer's lanes hold keys and values (32: float32; 8/4:
-    codes with static per-channel scales), and the rotation of queries and keys, if any."""
+    """kernels.c's KVLayout: how one layer's lanes hold keys and values (32: float32; 16:
+    float16; 8/4: codes with static per-channel scales), and the rotation of queries and
+    keys, if any."""
 
     _fields_ = [("bits", c_i32), ("key_scale", c_ptr), ("value_scale", c_ptr),
                 ("rotation", c_ptr)]
@@ -94,4 +95,4 @@ def lane_dtype(kv: dict[str, Any] | None) -> str:
     """The pool dtype of a layer's plan `kv` entry (None: float32 lanes)."""
     if kv is None:
         return "float32"
-    return {8: "int8", 4: "uint8"}[kv["bits"]]
+    return {16: "float16", 8: "int8", 4: "uint8"}[kv["bits"]]

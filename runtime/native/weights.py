@@ -43,12 +43,12 @@ class NativeWeights:
             head=self._matrix(plan["head"]), kv=ctypes.cast(kv, ctypes.c_void_p))
 
     def _kv_layout(self, kv: dict[str, Any] | None) -> KVLayout:
-        """A layer's lanes: float32 (None), or codes with static scales (runtime/native)."""
+        """A layer's lanes: float32 (None), float16, or codes with static scales."""
         if kv is None:
             return KVLayout(bits=32)
-        rotation = self._pointer(kv["rotation"]) if kv["rotation"] else None
-        return KVLayout(bits=kv["bits"], key_scale=self._pointer(kv["key_scale"]),
-                        value_scale=self._pointer(kv["value_scale"]), rotation=rotation)
+        pointers = {key: self._pointer(kv[key]) if kv[key] else None
+                    for key in ("key_scale", "value_scale", "rotation")}
+        return KVLayout(bits=kv["bits"], **pointers)
 
     def _array(self, tensor: dict[str, Any]) -> np.ndarray:
         dtype = np.dtype(tensor["dtype"])

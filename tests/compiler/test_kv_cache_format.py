@@ -30,6 +30,21 @@ from llmopt.compiler.reference import KVCache, ReferenceModel
 from llmopt.runtime import contract as C
 
 QUANTIZED = ("int8", "int4", "fp8_e4m3")
+# float16 layers attend in float16 (queries and output rounded, `half_precision_attention`):
+# where float32 noise between torch and ONNX Runtime sits on an output's rounding boundary,
+# one float16 step (~5e-4 relative) reaches the logits: measured up to 8e-4, in about one
+# step of six. Every other step stays within ATOL.
+HALF_FLIP_ATOL = 2e-3
+
+
+def assert_steps_match(deviations: list[float], half: bool) -> None:
+    """Each step's largest logit deviation from the reference: within ATOL, or for float16
+    attention within HALF_FLIP_ATOL and within ATOL in most steps."""
+    if not half:
+        assert max(deviations) <= ATOL, deviations
+        return
+    assert max(deviations) <= HALF_FLIP_ATOL, deviations
+    assert np.median(deviations) <= ATOL, deviations
 
 
 def with_kv(ir: ModelIR, dtype: str, **layout) -> ModelIR:
@@ -110,13 +125,14 @@ def check_write_and_read(qir: ModelIR, session, paged_driver) -> None:
 
     driver = paged_driver(session, qir.arch)
     second = driver.step({0: prompt[:9]}) and driver.step({0: prompt[9:]})[0]
-    token, model = int(second[-1].argmax()), ReferenceModel(qir)
+    token, model, deviations = int(second[-1].argmax()), ReferenceModel(qir), []
     for _ in range(4):
         cache = pool_cache(driver, qir)
         expected = model.forward(torch.tensor([[token]]), cache)[0].numpy()
         logits = driver.step({0: [token]})[0]
-        np.testing.assert_allclose(logits, expected, rtol=0, atol=ATOL)
+        deviations.append(float(np.abs(logits - expected).max()))
         token = int(logits[-1].argmax())
+    assert_steps_match(deviations, qir.arch.layers[0].kv_dtype == "float16")
 
 
 def pool_cache(driver, ir: ModelIR, seq: int = 0) -> KVCache:
@@ -191,12 +207,15 @@ def assert_codes_match(driver, ir: ModelIR, prompt: list[int]) -> None:
                 continue
             # Only rounding flips (one step of the grid, in few elements) of float32 noise.
             a, b = decode(got, side, static), decode(expected, side, static)
-            step = {"float16": 1e-3 * b.abs(), "bfloat16": 8e-3 * b.abs(),
+            # (float16: an attention output's rounding flipped upstream moves an entry by
+            # up to a float16 step at its row's scale)
+            step = {"float16": 1e-3 * b.abs().amax(-1, keepdim=True), "bfloat16": 8e-3 * b.abs(),
                     "fp8_e4m3": 0.13 * b.abs() + 0.01,
                     "int8": 0.02 * b.abs().amax(-1, keepdim=True),
                     "int4": 0.2 * (b.amax(-1, keepdim=True) - b.amin(-1, keepdim=True))}
             assert ((a - b).abs() <= step[side.dtype] + 3e-4).all(), f"layer {i} {differs}"
-            assert ((a != b).float().mean()) < 0.1, f"layer {i} {differs}"
+            if side.dtype != "float16":  # (a flip upstream moves a token's later layers)
+                assert ((a != b).float().mean()) < 0.1, f"layer {i} {differs}"
 
 
 @pytest.mark.parametrize("dtype", QUANTIZED)
@@ -241,13 +260,14 @@ def test_sink_tokens_are_read_unrounded(load_ir, dtype, operator_set, tmp_path, 
     assert {o.name for o in model.graph.output} >= {C.new_sink_name(0, "key"),
                                                     C.new_sink_name(0, "value")}
     driver, reference = paged_driver(open_session(path), qir.arch), ReferenceModel(qir)
-    prompt, start = prompt_ids(14, seed=13), 0
+    prompt, start, deviations = prompt_ids(14, seed=13), 0, []
     for end in (1, 2, 9, 10, 11, 14):
         cache = pool_cache(driver, qir) if start else None
         expected = reference.forward(torch.tensor([prompt[start:end]]), cache)[0].numpy()
         logits = driver.step({0: prompt[start:end]})[0]
-        np.testing.assert_allclose(logits, expected, rtol=0, atol=ATOL, err_msg=f"to {end}")
+        deviations.append(float(np.abs(logits - expected).max()))
         start = end
+    assert_steps_match(deviations, dtype == "float16")
     kept = reference.forward(torch.tensor([prompt]))[0]
     for other in (with_kv(base, "float32"), with_kv(base, dtype, **layout)):
         assert not torch.allclose(ReferenceModel(other).forward(torch.tensor([prompt]))[0],

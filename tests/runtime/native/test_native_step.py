@@ -51,6 +51,9 @@ ARTIFACTS = {  # name -> (architecture, passes, target options)
     "llama-kv-int4-mixed": ("llama", [{"kv_cache": {"dtype": "int4", **STATIC,
                                                     "skip_layers": [1]}}, rtn(False, 4),
                                       {"draft": {"kind": "ngram", "gamma": 3}}], A8),
+    # float16 KV lanes: queries and the attention output rounded to float16 as well
+    "llama-kv-float16": ("llama", [{"kv_cache": {"dtype": "float16"}}, rtn(True, 8),
+                                   {"draft": {"kind": "ngram", "gamma": 3}}], A8),
     "llama-asym-h4": ("llama", [rtn(False, 4)], A8),
     "llama-float-activations": ("llama", [rtn(True, 8)], {}),
     "llama-blocks": ("llama", [rtn(True, 8)], {**A8, "kv_layout": "blocks"}),
@@ -149,7 +152,8 @@ def _torch(array: np.ndarray):
 
 
 @pytest.mark.parametrize("name", ["llama-sym-h8", "llama-asym-h4", "gguf-q4_1",
-                                  "llama-kv-int8-rotate", "llama-kv-int4-mixed"])
+                                  "llama-kv-int8-rotate", "llama-kv-int4-mixed",
+                                  "llama-kv-float16"])
 def test_the_step_matches_onnx_runtime(name, artifacts):
     native, reference = (LLM(artifacts[name], kernels=k, speculative=False)
                          for k in ("native", "onnxruntime"))
@@ -159,14 +163,16 @@ def test_the_step_matches_onnx_runtime(name, artifacts):
     tokens = (requests()[1] * 4)[:100]
     got, expected = native.score(tokens), reference.score(tokens)
     assert np.abs(got - expected).max() < 0.1  # log-probs, int8-activation rounding noise
-    assert np.abs(got - expected).mean() < 0.01
+    # float16: one activation code flipped at position 5 in layer 1 (measured) changes
+    # layer 2's key there, which every later token reads
+    assert np.abs(got - expected).mean() < (0.025 if name == "llama-kv-float16" else 0.01)
     # KV lands where ONNX Runtime's GroupQueryAttention puts it, as it stores it: lane 0,
     # positions 0..99, float32 or the same codes (but where a rounding flipped upstream)
     for name in native.engine.executor.pools:
         got, expected = (llm.engine.executor.pools[name][0, :, : len(tokens)]
                          for llm in (native, reference))
         assert got.dtype == expected.dtype
-        if got.dtype == np.float32:
+        if got.dtype in (np.float32, np.float16):
             np.testing.assert_allclose(got, expected, atol=0.05 * np.abs(expected).max())
         else:
             codes = [_codes(array) for array in (got, expected)]
@@ -174,7 +180,8 @@ def test_the_step_matches_onnx_runtime(name, artifacts):
             assert np.abs(codes[0] - codes[1]).max() <= 2
 
 
-@pytest.mark.parametrize("name", ["llama-sym-h8", "llama-self-draft", "llama-kv-int4-mixed"])
+@pytest.mark.parametrize("name", ["llama-sym-h8", "llama-self-draft", "llama-kv-int4-mixed",
+                                  "llama-kv-float16"])
 def test_batching_preemption_and_speculation_change_nothing(name, artifacts):
     prompts = requests()
     llm = LLM(artifacts[name], kernels="native", speculative=False)
@@ -192,7 +199,7 @@ def test_batching_preemption_and_speculation_change_nothing(name, artifacts):
     assert sum(o.metrics.speculation.num_spec_steps for o in outputs) > 0
 
 
-@pytest.mark.parametrize("name", ["llama-sym-h8", "llama-kv-int4-mixed"])
+@pytest.mark.parametrize("name", ["llama-sym-h8", "llama-kv-int4-mixed", "llama-kv-float16"])
 def test_a_lanes_run_of_tokens_attends_as_each_token_would_alone(name, artifacts):
     """A step's consecutive tokens of one lane attend together (kernels.c's attend_run,
     runs of up to 8): each token's logits equal, bit for bit, what the same token gives
