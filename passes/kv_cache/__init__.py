@@ -30,7 +30,9 @@ Recipe: `- kv_cache: {dtype: int8}`; options:
                  then calibrated on the other positions. Needs the blocks KV layout.
   rotate         Hadamard rotation per head (QuaRot): of queries and keys in the graph
                  after RoPE (q·k unchanged), of values folded into v_proj rows and o_proj
-                 columns (exact). Spreads outlier channels before per-token quantization.
+                 columns (exact). Spreads outlier channels before quantization. `auto`
+                 (the default): on for int8 wherever it applies (measured on SmolLM2: per
+                 token +0.12 % -> +0.00 %, static +0.11 % -> -0.00 %), off otherwise.
 The storage formats live in `compiler/kv_cache_format.py`; the reference model simulates
 them, so the measured cost is the artifact's cost.
 """
@@ -74,7 +76,7 @@ class Config(BaseModel):
     auto_skip: int = Field(0, ge=0)  # the N most sensitive layers (measured) join skip_layers
     max_kl: float | None = Field(None, gt=0)  # ... or as many as this KL target takes
     smooth_keys: float | None = Field(None, gt=0, le=1)
-    rotate: bool = False
+    rotate: bool | Literal["auto"] = "auto"
     sink_tokens: int = Field(0, ge=0)
     calibration_samples: int = Field(16, gt=0)  # windows of calibration.text for statistics
 
@@ -100,6 +102,7 @@ class Config(BaseModel):
 
 def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     started = time.perf_counter()
+    config = config.model_copy(update={"rotate": resolved_rotate(ir, config)})
     check_config(ir, config, context)
     block_size = context.recipe.runtime.block_size if context is not None else None
     out = ir.copy()
@@ -147,9 +150,32 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
         for i in worst_first[:count]:
             stored[i] = config.skip_dtype
         out = skipping(count)
-    extra = {"skipped": sorted(i for i, d in stored.items() if d != config.dtype),
+    extra = {"rotate": config.rotate,
+             "skipped": sorted(i for i, d in stored.items() if d != config.dtype),
              "sensitivity_kl": sensitivity, "kl_by_skipped": kl_by_skipped}
     return PassResult(out, report(ir, out, time.perf_counter() - started, context, extra))
+
+
+def resolved_rotate(ir: ModelIR, config: Config) -> bool:
+    """`rotate: auto`: on for int8 where it applies (v/o weights still float, no key
+    smoothing, head sizes powers of two), off for every other dtype (not measured to pay:
+    absmax-scaled static int4 lost with it)."""
+    if config.rotate != "auto":
+        return config.rotate
+    return (config.dtype == "int8" and config.smooth_keys is None
+            and rotation_unsupported(ir) is None)
+
+
+def rotation_unsupported(ir: ModelIR) -> str | None:
+    """Why the values' rotation cannot be folded into this model (None: it can)."""
+    quantized = [n for n in ir.quantized if n.endswith((".v_proj", ".o_proj"))]
+    if quantized:
+        return (f"{quantized[0]} is already quantized; put kv_cache before the "
+                "weight-quantization pass")
+    for spec in ir.arch.layers:
+        if spec.head_dim & (spec.head_dim - 1):
+            return f"head_dim {spec.head_dim} is not a power of two"
+    return None
 
 
 def _check_block_keys(config: Config, block_size: int, kv_layout: str) -> None:
@@ -223,17 +249,12 @@ def check_config(ir: ModelIR, config: Config, context: PassContext | None = None
         raise ValueError(f"kv_cache.auto_skip: {config.auto_skip} would leave no layer in "
                          f"{config.dtype} ({kept} not in skip_layers)")
     if config.rotate:
-        quantized = [n for n in ir.quantized if n.endswith((".v_proj", ".o_proj"))]
-        if quantized:
-            raise ValueError(f"kv_cache.rotate: {quantized[0]} is already quantized; put "
-                             "kv_cache before the weight-quantization pass")
+        reason = rotation_unsupported(ir)
+        if reason:
+            raise ValueError(f"kv_cache.rotate: {reason}")
         if config.smooth_keys is not None:
             raise ValueError("kv_cache.rotate: cannot be combined with smooth_keys "
                              "(the rotation spreads the channels smoothing would scale)")
-        for spec in ir.arch.layers:
-            if spec.head_dim & (spec.head_dim - 1):
-                raise ValueError(f"kv_cache.rotate: head_dim {spec.head_dim} is not a power "
-                                 "of two")
     for key in ("group_size", "value_group_size"):
         size = getattr(config, key)
         for spec in ir.arch.layers if size is not None else ():

@@ -11,7 +11,7 @@ from llmopt.compiler.calibration import calibration_windows
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.recipe import Recipe, RecipeError, load_recipe
 from llmopt.compiler.reference import ReferenceModel
-from llmopt.passes import kv_cache
+from llmopt.passes import kv_cache, rtn
 from llmopt.passes.kv_cache import calibrate, sensitivity
 from llmopt.passes.registry import PassContext
 
@@ -115,6 +115,21 @@ def test_rotation_is_exact_before_quantization(load, arch):
                                ReferenceModel(ir).forward(IDS), rtol=0, atol=1e-4)
     quantized = ReferenceModel(out).forward(IDS)
     assert not torch.allclose(quantized, ReferenceModel(ir).forward(IDS), atol=1e-3)
+
+
+def test_rotate_auto_rotates_int8_wherever_it_applies(load):
+    ir = load("llama")
+    int8 = kv_cache.run(ir, kv_cache.Config(dtype="int8"), None)
+    assert int8.report["rotate"] and all(s.kv_rotate_keys for s in int8.ir.arch.layers)
+    int4 = kv_cache.run(ir, kv_cache.Config(dtype="int4"), None)
+    assert not int4.report["rotate"] and not int4.ir.arch.layers[0].kv_rotate_keys
+    # after a weight pass the values' rotation cannot be folded: auto stays off, while
+    # asking for it is an error naming the key
+    quantized = rtn.run(ir, rtn.Config(bits=4, group_size=32), None).ir
+    after = kv_cache.run(quantized, kv_cache.Config(dtype="int8"), None)
+    assert not after.report["rotate"]
+    with pytest.raises(ValueError, match=r"^kv_cache\.rotate: layers\.0\.\w+_proj is already"):
+        kv_cache.run(quantized, kv_cache.Config(dtype="int8", rotate=True), None)
 
 
 def test_static_scales_with_rotation_are_those_of_the_rotated_cache(load, context):
