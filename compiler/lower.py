@@ -426,7 +426,8 @@ class _DecoderLowering:
         heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         table = f"rope.{spec.rope}"
         rounded = spec.kv_dtype != "float32"  # stored rounded: RoPE before the node
-        coded = spec.kv_dtype in ("int8", "int4")  # static per-channel scales
+        half = half_precision_attention(spec)  # else int8/int4, static per-channel scales
+        coded = rounded and not half
         scales = [self._lane_kv_scale(index, s) for s in kv_sides(spec)] if coded else []
         qkv_inputs, rotary = [qkv, "", ""], [f"{table}.cos", f"{table}.sin"]  # packed
         if self.arch.qk_norm or rounded:
@@ -445,7 +446,7 @@ class _DecoderLowering:
             if coded:
                 k, v = (emit_round_trip(g, x, side, scale)
                         for x, side, scale in zip((k, v), kv_sides(spec), scales, strict=True))
-            else:  # float16: the whole node runs on float16 inputs (sums in float32)
+            else:  # the whole node runs on float16 inputs (sums in float32)
                 q, k, v = (g.op("Cast", [x], to=TensorProto.FLOAT16) for x in (q, k, v))
             qkv_inputs, rotary = [q, k, v], ["", ""]
         attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": self.arch.attn_scale,
@@ -466,9 +467,7 @@ class _DecoderLowering:
         g.op_into("GroupQueryAttention", inputs,
                   [out, C.present_name(index, "key"), C.present_name(index, "value")],
                   domain=MS_DOMAIN, **attrs)
-        if rounded and not coded:
-            return g.op("Cast", [out], to=TensorProto.FLOAT)
-        return out
+        return g.op("Cast", [out], to=TensorProto.FLOAT) if half else out
 
     def _lane_positions(self) -> str:
         """Row s of sequence b is at position seqlens_k[b] + 1 - query_seqlens[b] + s, as

@@ -127,8 +127,8 @@ class _Planner:
             if {"softcap", "local_window_size"} & set(attrs):
                 raise Unsupported("softcap or sliding windows")
             if quantized:  # rotary before the node (see _quantized_kv)
-                tables = tuple(self._rotated(self._uncast(n.input[0], onnx.TensorProto.FLOAT16))[0]
-                               .input[2:4])
+                queries = self._uncast(n.input[0], onnx.TensorProto.FLOAT16)
+                tables = tuple(self._rotated(queries)[0].input[2:4])
             elif attrs.get("do_rotary") != 1 or attrs.get("rotary_interleaved", 0):
                 raise Unsupported("attention without fused non-interleaved rotary")
             elif any(n.input[1:3]):
@@ -157,11 +157,8 @@ class _Planner:
         out = self.consumers.get(node.output[0], [])
         if len(out) != 1 or self._uncast(out[0].output[0]) != node.output[0]:
             raise Unsupported("a float16 attention output not cast back to float32")
-        q_rope, q_rotation = self._rotated(q)
-        k_rope, k_rotation = self._rotated(k)
-        self._check_lane_inputs(node, q_rope, k_rope, values, q_rotation, k_rotation)
         return {"bits": 16, "key_scale": None, "value_scale": None,
-                "rotation": self._tensor(q_rotation) if q_rotation else None}
+                "rotation": self._lane_rotation(node, q, k, values)}
 
     def _uncast(self, name: str, to: int = onnx.TensorProto.FLOAT) -> str:
         """The input of the Cast to `to` that produces `name` (`name` if none does)."""
@@ -182,23 +179,23 @@ class _Planner:
                 bits not in (4, 8)):
             raise Unsupported("quantized KV lanes other than int8/int4 per channel")
         key_scale, value_scale = node.input[12], node.input[13]
-        q_rope, q_rotation = self._rotated(node.input[0])
-        k_rope, k_rotation = self._rotated(self._rounded(node.input[1], key_scale, bits))
-        values = self._rounded(node.input[2], value_scale, bits)
-        self._check_lane_inputs(node, q_rope, k_rope, values, q_rotation, k_rotation)
+        rotation = self._lane_rotation(node, node.input[0],
+                                       self._rounded(node.input[1], key_scale, bits),
+                                       self._rounded(node.input[2], value_scale, bits))
         for name in (key_scale, value_scale):
             if self.tensors[name].data_type != onnx.TensorProto.FLOAT:
                 raise Unsupported(f"{name} is not float32")
         return {"bits": bits, "key_scale": self._tensor(key_scale),
-                "value_scale": self._tensor(value_scale),
-                "rotation": self._tensor(q_rotation) if q_rotation else None}
+                "value_scale": self._tensor(value_scale), "rotation": rotation}
 
-    def _check_lane_inputs(self, node: onnx.NodeProto, q_rope: onnx.NodeProto,
-                           k_rope: onnx.NodeProto, values: str, q_rotation: str | None,
-                           k_rotation: str | None) -> None:
-        """The node's queries, keys and values come from one Split of the fused projection,
-        the queries and keys embedded (and rotated) alike."""
+    def _lane_rotation(self, node: onnx.NodeProto, queries: str, keys: str,
+                       values: str) -> dict[str, Any] | None:
+        """The rotation of the node's queries and keys, if any, once checked that they and
+        the values come from one Split of the fused projection, the queries and keys
+        rotary-embedded (and rotated) alike."""
         attrs = _attrs(node)
+        q_rope, q_rotation = self._rotated(queries)
+        k_rope, k_rotation = self._rotated(keys)
         split = self.producer.get(values)
         sizes = self._scalars(split.input[1]) if split is not None else []
         if (split is None or split.op_type != "Split" or list(split.output) != [
@@ -212,6 +209,7 @@ class _Planner:
         if q_rotation and (self._dims(q_rotation) != [head_dim, head_dim]
                            or self.tensors[q_rotation].data_type != onnx.TensorProto.FLOAT):
             raise Unsupported(f"{q_rotation} is not a float32 [{head_dim}, {head_dim}] rotation")
+        return self._tensor(q_rotation) if q_rotation else None
 
     def _rotated(self, name: str) -> tuple[onnx.NodeProto, str | None]:
         """The RotaryEmbedding node behind `name`, and the rotation matrix applied after it

@@ -122,10 +122,11 @@ class ReferenceModel:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:
             k, v = cache.append(index, k, v)
-        if half_precision_attention(spec):  # float16 in, float16 out (sums in float32)
+        half = half_precision_attention(spec)  # float16 in, float16 out (sums in float32)
+        if half:
             q = q.half().float()
         out = self._attend(spec, q, k, v, positions)
-        if half_precision_attention(spec):
+        if half:
             out = out.half().float()
         return self.linear(index, out.transpose(1, 2).reshape(batch, seq, -1), "o_proj")
 
