@@ -109,11 +109,16 @@ def main() -> None:
                         "engines, that one built first (it tends to run slower).")
     parser.add_argument("--sweep-only", action="store_true",
                         help="Only the batch sweep and step costs (no per-category batch 1).")
+    parser.add_argument("--trees", default="",
+                        help="Comma-separated NAMEs of --artifacts whose suffix n-gram drafts "
+                        "run as draft trees (LLM(draft_tree=True); the same PATH may be "
+                        "given twice under two names).")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_speculative.json")
     parser.add_argument("--worker", nargs=2, metavar=("NAME", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(run_worker(Path(args.worker[1]), args)))
+        print(json.dumps(run_worker(Path(args.worker[1]), args,
+                                    args.worker[0] in args.trees.split(","))))
         return
     results = {"machine": machine_info(), "threads": args.threads, "gen": args.gen,
                "artifacts": {}}
@@ -126,7 +131,7 @@ def main() -> None:
                        "--sweep-gen", str(args.sweep_gen),
                        "--max-context", str(args.max_context),
                        *(["--sweep-only"] if args.sweep_only else []),
-                       "--build-first", args.build_first,
+                       "--build-first", args.build_first, "--trees", args.trees,
                        "--worker", name, path]
         results["artifacts"][name] = run_json_worker(worker_args, thread_env(args.threads))
     results["loadavg_at_end"] = list(__import__("os").getloadavg())
@@ -153,7 +158,7 @@ class SpeculationOff:
             self.engine.speculator = speculator
 
 
-def run_worker(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+def run_worker(path: Path, args: argparse.Namespace, trees: bool = False) -> dict[str, Any]:
     from llmopt.runtime import LLM, SamplingParams
 
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -165,14 +170,14 @@ def run_worker(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     # built ran batch-2 decoding 12-16 % slower than the third, whichever had
     # speculation on; so by default one engine runs both modes.
     if args.build_first == "one":
-        spec_llm = LLM(path, **common)
+        spec_llm = LLM(path, draft_tree=trees, **common)
         plain_llm = SpeculationOff(spec_llm)
     elif args.build_first == "spec":
-        spec_llm = LLM(path, **common)
+        spec_llm = LLM(path, draft_tree=trees, **common)
         plain_llm = LLM(path, speculative=False, **common)
     else:
         plain_llm = LLM(path, speculative=False, **common)
-        spec_llm = LLM(path, **common)
+        spec_llm = LLM(path, draft_tree=trees, **common)
     spec = spec_llm.manifest.speculative
     params = SamplingParams(temperature=0.0, max_tokens=args.gen)
     steady = SamplingParams(temperature=0.0, max_tokens=args.sweep_gen, ignore_eos=True)
@@ -189,6 +194,7 @@ def run_worker(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     by_batch = {batch: batch_sweep(spec_llm, plain_llm, sweep_mix, batch, steady, args.rounds)
                 for batch in batches}
     return {"path": str(path), "gamma": spec.gamma, "max_batch_size": spec.max_batch_size,
+            "draft_tree": trees,
             "kinds": [k for k in ("ngram", "model") if getattr(spec, k) is not None],
             "draft_kind": spec.model.kind if spec.model else None,
             "ngram": spec.ngram.model_dump() if spec.ngram else None,

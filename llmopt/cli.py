@@ -230,6 +230,9 @@ def _speculation_options(command: Callable[..., Any]) -> Callable[..., Any]:
                           "(default: the compiler's measured limit)."),
         click.option("--drafts", type=click.Choice(["all", "ngram", "model"]), default="all",
                      show_default=True, help="Which of the artifact's drafts to run."),
+        click.option("--draft-tree", is_flag=True,
+                     help="Suffix n-gram drafts as trees, several candidates per position "
+                          "(needs the native step)."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -237,9 +240,10 @@ def _speculation_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _speculation_kwargs(speculative: bool, gamma: int | None, spec_max_batch: int | None,
-                        drafts: str) -> dict[str, Any]:
+                        drafts: str, draft_tree: bool) -> dict[str, Any]:
     return {"speculative": speculative, "num_speculative_tokens": gamma,
-            "speculative_max_batch_size": spec_max_batch, "drafts": drafts}
+            "speculative_max_batch_size": spec_max_batch, "drafts": drafts,
+            "draft_tree": draft_tree}
 
 
 @main.command("generate")
@@ -272,7 +276,8 @@ def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_t
                      stop: tuple[str, ...], threads: int | None, kernels: str,
                      num_blocks: int | None,
                      max_context: int | None, as_json: bool, speculative: bool,
-                     gamma: int | None, spec_max_batch: int | None, drafts: str) -> None:
+                     gamma: int | None, spec_max_batch: int | None, drafts: str,
+                     draft_tree: bool) -> None:
     """Generate a continuation of each PROMPT, batched together."""
     from llmopt.runtime import LLM, SamplingParams
 
@@ -286,7 +291,8 @@ def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_t
     given = {k: v for k, v in chosen.items() if v is not None}
     SamplingParams(max_tokens=max_tokens, stop=list(stop), **given)  # bad values: before loading
     llm = LLM(artifact, num_threads=threads, num_blocks=num_blocks, max_context=max_context,
-              kernels=kernels, **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))
+              kernels=kernels,
+              **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts, draft_tree))
     params = SamplingParams.from_generation_config(  # the manifest's: transformers' defaults
         llm.manifest.generation, max_tokens=max_tokens, stop=list(stop), **given)
     outputs = llm.generate(list(prompts), params, chat=chat)
@@ -359,7 +365,7 @@ def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: 
                   threads: int | None, kernels: str, pool_mib: float, prompts_kind: str,
                   as_json: bool,
                   speculative: bool, gamma: int | None, spec_max_batch: int | None,
-                  drafts: str) -> None:
+                  drafts: str, draft_tree: bool) -> None:
     """TTFT, decode tok/s per stream, aggregate tok/s, peak RSS (with a draft, also
     acceptance rate and tokens per target step)."""
     from llmopt.runtime import LLM
@@ -367,7 +373,7 @@ def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: 
 
     llm = LLM(artifact, num_threads=threads, max_num_seqs=max(batches),
               max_context=prompt_len + gen_len + 1, kernels=kernels,
-              **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))
+              **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts, draft_tree))
     kind = prompt_kind(prompts_kind, llm.engine.speculator is not None)
     run_bench(llm, 1, min(prompt_len, 16), 4)  # warm-up: session init, first-run allocations
     if not as_json:
@@ -417,7 +423,7 @@ def serve_command(artifact: Path, host: str, port: int, served_model_name: str |
                   max_num_batched_tokens: int | None, num_blocks: int | None,
                   max_context: int | None, max_waiting: int, no_prefix_caching: bool,
                   grace_period: float, speculative: bool, gamma: int | None,
-                  spec_max_batch: int | None, drafts: str) -> None:
+                  spec_max_batch: int | None, drafts: str, draft_tree: bool) -> None:
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (needs the `serve` extra).
 
     Engine limits left unset take the artifact's recipe defaults.
@@ -435,7 +441,7 @@ def serve_command(artifact: Path, host: str, port: int, served_model_name: str |
           num_threads=threads, kernels=kernels, max_num_seqs=max_num_seqs,
           max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks,
           max_context=max_context, enable_prefix_caching=not no_prefix_caching,
-          **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts))
+          **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts, draft_tree))
 
 
 PROMPT_DESCRIPTIONS = {

@@ -35,6 +35,7 @@ class EngineOptions:
     speculative_max_batch_size: int | None = None
     adaptive_speculation: bool = True
     drafts: str = "all"
+    draft_tree: bool = False  # suffix n-gram drafts as trees (needs an executor that runs them)
     kernels: str = "auto"  # native where it runs, else ONNX Runtime | "native" | "onnxruntime"
 
 
@@ -161,12 +162,16 @@ def build_engine(path: Path, manifest: Manifest, tokenizer: Tokenizer,
             kv_cache_manager.block_pool.release_listeners.append(executor.release_block)
         return executor
 
+    target = executor_for("target", manifest.kv_cache, manifest.model.max_position)
+    if options.draft_tree and not getattr(target, "tree_attention", False):
+        raise ValueError(f"draft_tree needs a target that runs draft trees (the native "
+                         f"step); this one runs on {kernels_name(target)}")
     speculator = build_speculator(
         path, manifest, kv_cache_manager, executor_for, enabled=options.speculative,
         gamma=options.num_speculative_tokens, max_batch_size=options.speculative_max_batch_size,
-        adaptive=options.adaptive_speculation, drafts=options.drafts)
+        adaptive=options.adaptive_speculation, drafts=options.drafts, tree=options.draft_tree)
     return LLMEngine(
-        executor_for("target", manifest.kv_cache, manifest.model.max_position),
+        target,
         config,
         eos_token_ids=manifest.model.eos_token_ids,
         tokenizer=tokenizer,

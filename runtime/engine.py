@@ -144,7 +144,8 @@ class LLMEngine:
         kv = self.kv_cache_manager
         return make_step_batch(
             [SequenceStep(item.query_token_ids(), item.request.num_computed_tokens,
-                          kv.block_ids(item.request), item.logits_offsets())
+                          kv.block_ids(item.request), item.logits_offsets(),
+                          item.query_parents())
              for item in scheduled],
             kv.block_size)
 
@@ -166,8 +167,11 @@ class LLMEngine:
                 record_prompt_logprobs(item, logits[row : row + num_rows])
             elif request.spec.token_ids:
                 rows = logits[row : row + num_rows]
-                emitted[request.request_id] = tokens = self.speculator.verify(request, rows)
-                _record_logprobs(request, rows, tokens)  # verified row j gave token j
+                tokens, path = self.speculator.verify(request, rows)
+                emitted[request.request_id] = tokens
+                self._keep_branch(item, path)
+                # the rows that gave the tokens: the last known token's, then the path's
+                _record_logprobs(request, rows[[0, *(i + 1 for i in path)]], tokens)
             elif num_rows:
                 to_sample.append(request)
                 sample_rows.append(row)
@@ -192,6 +196,17 @@ class LLMEngine:
             if self.speculator is not None:
                 self.speculator.observe(request, tokens)
         return emitted
+
+    def _keep_branch(self, item: ScheduledRequest, path: list[int]) -> None:
+        """Move an accepted tree branch's pool entries to the positions its tokens now
+        have (a chain's, and a tree's first branch, are there already)."""
+        first = item.request.num_computed_tokens + item.num_tokens - item.num_spec_tokens
+        moves = [(first + node, first + depth) for depth, node in enumerate(path)
+                 if node != depth]
+        if moves:
+            sources, destinations = (list(column) for column in zip(*moves, strict=True))
+            self.executor.move_entries(self.kv_cache_manager.block_ids(item.request),
+                                       sources, destinations)
 
     def _postprocess(
         self, scheduled: list[ScheduledRequest], emitted: dict[str, list[int]]

@@ -54,6 +54,14 @@ class LanePools:
             raise ValueError(f"block table {block_table[:4]}... is not a lane's run of blocks")
         return lane
 
+    def move_entries(self, block_table: list[int], sources: list[int],
+                     destinations: list[int]) -> None:
+        """Copy a sequence's entries at positions `sources` to `destinations` (an accepted
+        draft-tree branch); a lane's position is its row."""
+        lane = self.lane_of(block_table)
+        for pool in self.pools.values():
+            pool[lane, :, destinations] = pool[lane, :, sources]
+
     def copy_block(self, source: int, destination: int) -> None:
         """Copy one block's keys and values (a prefix-cache hit held by another lane)."""
         (src_lane, src), (dst_lane, dst) = (lane_position(b, self.lane_blocks)

@@ -28,6 +28,8 @@ class LLM:
     prices the engine measures from its own step timings at the running batch size
     (`adaptive_speculation=False`: always γ, wherever the batch-size limit allows).
     `drafts` picks which of the artifact's drafts run: "all", "ngram" or "model".
+    `draft_tree=True` makes a suffix n-gram draft propose trees (several candidates per
+    position, verified in one step under a tree mask; the native step runs them).
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class LLM:
         speculative_max_batch_size: int | None = None,
         adaptive_speculation: bool = True,
         drafts: str = "all",
+        draft_tree: bool = False,
         kernels: str = "auto",
     ):
         self.path = Path(path)
@@ -61,7 +64,8 @@ class LLM:
             optimization_level=optimization_level, speculative=speculative,
             num_speculative_tokens=num_speculative_tokens,
             speculative_max_batch_size=speculative_max_batch_size,
-            adaptive_speculation=adaptive_speculation, drafts=drafts, kernels=kernels,
+            adaptive_speculation=adaptive_speculation, drafts=drafts, draft_tree=draft_tree,
+            kernels=kernels,
         )
         self.engine = build_engine(self.path, manifest, self.tokenizer, options)
         # The checkpoint's generation config, with max_new_tokens (when it has none) as the

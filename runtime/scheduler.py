@@ -51,6 +51,16 @@ class ScheduledRequest:
         request, start = self.request, self.request.num_computed_tokens
         return (request.all_token_ids + request.spec.token_ids)[start : start + self.num_tokens]
 
+    def query_parents(self) -> list[int] | None:
+        """Each query token's parent offset when the drafts are a tree (None: a chain):
+        the known tokens continue each other, a draft follows its parent."""
+        parents = self.request.spec.parents
+        if parents is None or not self.num_spec_tokens:
+            return None
+        known = self.num_tokens - self.num_spec_tokens
+        return (list(range(-1, known - 1))
+                + [known + parent if parent >= 0 else known - 1 for parent in parents])
+
     def logits_offsets(self) -> range:
         """Query offsets whose logits the step needs.
 

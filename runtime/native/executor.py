@@ -35,19 +35,25 @@ class NativeLaneExecutor(LanePools):
             *(self.pools[f"past.{i}.value"].ctypes.data for i in range(layers)))
         self._lib = kernels()
 
+    tree_attention = True  # runs draft trees (StepBatch.query_parents)
+
     def execute(self, batch: StepBatch) -> np.ndarray:
         lanes = [self.lane_of(table) for table in batch.block_tables]
         tokens = np.fromiter((t for seq in batch.token_ids for t in seq), np.int64)
         token_lanes = np.repeat(np.asarray(lanes, np.int32), batch.query_lens)
-        positions = np.concatenate([np.arange(c, c + n, dtype=np.int32) for c, n in
+        lane_rows = np.concatenate([np.arange(c, c + n, dtype=np.int32) for c, n in
                                     zip(batch.context_lens, batch.query_lens, strict=True)])
+        positions, masks = lane_rows, None
+        if batch.query_parents is not None:  # a tree's siblings share a position
+            positions, masks = batch.positions(), batch.tree_masks()
         if positions.size and positions.max() >= self.weights.model.max_position:
             raise ValueError(f"position {positions.max()} is past the rotary table")
         rows = batch.logits_indices.astype(np.int32)
         logits = np.empty((rows.size, self.vocab_size), np.float32)
         status = self._lib.llmopt_forward(
             ctypes.byref(self.weights.model), tokens.size, tokens.ctypes.data,
-            token_lanes.ctypes.data, positions.ctypes.data, self._keys, self._values,
+            token_lanes.ctypes.data, positions.ctypes.data, lane_rows.ctypes.data,
+            None if masks is None else masks.ctypes.data, self._keys, self._values,
             self.lane_tokens, rows.size, rows.ctypes.data, logits.ctypes.data)
         if status:
             raise MemoryError("the native step could not allocate its scratch memory")

@@ -614,6 +614,21 @@ static void softmax_row(float *row, int len, int width) {
     memset(row + len, 0, sizeof(float) * (width - len));
 }
 
+/* softmax_row over the rows 0 .. len - 1 a tree mask shows (bit j of mask: row len - 1 - j;
+   rows 64 or more back always show), computed on them packed side by side, as the same
+   token in a chain sees them: the same numbers in the same order, so the same result bit
+   for bit. Hidden rows get exact zeros. packed: len floats of scratch. */
+static void softmax_shown(float *row, int len, int width, uint64_t mask, float *packed) {
+    int n = 0;
+    for (int c = 0; c < len; c++)
+        if (len - 1 - c >= 64 || (mask >> (len - 1 - c) & 1)) packed[n++] = row[c];
+    softmax_row(packed, n, n);
+    n = 0;
+    for (int c = 0; c < len; c++)
+        row[c] = len - 1 - c >= 64 || (mask >> (len - 1 - c) & 1) ? packed[n++] : 0.f;
+    memset(row + len, 0, sizeof(float) * (width - len));
+}
+
 /* A run of n query tokens of one lane at consecutive positions (a prefill chunk, or a
    token and its drafts), the heads of one query group each: token i (queries q + i *
    q_stride, [group][dim]) attends to the lane's rows 0 .. first_len + i - 1 (rows of the
@@ -624,11 +639,15 @@ static void softmax_row(float *row, int len, int width) {
    key's dot product does not depend on the others, its softmax covers its own rows, and
    the weighted sum adds exact zeros for rows past them), so a step computes the same
    whatever else it holds. A key's scale multiplies the queries instead, a value's the
-   weighted sum. scores: [n * group][first_len + n - 1]; rows: [n * group][dim]. */
+   weighted sum. masks (NULL: none) hide rows of a draft tree's other branches: bit j of
+   masks[i] clear hides row first_len - 1 + i - j from token i (softmax_shown), so a
+   tree's token computes what it would in a chain of its branch.
+   scores: [n * group + 1][first_len + n - 1]; rows: [n * group][dim]. */
 static void attend_run(const float *q, int64_t q_stride, int n, int group,
                        const uint8_t *keys, const uint8_t *values, const KVLayout *kv,
-                       int64_t scale_at, int first_len, int dim, float scale, float *scores,
-                       float *rows, float *out, int64_t out_stride) {
+                       int64_t scale_at, int first_len, int dim, float scale,
+                       const uint64_t *masks, float *scores, float *rows, float *out,
+                       int64_t out_stride) {
     const int heads = n * group, longest = first_len + n - 1, strips = dim / 16;
     const int quantized = kv->bits == 8 || kv->bits == 4, half = kv->bits == 16;
     touch_rows(keys, values, longest * row_bytes(kv->bits, dim));
@@ -641,8 +660,14 @@ static void attend_run(const float *q, int64_t q_stride, int n, int group,
         if (half) round_to_half(to, (int64_t)group * dim);
     }
     group_scores(rows, heads, keys, kv->bits, longest, dim, scale, scores);
-    for (int h = 0; h < heads; h++)
-        softmax_row(scores + (int64_t)h * longest, first_len + h / group, longest);
+    for (int h = 0; h < heads; h++) {
+        const int i = h / group;
+        if (masks && ~masks[i])
+            softmax_shown(scores + (int64_t)h * longest, first_len + i, longest, masks[i],
+                          scores + (int64_t)heads * longest);
+        else
+            softmax_row(scores + (int64_t)h * longest, first_len + i, longest);
+    }
     /* the weighted sums, a few heads at a time so that their sums stay in registers */
     const int at_once = strips <= 24 ? 24 / strips : 1;
     for (int h = 0; h < heads; h += at_once)
@@ -655,11 +680,11 @@ static void attend_run(const float *q, int64_t q_stride, int n, int group,
 }
 
 /* The step's runs (attend_run): starts[r] is run r's first token, starts[runs] = t_rows. */
-static int query_runs(int t_rows, const int32_t *lanes, const int32_t *positions,
+static int query_runs(int t_rows, const int32_t *lanes, const int32_t *rows,
                       int32_t *starts) {
     int runs = 0;
     for (int t = 0; t < t_rows; t++)
-        if (t == 0 || lanes[t] != lanes[t - 1] || positions[t] != positions[t - 1] + 1
+        if (t == 0 || lanes[t] != lanes[t - 1] || rows[t] != rows[t - 1] + 1
                 || t - starts[runs - 1] == RUN_TOKENS)
             starts[runs++] = t;
     starts[runs] = t_rows;
@@ -688,7 +713,8 @@ static void embed_row(const Model *m, int64_t token, float *out) {
 
 typedef struct {
     float *x, *h, *qkv, *attn, *proj, *gate_up, *act;
-    float *scores;          /* [threads][RUN_TOKENS * group][longest] attention scores */
+    float *scores;          /* [threads][RUN_TOKENS * group + 1][longest] attention scores
+                               (and a row to pack a tree token's shown ones) */
     int64_t scores_stride;  /* one thread's share */
     float *rows;            /* [threads][RUN_TOKENS * heads][head_dim] a run's queries, sums */
     int32_t *runs;          /* [T + 1] where each run of query tokens starts (query_runs) */
@@ -719,7 +745,7 @@ static int scratch_alloc(const Model *m, int t_rows, int longest, Scratch *s) {
     s->q.scales = lines_alloc(sizeof(float) * padded * (width / 32));
     s->q.zero_term = lines_alloc(sizeof(int32_t) * padded * (width / 32));
     s->q.inputs = lines_alloc(sizeof(float) * padded * (width / 32));
-    s->scores_stride = (int64_t)RUN_TOKENS * (m->heads / m->kv_heads) * longest;
+    s->scores_stride = ((int64_t)RUN_TOKENS * (m->heads / m->kv_heads) + 1) * longest;
     int threads = m->num_threads > 1 ? m->num_threads : 1;
     s->scores = lines_alloc(sizeof(float) * s->scores_stride * threads);
     s->rows = lines_alloc(sizeof(float) * RUN_TOKENS * attn_width * threads);
@@ -740,11 +766,13 @@ static void linear(const Model *m, const QMatrix *w, const float *x, int t_rows,
     gemm(w, &s->q, t_rows, y, m->num_threads);
 }
 
-/* One layer's attention: rotary (and the layer's rotation), the step's keys and values into
-   their lanes in the layer's format, then every query token attends to its lane's
-   positions 0 .. its own, a lane's consecutive tokens together (attend_run). */
+/* One layer's attention: rotary at each token's position (and the layer's rotation), the
+   step's keys and values into their lanes' rows in the layer's format, then every query
+   token attends to its lane's rows 0 .. its own but those its tree mask hides, a lane's
+   consecutive rows together (attend_run). */
 static void attention(const Model *m, const KVLayout *kv, int t_rows, const int32_t *lanes,
-                      const int32_t *positions, uint8_t *key_pool, uint8_t *value_pool,
+                      const int32_t *positions, const int32_t *lane_rows,
+                      const uint64_t *masks, uint8_t *key_pool, uint8_t *value_pool,
                       int lane_tokens, Scratch *s) {
     const int dim = m->head_dim, heads = m->heads, kv_heads = m->kv_heads, half = dim / 2;
     const int qkv_width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
@@ -763,7 +791,7 @@ static void attention(const Model *m, const KVLayout *kv, int t_rows, const int3
             rotate_heads(k, kv_heads, dim, kv->rotation);
         }
         for (int g = 0; g < kv_heads; g++) {
-            int64_t at = (((int64_t)lanes[t] * kv_heads + g) * lane_tokens + positions[t]) * stride;
+            int64_t at = (((int64_t)lanes[t] * kv_heads + g) * lane_tokens + lane_rows[t]) * stride;
             const int64_t channel = (int64_t)g * dim;
             store_row(k + channel, kv->key_scale ? kv->key_scale + channel : NULL, kv->bits,
                       dim, key_pool + at);
@@ -771,7 +799,7 @@ static void attention(const Model *m, const KVLayout *kv, int t_rows, const int3
                       kv->bits, dim, value_pool + at);
         }
     }
-    const int runs = query_runs(t_rows, lanes, positions, s->runs);
+    const int runs = query_runs(t_rows, lanes, lane_rows, s->runs);
     #pragma omp parallel for num_threads(threads) collapse(2) schedule(static) if (threads > 1)
     for (int r = 0; r < runs; r++) {
         for (int g = 0; g < kv_heads; g++) {
@@ -784,8 +812,8 @@ static void attention(const Model *m, const KVLayout *kv, int t_rows, const int3
             int id = 0;
 #endif
             attend_run(q, qkv_width, n, group, key_pool + lane, value_pool + lane, kv,
-                       (int64_t)g * dim, positions[t] + 1, dim, m->attn_scale,
-                       s->scores + id * s->scores_stride,
+                       (int64_t)g * dim, lane_rows[t] + 1, dim, m->attn_scale,
+                       masks ? masks + t : NULL, s->scores + id * s->scores_stride,
                        s->rows + (int64_t)id * RUN_TOKENS * heads * dim,
                        s->attn + (int64_t)t * heads * dim + g * group * dim, (int64_t)heads * dim);
         }
@@ -819,16 +847,19 @@ int llmopt_linear(const QMatrix *w, const float *x, int32_t t_rows, float *y, in
     return ok ? 0 : -1;
 }
 
-/* One step. Token t (of T, packed) has id tokens[t], sits in lane lanes[t] at position
-   positions[t]; its key and value are written there in every layer. Logit row r is the
+/* One step. Token t (of T, packed) has id tokens[t] and position positions[t], sits in
+   lane lanes[t] at row lane_rows[t] (its position but in a draft tree, whose siblings
+   share positions), where its key and value are written in every layer; masks[t] (masks
+   NULL: none) hides a tree's other branches from it (attend_run). Logit row r is the
    head's output for token logit_rows[r]. Returns 0, or -1 when memory runs out. */
 int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
-                   const int32_t *lanes, const int32_t *positions, uint8_t *const *key_pools,
+                   const int32_t *lanes, const int32_t *positions, const int32_t *lane_rows,
+                   const uint64_t *masks, uint8_t *const *key_pools,
                    uint8_t *const *value_pools, int32_t lane_tokens, int32_t n_logits,
                    const int32_t *logit_rows, float *logits) {
     Scratch s;
     int longest = 1;
-    for (int t = 0; t < t_rows; t++) if (positions[t] + 1 > longest) longest = positions[t] + 1;
+    for (int t = 0; t < t_rows; t++) if (lane_rows[t] + 1 > longest) longest = lane_rows[t] + 1;
     if (!scratch_alloc(m, t_rows > n_logits ? t_rows : n_logits, longest, &s)) {
         scratch_free(&s);
         return -1;
@@ -843,8 +874,8 @@ int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
     }
     for (int l = 0; l < m->layers; l++) {
         linear(m, &m->qkv[l], s.h, t_rows, &s, s.qkv);
-        attention(m, &m->kv[l], t_rows, lanes, positions, key_pools[l], value_pools[l],
-                  lane_tokens, &s);
+        attention(m, &m->kv[l], t_rows, lanes, positions, lane_rows, masks, key_pools[l],
+                  value_pools[l], lane_tokens, &s);
         linear(m, &m->o[l], s.attn, t_rows, &s, s.proj);
         add_norm(s.x, s.proj, m->mlp_norm[l], m, t_rows, s.h);
         linear(m, &m->gate_up[l], s.h, t_rows, &s, s.gate_up);

@@ -57,7 +57,7 @@ def kernels() -> ctypes.CDLL | None:
     lib.llmopt_native_supported.restype = ctypes.c_int
     lib.llmopt_forward.restype = ctypes.c_int
     lib.llmopt_forward.argtypes = [ctypes.POINTER(Model), c_i32, c_ptr, c_ptr, c_ptr, c_ptr,
-                                   c_ptr, c_i32, c_i32, c_ptr, c_ptr]
+                                   c_ptr, c_ptr, c_ptr, c_i32, c_i32, c_ptr, c_ptr]
     lib.llmopt_linear.restype = ctypes.c_int
     lib.llmopt_linear.argtypes = [ctypes.POINTER(QMatrix), c_ptr, c_i32, c_ptr, c_i32]
     return lib

@@ -19,7 +19,7 @@ import numpy as np
 from llmopt.runtime.kv_cache_manager import KVCacheManager
 from llmopt.runtime.request import Request
 from llmopt.runtime.sampler import draw, sample, token_probs
-from llmopt.runtime.spec.suffix import NgramIndex, SuffixSettings, suffix_draft
+from llmopt.runtime.spec.suffix import NgramIndex, SuffixSettings, suffix_draft, suffix_tree
 from llmopt.runtime.step_batch import Executor, SequenceStep, StepBatch, make_step_batch
 
 
@@ -28,6 +28,14 @@ class Proposal:
     token_ids: list[int]
     probs: np.ndarray | None = None  # float64 [len(token_ids), target vocab]; None: one-hot
     source: str = ""  # what drafted it ("ngram3": a 3-token match, "model"), priced apart
+    parents: list[int] | None = None  # a draft tree's parent of each token; None: a chain
+
+    def first(self, count: int) -> Proposal:
+        """The proposal cut to its first `count` tokens (a tree's stay a tree: parents
+        come before their children)."""
+        return Proposal(self.token_ids[:count],
+                        None if self.probs is None else self.probs[:count], self.source,
+                        None if self.parents is None else self.parents[:count])
 
 
 # How many drafts a request may take from a source (the engine's per-sequence policy);
@@ -90,28 +98,45 @@ def ngram_lookup(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> li
 
 class SuffixDrafter:
     """Frequency n-gram drafting over the sequence's own tokens and an optional corpus
-    (`suffix.suffix_draft`); each sequence's index lives in its `SpecState`."""
+    (`suffix.suffix_draft`); each sequence's index lives in its `SpecState`. With
+    `tree`, each proposal is a draft tree (`suffix.suffix_tree`) of as many tokens."""
 
-    def __init__(self, settings: SuffixSettings, corpus: Sequence[int] | None = None):
+    def __init__(self, settings: SuffixSettings, corpus: Sequence[int] | None = None,
+                 tree: bool = False):
         self.settings = settings
         self.corpus = None if corpus is None else NgramIndex(settings.max_n, corpus)
+        self.tree = tree
 
     def propose(self, requests: Sequence[Request], max_tokens: Sequence[int],
                 budget: Budget | None = None) -> list[Proposal]:
         proposals = []
         for request, k in zip(requests, max_tokens, strict=True):
-            tokens, source = self.draft(request.all_token_ids, request, k) if k else ([], "")
-            if tokens and budget is not None:
-                tokens = tokens[: budget(request, source)]
-            proposals.append(Proposal(tokens, source=source))
+            proposal = self.propose_one(request, k) if k else Proposal([])
+            if proposal.token_ids and budget is not None:
+                proposal = proposal.first(budget(request, proposal.source))
+            proposals.append(proposal)
         return proposals
+
+    def propose_one(self, request: Request, k: int) -> Proposal:
+        if not self.tree:
+            tokens, source = self.draft(request.all_token_ids, request, k)
+            return Proposal(tokens, source=source)
+        tokens, parents, source = suffix_tree(request.all_token_ids,
+                                              self._indexes(request.all_token_ids, request),
+                                              k, self.settings)
+        return Proposal(tokens, source=source, parents=parents)
 
     def draft(self, token_ids: Sequence[int], request: Request,
               k: int) -> tuple[list[int], str]:
         """Up to k tokens after a request's tokens; its index is kept in its state."""
+        return suffix_draft(token_ids, self._indexes(token_ids, request), k, self.settings)
+
+    def _indexes(self, token_ids: Sequence[int],
+                 request: Request) -> list[tuple[str, NgramIndex]]:
+        """The request's index (kept in its state, synced to `token_ids`) and the corpus's."""
         if request.spec.ngram_index is None:
             request.spec.ngram_index = NgramIndex(self.settings.max_n)
-        return self._draft(token_ids, request.spec.ngram_index, k)
+        return self._synced(token_ids, request.spec.ngram_index)
 
     def lookup(self) -> Callable[[Sequence[int], int], list[int]]:
         """A draft function for one growing sequence (the compile-time simulation's)."""
@@ -120,9 +145,12 @@ class SuffixDrafter:
 
     def _draft(self, token_ids: Sequence[int], index: NgramIndex,
                k: int) -> tuple[list[int], str]:
+        return suffix_draft(token_ids, self._synced(token_ids, index), k, self.settings)
+
+    def _synced(self, token_ids: Sequence[int],
+                index: NgramIndex) -> list[tuple[str, NgramIndex]]:
         index.sync(token_ids)  # its own suffix has no follower yet: no self-match
-        indexes = [("ngram", index)] + ([("corpus", self.corpus)] if self.corpus else [])
-        return suffix_draft(token_ids, indexes, k, self.settings)
+        return [("ngram", index)] + ([("corpus", self.corpus)] if self.corpus else [])
 
 
 class ModelDrafter:

@@ -13,6 +13,13 @@ Greedy rows compare argmaxes: a draft token is kept when it is the target's argm
 p and q are the distributions actually sampled from, after repetition penalty,
 temperature, top-k, top-p and min-p (`sampler.token_probs`), and position i's penalty
 counts the draft tokens before it, as plain decoding would have.
+
+A draft tree (`verify_tree`) offers several deterministic candidates per position. They
+are tried in turn, each against what is left of p once the earlier ones were rejected
+(SpecInfer's multi-candidate rule for one-hot drafts): candidate c is kept with
+probability p'(c), where p' is p with the rejected candidates removed and renormalized;
+when all fail, the token is drawn from what is left. Token by token this draws from p,
+so a tree's output is distributed exactly as plain decoding's.
 """
 
 from __future__ import annotations
@@ -85,3 +92,58 @@ def _next_token(
 
 def _row(probs: np.ndarray | None, i: int) -> np.ndarray | None:
     return None if probs is None else probs[i]
+
+
+def verify_tree(
+    target_logits: np.ndarray,
+    draft_token_ids: Sequence[int],
+    parents: Sequence[int],
+    params: SamplingParams,
+    generator: np.random.Generator,
+    seen_token_ids: Sequence[int],
+) -> tuple[list[int], list[int]]:
+    """The tokens one sequence emits from a tree of deterministic drafts, and the nodes
+    accepted on the way (root to leaf).
+
+    target_logits: [nodes + 1, vocab], row 0 the distribution after the last known
+        token, row i + 1 the one after node i. parents[i]: node i's parent (-1: the last
+        known token); nodes come after their parents, siblings best first and distinct.
+    """
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    seen = list(seen_token_ids)
+    emitted: list[int] = []
+    path: list[int] = []
+    node = -1
+    while True:
+        logits = target_logits[node + 1]
+        candidates = children.get(node, [])
+        token = (_next_token(logits, params, generator, seen) if params.greedy
+                 else _judge_candidates(logits, [draft_token_ids[c] for c in candidates],
+                                        params, generator, seen))
+        emitted.append(token)
+        kept = next((c for c in candidates if draft_token_ids[c] == token), None)
+        if kept is None:
+            return emitted, path
+        path.append(kept)
+        seen.append(token)
+        node = kept
+
+
+def _judge_candidates(logits: np.ndarray, candidates: Sequence[int], params: SamplingParams,
+                      generator: np.random.Generator, seen: list[int]) -> int:
+    """One position of a tree: the first candidate kept, or the replacement drawn from
+    what the rejected ones left."""
+    p = token_probs(logits, params, seen)
+    for candidate in candidates:
+        total = p.sum()
+        if total <= 0.0:
+            break
+        if generator.random() * total < p[candidate]:  # u < p'(c), p' = p / total
+            return candidate
+        p = p.copy()
+        p[candidate] = 0.0
+    if p.sum() <= 0.0:  # every token the target allows was a rejected candidate: round-off
+        p = token_probs(logits, params, seen)
+    return draw(p, generator)

@@ -33,7 +33,7 @@ from llmopt.runtime.spec.drafter import (
 )
 from llmopt.runtime.spec.governor import SpeculationGovernor, batch_bucket
 from llmopt.runtime.spec.policy import SpeculationPolicy
-from llmopt.runtime.spec.rejection_sampler import verify_drafts
+from llmopt.runtime.spec.rejection_sampler import verify_drafts, verify_tree
 from llmopt.runtime.spec.step_cost import StepCostModel
 from llmopt.runtime.spec.suffix import SuffixSettings
 from llmopt.runtime.step_batch import Executor
@@ -116,10 +116,10 @@ class Speculator:
             self.policy.cap([entry]) for entry in drafted))
         scheduled = list(scheduled)
         for i, request, proposal in zip(speculating, requests, proposals, strict=True):
-            spec = request.spec
-            spec.token_ids, spec.source = list(proposal.token_ids[:cap]), proposal.source
-            spec.probs = (proposal.probs[:cap]
-                          if spec.token_ids and proposal.probs is not None else None)
+            spec, kept = request.spec, proposal.first(cap)
+            spec.token_ids, spec.source = list(kept.token_ids), kept.source
+            spec.probs = kept.probs if spec.token_ids else None
+            spec.parents = kept.parents if spec.token_ids else None
             unused = scheduled[i].num_spec_tokens - len(spec.token_ids)
             scheduled[i] = dataclasses.replace(
                 scheduled[i], num_tokens=scheduled[i].num_tokens - unused,
@@ -147,15 +147,23 @@ class Speculator:
         others += [1] * (len(speculating) - len(drafted))  # reserved slots, no draft
         return drafted, others
 
-    def verify(self, request: Request, logits: np.ndarray) -> list[int]:
-        """The tokens a sequence with drafts emits: its accepted drafts plus one."""
+    def verify(self, request: Request, logits: np.ndarray) -> tuple[list[int], list[int]]:
+        """The tokens a sequence with drafts emits (its accepted drafts plus one), and the
+        accepted drafts' indices (a chain's: 0, 1, ...; a tree's: a branch)."""
         spec = request.spec
-        tokens = verify_drafts(logits, spec.token_ids, spec.probs, request.sampling_params,
-                               request.generator, request.all_token_ids)
+        if spec.parents is None:
+            tokens = verify_drafts(logits, spec.token_ids, spec.probs,
+                                   request.sampling_params, request.generator,
+                                   request.all_token_ids)
+            path = list(range(len(tokens) - 1))
+        else:
+            tokens, path = verify_tree(logits, spec.token_ids, spec.parents,
+                                       request.sampling_params, request.generator,
+                                       request.all_token_ids)
         spec.num_steps += 1
         spec.num_draft_tokens += len(spec.token_ids)
         spec.num_accepted_tokens += len(tokens) - 1
-        return tokens
+        return tokens, path
 
     def observe(self, request: Request, emitted: Sequence[int]) -> None:
         """A decode step gave `request` these tokens: evidence for its acceptance record."""
@@ -195,18 +203,23 @@ def build_speculator(
     max_batch_size: int | None = None,
     adaptive: bool = True,
     drafts: str = "all",
+    tree: bool = False,
 ) -> Speculator | None:
     """The artifact's speculator (None without a draft, when not `enabled`, or with
     γ = 0). `gamma` and `max_batch_size` override the compiler's choices;
-    `adaptive=False`: always γ."""
+    `adaptive=False`: always γ; `tree`: its suffix n-gram draft proposes trees."""
     spec = manifest.speculative if enabled else None
     gamma = gamma if gamma is not None else (spec.gamma if spec else 0)
     if gamma and spec is None:
         raise ValueError("num_speculative_tokens > 0 needs an artifact compiled with a draft "
                          "(a `draft` pass) and speculative=True")
+    if tree and (spec is None or spec.ngram is None or spec.ngram.method != "suffix"
+                 or drafts == "model"):
+        raise ValueError("draft_tree needs speculation with the artifact's n-gram draft "
+                         "of method: suffix")
     if not gamma or spec is None:
         return None
-    drafter = make_drafter(path, manifest, spec, kv_cache_manager, executor_for, drafts)
+    drafter = make_drafter(path, manifest, spec, kv_cache_manager, executor_for, drafts, tree)
     priced = adaptive and len(spec.verify_cost) >= gamma + 1  # the compiler measured costs
     policy = governor = None
     if priced:
@@ -227,9 +240,11 @@ def make_drafter(
     kv_cache_manager: KVCacheManager,
     executor_for: ExecutorFor,
     drafts: str = "all",
+    tree: bool = False,
 ) -> Drafter:
     """The artifact's drafter: n-gram lookup, its draft model, or n-gram falling back to it
-    (`drafts`: "all" of those it has, only "ngram" or only "model")."""
+    (`drafts`: "all" of those it has, only "ngram" or only "model"; `tree`: suffix
+    n-gram drafts as trees)."""
     if drafts not in ("all", "ngram", "model"):
         raise ValueError(f"drafts must be 'all', 'ngram' or 'model', got {drafts!r}")
     if drafts != "all" and getattr(spec, drafts) is None:
@@ -245,7 +260,8 @@ def make_drafter(
                                  f"{token_map.shape}, expected ({draft.vocab_size},)")
         executor = executor_for(draft.graph, draft.kv_cache, draft.max_position)
         model = ModelDrafter(executor, kv_cache_manager, manifest.model.vocab_size, token_map)
-    ngram = spec.ngram and drafts != "model" and make_ngram_drafter(path, spec.ngram)
+    ngram = spec.ngram and drafts != "model" and make_ngram_drafter(path, spec.ngram,
+                                                                     tree=tree)
     if ngram and model:
         return FallbackDrafter(ngram, model)
     if ngram or model:
@@ -255,9 +271,10 @@ def make_drafter(
 
 
 def make_ngram_drafter(path: Path | None, spec: NgramDraftSpec,
-                       corpus: np.ndarray | None = None) -> NgramDrafter | SuffixDrafter:
+                       corpus: np.ndarray | None = None,
+                       tree: bool = False) -> NgramDrafter | SuffixDrafter:
     """The n-gram drafter `spec` describes; a suffix drafter's corpus is read from the
-    artifact at `path` unless given."""
+    artifact at `path` unless given; `tree`: it drafts trees."""
     if spec.method == "latest":
         return NgramDrafter(spec.min_n, spec.max_n)
     if corpus is None and spec.corpus is not None:
@@ -268,4 +285,4 @@ def make_ngram_drafter(path: Path | None, spec: NgramDraftSpec,
             raise ValueError(f"the n-gram corpus {spec.corpus} is not a 1-D array of token ids")
     settings = SuffixSettings(spec.min_n, spec.max_n, spec.min_confidence,
                               spec.length_per_match)
-    return SuffixDrafter(settings, None if corpus is None else corpus.tolist())
+    return SuffixDrafter(settings, None if corpus is None else corpus.tolist(), tree)

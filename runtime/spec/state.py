@@ -16,6 +16,9 @@ class SpecState:
     token_ids: list[int] = field(default_factory=list)
     source: str = ""
     probs: np.ndarray | None = None
+    # A draft tree's shape: parents[i] is draft i's parent (-1: the last known token);
+    # None: the drafts are a chain.
+    parents: list[int] | None = None
     # The suffix drafter's index of this sequence's own tokens (`suffix.NgramIndex`),
     # extended as tokens are accepted.
     ngram_index: Any = None
@@ -32,5 +35,5 @@ class SpecState:
     def clear_drafts(self) -> int:
         """Drop this step's drafts; how many there were."""
         num_drafts = len(self.token_ids)
-        self.token_ids, self.probs = [], None
+        self.token_ids, self.probs, self.parents = [], None, None
         return num_drafts

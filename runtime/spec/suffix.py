@@ -12,10 +12,14 @@ or the draft outgrows `length_per_match` × the first match's context length. So
 consistent match drafts far; a 1-token match that was followed by several different
 tokens drafts little or nothing. Drafts are deterministic (exact verification treats
 them as one-hot), so greedy outputs stay identical with speculation on and off.
+
+`suffix_tree` drafts a tree instead: several followers per position, grown best-first
+by the same frequency product, verified in one step under a tree attention mask.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -103,3 +107,68 @@ def suffix_draft(context: Sequence[int], indexes: Sequence[tuple[str, NgramIndex
         draft.append(token)
         tail = (tail + [token])[-settings.max_n:]
     return draft, source
+
+
+def suffix_tree(context: Sequence[int], indexes: Sequence[tuple[str, NgramIndex]],
+                k: int, settings: SuffixSettings) -> tuple[list[int], list[int], str]:
+    """Up to k draft nodes after `context` as a tree: (tokens, parents, source), parents[i]
+    the index of node i's parent (-1: it follows the context). Every candidate scores the
+    product of its path's follower frequencies; the best are kept, best first, until k
+    nodes or `min_confidence`, no deeper than `suffix_draft` would draft. Nodes come in
+    depth-first order, each node's children by score (the earlier kept first among
+    equals): following first children from node 0 gives the start of the chain
+    `suffix_draft` would draft, as far as the budget reached."""
+    root = longest_match(list(context[len(context) - settings.max_n:]), indexes, settings)
+    if root is None or k <= 0:
+        return [], [], ""
+    source, n, counts = root
+    max_depth = min(k, max(1, int(settings.length_per_match * n)))
+    paths: list[tuple[int, ...]] = []  # each kept node's tokens from the root
+    scores: list[float] = []
+    parents: list[int] = []
+    candidates: list[tuple[float, int, int, int]] = []  # (-score, order, parent, token)
+
+    def offer(counts: Counts, score: float, parent: int) -> None:
+        total = sum(counts.values())
+        for token, count in counts.items():  # later (more recent) first among equals
+            heapq.heappush(candidates, (-score * count / total, -len(candidates), parent,
+                                        token))
+
+    offer(counts, 1.0, -1)
+    while candidates and len(paths) < k:
+        negative, _, parent, token = heapq.heappop(candidates)
+        if -negative < settings.min_confidence:
+            break
+        path = (paths[parent] if parent >= 0 else ()) + (token,)
+        paths.append(path)
+        scores.append(-negative)
+        parents.append(parent)
+        if len(path) < max_depth:
+            tail = (list(context) + list(path))[-settings.max_n:]
+            match = longest_match(tail, indexes, settings)
+            if match is not None:
+                offer(match[2], -negative, len(paths) - 1)
+    if not paths:
+        return [], [], ""
+    order = _depth_first(parents, scores)
+    index = {node: i for i, node in enumerate(order)}
+    return ([paths[node][-1] for node in order],
+            [index[parents[node]] if parents[node] >= 0 else -1 for node in order],
+            f"{source}{n}")
+
+
+def _depth_first(parents: list[int], scores: list[float]) -> list[int]:
+    """Nodes in depth-first order, each node's children best first."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    order: list[int] = []
+    def worst_first(nodes: list[int]) -> list[int]:
+        return sorted(nodes, key=lambda node: (scores[node], -node))
+
+    stack = worst_first(children.get(-1, []))
+    while stack:  # the best child is on top
+        node = stack.pop()
+        order.append(node)
+        stack += worst_first(children.get(node, []))
+    return order

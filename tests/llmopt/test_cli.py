@@ -176,6 +176,11 @@ def test_bad_numbers_are_named_before_the_model_loads(artifact, word_text, args,
     assert message in result.output
 
 
+def test_draft_trees_where_they_cannot_run_are_one_line_errors(artifact):
+    code, _, err = run("generate", artifact, "hi", "--draft-tree", "--kernels", "onnxruntime")
+    assert_one_line_error(code, err, "draft_tree needs a target that runs draft trees")
+
+
 def test_a_binary_text_file_is_named(artifact, tmp_path):
     binary = tmp_path / "blob.bin"
     binary.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))

@@ -49,9 +49,13 @@ class FakeModel:
     """An Executor over a numpy pool [num_blocks, block_size] of token ids (-1 = never written)."""
 
     def __init__(self, num_blocks: int, block_size: int,
-                 logits_fn: Callable[[int], np.ndarray] = fake_logits):
+                 logits_fn: Callable[[int], np.ndarray] = fake_logits,
+                 bigram: Callable[[int], int] | None = None):
+        """`bigram`: a row's argmax is bigram(its token) instead (a target whose greedy
+        continuation a test controls; the row still reads the whole history)."""
         self.block_size = block_size
         self.logits_fn = logits_fn  # history hash -> logits row
+        self.bigram = bigram
         self.pool = np.full((num_blocks, block_size), -1, dtype=np.int64)
         self.num_steps = 0
         self.step_sizes: list[int] = []
@@ -74,14 +78,34 @@ class FakeModel:
             )
             history = flat[slots[:context_len]]
             assert (history >= 0).all(), "read a slot no step has written"
-            h = history_hash(history)
-            for token in tokens:
-                h = extend_hash(h, token)
-                row_hashes.append(h)
+            context = history_hash(history)
+            parents = (batch.query_parents[b] if batch.query_parents is not None else None)
+            hashes: list[int] = []
+            for i, token in enumerate(tokens):  # a tree's token follows its parent
+                parent = i - 1 if parents is None else parents[i]
+                hashes.append(extend_hash(hashes[parent] if parent >= 0 else context, token))
+            row_hashes += hashes
         # Like a real graph, the step's entries reach the pool only after the step.
-        flat[batch.slot_mapping] = np.concatenate(batch.token_ids)
-        rows = [self.logits_fn(row_hashes[i]) for i in batch.logits_indices]
+        flat[batch.slot_mapping] = step_tokens = np.concatenate(batch.token_ids)
+        rows = [self._logits(row_hashes[i], int(step_tokens[i])) for i in batch.logits_indices]
         return np.stack(rows) if rows else np.zeros((0, VOCAB_SIZE), np.float32)
+
+    def _logits(self, h: int, token: int) -> np.ndarray:
+        logits = self.logits_fn(h)
+        if self.bigram is not None:
+            logits = logits.copy()
+            logits[self.bigram(token)] = logits.max() + 1.0
+        return logits
+
+    tree_attention = True
+
+    def move_entries(self, block_table: list[int], sources: list[int],
+                     destinations: list[int]) -> None:
+        table, bs = np.asarray(block_table), self.block_size
+        flat = self.pool.reshape(-1)
+        slots = [table[np.asarray(p) // bs] * bs + np.asarray(p) % bs
+                 for p in (sources, destinations)]
+        flat[slots[1]] = flat[slots[0]]
 
     def tokens_at(self, slots: np.ndarray) -> np.ndarray:
         """The token ids the pool holds at `slots` (-1: never written)."""

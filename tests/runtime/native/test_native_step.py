@@ -42,15 +42,17 @@ def rtn(symmetric: bool, head_bits: int) -> dict:
 
 
 STATIC = {"key_scales": "channel", "value_scales": "channel"}  # lanes read the codes in place
+SUFFIX = {"draft": {"kind": "ngram", "ngram": {"method": "suffix", "min_confidence": 0.2},
+                    "gamma": 4}}  # drafts trees with draft_tree=True
 ARTIFACTS = {  # name -> (architecture, passes, target options)
-    "llama-sym-h8": ("llama", [rtn(True, 8), {"draft": {"kind": "ngram", "gamma": 3}}], A8),
+    "llama-sym-h8": ("llama", [rtn(True, 8), SUFFIX], A8),
     # int8 KV codes of rotated keys and values (the rotation first: it folds into v_proj)
     "llama-kv-int8-rotate": ("llama", [{"kv_cache": {"dtype": "int8", **STATIC,
                                                      "rotate": True}}, rtn(True, 8)], A8),
     # int4 KV codes, one layer kept in float32; speculation rolls the codes back
     "llama-kv-int4-mixed": ("llama", [{"kv_cache": {"dtype": "int4", **STATIC,
                                                     "skip_layers": [1]}}, rtn(False, 4),
-                                      {"draft": {"kind": "ngram", "gamma": 3}}], A8),
+                                      SUFFIX], A8),
     # float16 KV lanes: queries and the attention output rounded to float16 as well
     "llama-kv-float16": ("llama", [{"kv_cache": {"dtype": "float16"}}, rtn(True, 8),
                                    {"draft": {"kind": "ngram", "gamma": 3}}], A8),
@@ -227,6 +229,71 @@ def test_a_lanes_run_of_tokens_attends_as_each_token_would_alone(name, artifacts
         row = alone.execute(make_step_batch([SequenceStep([token], position, blocks, [0])],
                                             size))
         assert np.array_equal(row[0], got[position]), f"token {i}"
+
+
+@pytest.mark.parametrize("name", ["llama-sym-h8", "llama-kv-int4-mixed"])
+def test_a_draft_tree_attends_as_each_branch_would_as_a_chain(name, artifacts):
+    """A tree step (two branches under the last known token, a third under the first
+    branch's first node) gives each node, bit for bit, the logits the same tokens give
+    as a chain of its branch, and writes the same codes; a move brings a branch's
+    entries to the positions a chain would have put them in."""
+    from llmopt.runtime.step_batch import SequenceStep, make_step_batch
+
+    def executor():
+        llm = LLM(artifacts[name], kernels="native", speculative=False)
+        return llm.engine.executor, llm.engine.config.block_size
+
+    prompt = requests()[7]
+    root, nodes = prompt[-1], [11, 12, 13, 21, 22, 31]
+    parents = [-1, 0, 1, -1, 3, 0]  # branches 11-12-13, 21-22 and 11-31
+    tree, size = executor()
+    blocks = list(range(1, 1 + 128 // size))
+    tree.execute(make_step_batch([SequenceStep(prompt[:-1], 0, blocks, [])], size))
+    start = len(prompt) - 1
+    query_parents = [-1] + [p + 1 for p in parents]
+    got = tree.execute(make_step_batch([SequenceStep(
+        [root, *nodes], start, blocks, range(7), query_parents)], size))
+    for branch in ([11, 12, 13], [21, 22], [11, 31]):
+        chain, _ = executor()
+        chain.execute(make_step_batch([SequenceStep(prompt[:-1], 0, blocks, [])], size))
+        want = chain.execute(make_step_batch([SequenceStep(
+            [root, *branch], start, blocks, range(len(branch) + 1))], size))
+        rows = [0] + [1 + next(i for i, (t, p) in enumerate(zip(nodes, parents, strict=True))
+                               if t == token and (depth == 0 or nodes[p] == branch[depth - 1]))
+                      for depth, token in enumerate(branch)]
+        assert np.array_equal(got[rows], want), f"branch {branch}"
+        if branch == [21, 22]:  # the second branch's entries, moved where the chain's are
+            tree.move_entries(blocks, [start + 4, start + 5], [start + 1, start + 2])
+            for pool in tree.pools:
+                written = slice(start, start + 3)
+                np.testing.assert_array_equal(tree.pools[pool][0, :, written],
+                                              chain.pools[pool][0, :, written])
+
+
+def test_draft_trees_change_no_greedy_output(artifacts):
+    """Suffix drafts as trees, verified under the tree mask: alone, and batched with
+    shared prefixes in a pool of fewer lanes than requests, the outputs are plain
+    decoding's. (Which branch wins is up to the random tiny model; the engine's tests in
+    tests/runtime/spec/test_suffix.py make side branches win, also under preemption.)"""
+    prompts = [p + p[-9:] * 2 for p in requests()]  # repeats give the n-gram drafts matches
+    plain = LLM(artifacts["llama-sym-h8"], kernels="native", speculative=False)
+    alone = [plain.generate([p], GREEDY)[0].token_ids for p in prompts]
+    for options in ({}, {"num_blocks": 60}):
+        llm = LLM(artifacts["llama-sym-h8"], draft_tree=True, adaptive_speculation=False,
+                  speculative_max_batch_size=16, **options)
+        outputs = ([llm.generate([p], GREEDY)[0] for p in prompts] if not options
+                   else llm.generate(prompts, GREEDY))
+        assert [o.token_ids for o in outputs] == alone
+        assert sum(o.metrics.speculation.num_accepted_tokens for o in outputs) > 0
+
+
+def test_draft_trees_need_a_suffix_draft_and_the_native_step(artifacts):
+    with pytest.raises(ValueError, match="draft_tree needs a target that runs draft trees"):
+        LLM(artifacts["llama-sym-h8"], kernels="onnxruntime", draft_tree=True)
+    for name in ("llama-kv-float16", "llama-asym-h4"):  # prompt lookup; no draft at all
+        with pytest.raises(ValueError, match="draft_tree needs speculation with the "
+                                             "artifact's n-gram draft of method: suffix"):
+            LLM(artifacts[name], draft_tree=True)
 
 
 @pytest.mark.parametrize("name,reason", [

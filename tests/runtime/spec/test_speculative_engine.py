@@ -30,7 +30,7 @@ from llmopt.runtime.kv_cache_manager import KVCacheManager
 from llmopt.runtime.sampler import draw, token_probs
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.spec import speculator as speculator_module
-from llmopt.runtime.spec.drafter import FallbackDrafter, ModelDrafter, NgramDrafter
+from llmopt.runtime.spec.drafter import FallbackDrafter, ModelDrafter, NgramDrafter, Proposal
 from llmopt.runtime.spec.speculator import Speculator
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -314,6 +314,77 @@ def test_the_tutorial_rule_is_exact_but_accepts_less(monkeypatch):
     counts, exact, tutorial_acceptance = first_two_tokens(NUM_SAMPLES)
     assert chi_square_p_value(counts, exact) > 0.01
     assert tutorial_acceptance < exact_rule_acceptance - 0.05
+
+
+class FixedTree:
+    """Proposes the same deterministic tree every step: three candidates after the last
+    token (7 is one the target never makes), two under the first, one under the third."""
+
+    TOKENS, PARENTS = [3, 4, 5, 7, 4, 6], [-1, 0, 0, -1, -1, 4]
+
+    def propose(self, requests, max_tokens, budget=None):
+        return [Proposal(self.TOKENS[:k], parents=self.PARENTS[:k]) for k in max_tokens]
+
+
+def first_two_tokens_from_trees(num_samples: int) -> tuple[Counter, dict, float]:
+    prompt = [7, 8, 9]
+    config = EngineConfig(block_size=4, num_blocks=256, max_num_seqs=16,
+                          max_num_batched_tokens=256, max_context=96,
+                          enable_prefix_caching=False)
+    engine = LLMEngine(FakeModel(256, 4, small_target), config,
+                       kv_cache_manager=KVCacheManager(256, 4, False),
+                       speculator=Speculator(FixedTree(), 6))
+    ids = [engine.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=8, seed=s))
+           for s in range(num_samples)]
+    outputs = drain(engine, ids)
+    # the first token comes from the prompt's step; the tree decides the next two
+    counts = Counter(tuple(o.token_ids[:3]) for o in outputs)
+    accepted = sum(o.metrics.speculation.num_accepted_tokens for o in outputs)
+    return counts, exact_sequence_distribution(prompt, 3), accepted / num_samples
+
+
+def exact_sequence_distribution(prompt: list[int], length: int) -> dict[tuple, float]:
+    params = SamplingParams(temperature=1.0)
+    sequences: dict[tuple, float] = {(): 1.0}
+    for _ in range(length):
+        longer = {}
+        for tokens, prob in sequences.items():
+            seen = [*prompt, *tokens]
+            p = token_probs(small_target(history_hash(seen)), params, seen)
+            for token in np.flatnonzero(p):
+                longer[(*tokens, int(token))] = prob * p[token]
+        sequences = longer
+    return sequences
+
+
+def test_sampling_through_draft_trees_matches_the_target_distribution():
+    counts, exact, accepted_per_request = first_two_tokens_from_trees(NUM_SAMPLES)
+    assert accepted_per_request > 1.0  # candidates beyond the first are kept too
+    assert chi_square_p_value(counts, exact) > 0.01
+
+
+def test_trying_every_candidate_against_the_full_distribution_fails_the_check(monkeypatch):
+    """Proof the check has teeth: a second candidate tried with probability p(c) instead
+    of p(c) / (1 - p(first)) under-samples it."""
+
+    def careless(logits, tokens, parents, params, generator, seen):
+        seen, emitted, path, node = list(seen), [], [], -1
+        while True:
+            p = token_probs(logits[node + 1], params, seen)
+            children = [c for c, parent in enumerate(parents) if parent == node]
+            kept = next((c for c in children if generator.random() < p[tokens[c]]), None)
+            if kept is None:
+                p[[tokens[c] for c in children]] = 0.0
+                emitted.append(draw(p, generator))
+                return emitted, path
+            emitted.append(tokens[kept])
+            path.append(kept)
+            seen.append(tokens[kept])
+            node = kept
+
+    monkeypatch.setattr(speculator_module, "verify_tree", careless)
+    counts, exact, _ = first_two_tokens_from_trees(NUM_SAMPLES)
+    assert chi_square_p_value(counts, exact) < 0.01
 
 
 def sampled_tokens(engine: LLMEngine, batch: Sequence[list[int]], seed: int) -> list[list[int]]:
