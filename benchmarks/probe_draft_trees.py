@@ -11,10 +11,10 @@ with the continuation, path by path.
 Drafts, each at a budget of k = 1..`--max-nodes` draft tokens per step:
 - `chain`: the runtime's `suffix_draft`, as the artifact drafts today;
 - `backoff`: the tree, its candidates also taking the followers of shorter contexts;
-- `tree`: best-first growth over the same follower counts (`suffix.suffix_tree`'s rule):
-  every candidate node scores the product of its path's follower frequencies; the
-  highest-scoring candidates are kept until k nodes or `min_confidence`, at most as deep
-  as the chain may draft.
+- `tree`: the runtime's `suffix_tree` (`draft_tree=True`): best-first growth over the
+  same follower counts; every candidate node scores the product of its path's follower
+  frequencies; the highest-scoring candidates are kept until k nodes or
+  `min_confidence`, at most as deep as the chain may draft;
 
 Each (budget, draft) is priced with the artifact's measured batch-1 step of 1 + nodes
 query tokens at a 128-token context (a tree's mask costs nothing extra in that model:
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import heapq
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,57 +44,18 @@ from llmopt.runtime.spec.speculator import make_ngram_drafter  # noqa: E402
 from llmopt.runtime.spec.suffix import (  # noqa: E402
     NgramIndex,
     SuffixSettings,
-    longest_match,
     suffix_draft,
+    suffix_tree,
 )
 
 Tree = tuple[list[int], list[int]]  # (tokens, parent index; -1 = the last known token)
 
 
-def suffix_tree(context: Sequence[int], indexes: Sequence[tuple[str, NgramIndex]], k: int,
-                settings: SuffixSettings, backoff: bool = False) -> Tree:
-    """Up to k nodes grown best-first by path frequency product (`backoff`: each node's
-    candidates are `backoff_counts`)."""
-    root = longest_match(list(context[-settings.max_n:]), indexes, settings)
-    if root is None:
-        return [], []
-    max_depth = min(k, max(1, int(settings.length_per_match * root[1])))
-    tokens: list[int] = []
-    parents: list[int] = []
-    paths: list[list[int]] = []
-    heap: list[tuple[float, int, int, int]] = []  # (-score, tie, parent, token)
-    tie = 0
-
-    def push(counts: dict[int, int], score: float, parent: int) -> None:
-        nonlocal tie
-        total = sum(counts.values())
-        for rank, (token, count) in enumerate(reversed(counts.items())):  # latest first
-            tie += 1
-            heapq.heappush(heap, (-score * count / total, tie * 64 + rank, parent, token))
-
-    push(backoff_counts(context, indexes, settings) if backoff else root[2], 1.0, -1)
-    while heap and len(tokens) < k:
-        neg, _, parent, token = heapq.heappop(heap)
-        if -neg < settings.min_confidence:
-            break
-        path = (paths[parent] if parent >= 0 else []) + [token]
-        tokens.append(token)
-        parents.append(parent)
-        paths.append(path)
-        if len(path) < max_depth:
-            tail = (list(context) + path)[-settings.max_n:]
-            counts = (backoff_counts(tail, indexes, settings) if backoff else
-                      match[2] if (match := longest_match(tail, indexes, settings)) else None)
-            if counts:
-                push(counts, -neg, len(tokens) - 1)
-    return tokens, parents
-
-
 def backoff_counts(context: Sequence[int], indexes: Sequence[tuple[str, NgramIndex]],
                    settings: SuffixSettings) -> dict[int, int] | None:
     """Followers of the longest match, and below them those of every shorter matching
-    context that the longer ones did not name (scaled to the longest match's total), so
-    a branch can take what a shorter context saw follow."""
+    context that the longer ones did not name (each scaled to half the longest match's
+    total), so a branch can take what a shorter context saw follow."""
     tail = list(context[-settings.max_n:])
     merged: dict[int, float] = {}
     total = None
@@ -143,7 +103,9 @@ def walk(trajectories: list[tuple[list[int], int]], drafter, k: int, kind: str
                 chain = suffix_draft(tokens[:t], indexes, k, settings)[0]
                 tree: Tree = (chain, list(range(-1, len(chain) - 1)))
             else:
-                tree = suffix_tree(tokens[:t], indexes, k, settings, family == "backoff")
+                followers = ((lambda tail, i=indexes, s=settings: backoff_counts(tail, i, s))
+                             if family == "backoff" else None)
+                tree = suffix_tree(tokens[:t], indexes, k, settings, followers)[:2]
             accepted = min(accepted_on_tree(tree, tokens[t:]), len(tokens) - t - 1)
             steps.append((len(tree[0]), accepted))
             t += accepted + 1

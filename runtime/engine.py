@@ -15,6 +15,7 @@ import itertools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -33,7 +34,13 @@ from llmopt.runtime.sampler import log_softmax, sample
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from llmopt.runtime.spec.speculator import Speculator
-from llmopt.runtime.step_batch import Executor, SequenceStep, StepBatch, make_step_batch
+from llmopt.runtime.step_batch import (
+    Executor,
+    SequenceStep,
+    StepBatch,
+    TreeExecutor,
+    make_step_batch,
+)
 from llmopt.runtime.tokenizer import Tokenizer
 
 
@@ -170,8 +177,9 @@ class LLMEngine:
                 tokens, path = self.speculator.verify(request, rows)
                 emitted[request.request_id] = tokens
                 self._keep_branch(item, path)
-                # the rows that gave the tokens: the last known token's, then the path's
-                _record_logprobs(request, rows[[0, *(i + 1 for i in path)]], tokens)
+                if path != list(range(len(path))):  # a tree's side branch: its rows
+                    rows = rows[[0, *(node + 1 for node in path)]]
+                _record_logprobs(request, rows, tokens)  # verified row j gave token j
             elif num_rows:
                 to_sample.append(request)
                 sample_rows.append(row)
@@ -205,8 +213,9 @@ class LLMEngine:
                  if node != depth]
         if moves:
             sources, destinations = (list(column) for column in zip(*moves, strict=True))
-            self.executor.move_entries(self.kv_cache_manager.block_ids(item.request),
-                                       sources, destinations)
+            executor = cast(TreeExecutor, self.executor)  # it ran the tree
+            executor.move_entries(self.kv_cache_manager.block_ids(item.request), sources,
+                                  destinations)
 
     def _postprocess(
         self, scheduled: list[ScheduledRequest], emitted: dict[str, list[int]]

@@ -77,12 +77,15 @@ def tree_depths(parents: Sequence[int]) -> np.ndarray:
     return depths
 
 
+MAX_TREE_TOKENS = 64  # a sequence's query tokens a tree mask covers (one uint64 each)
+
+
 def ancestor_masks(parents: Sequence[int]) -> np.ndarray:
     """uint64 per query token: bit j set when the token j offsets before it is itself or
     an ancestor, or lies before the tree (offsets below 0); parents come first."""
-    if len(parents) > 64:
-        raise ValueError(f"a draft tree of {len(parents)} query tokens is over the 64 a "
-                         "step's tree mask holds")
+    if len(parents) > MAX_TREE_TOKENS:
+        raise ValueError(f"a draft tree of {len(parents)} query tokens is over the "
+                         f"{MAX_TREE_TOKENS} a step's tree mask holds")
     masks: list[int] = []
     for i, parent in enumerate(parents):
         before = ~((1 << (i + 1)) - 1) & 0xFFFF_FFFF_FFFF_FFFF  # rows before the tree

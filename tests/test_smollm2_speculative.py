@@ -24,7 +24,7 @@ RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m-instruc
 QUICK = {"prompts": 2, "new_tokens": 16, "batch_sizes": [1], "cost_repeats": 1}
 DRAFTS = {
     "self+ngram": {"kind": "self", "layers": 2, "distill_steps": 0, "ngram": True,
-                   "gamma": 3},
+                   "gamma": 3, "keep_unpaid_model": True},  # its drafts="model" runs need it
     "tiny": {"kind": "tiny", "num_layers": 1, "head_vocab": 4096, "distill_steps": 2,
              "gamma": 3},
 }

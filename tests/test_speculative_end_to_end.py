@@ -19,8 +19,10 @@ DRAFTS = {
     "tiny": {"kind": "tiny", "num_layers": 1, "distill_steps": 5, "head_vocab": 128,
              "gamma": 2},
     "ngram": {"kind": "ngram", "gamma": 3},
+    # the model kept even where n-gram drafts alone would be predicted faster: the
+    # fallback's mechanics are what this tests
     "tiny+ngram": {"kind": "tiny", "num_layers": 1, "distill_steps": 5, "ngram": True,
-                   "gamma": 4},
+                   "gamma": 4, "keep_unpaid_model": True},
 }
 # The same draft over the blocks KV layout (the gathered fallback), where a small pool
 # preempts; the lanes layout reserves a lane per sequence and never needs to.

@@ -41,6 +41,8 @@ from llmopt.runtime.paging import cdiv
 
 
 def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
+    from llmopt.passes.draft import choice
+
     started = time.perf_counter()
     report: dict[str, Any] = {"kind": config.kind}
     draft, token_map = None, None
@@ -53,6 +55,15 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
         report["draft"] = _draft_summary(draft, token_map)
     corpus = ngram_corpus(ir, config, context, report)
     speculative = measure_pairing(ir, draft, token_map, config, context, corpus)
+    if draft is not None and not config.keep_unpaid_model and choice.ngram_alone_pays_more(
+            speculative):
+        alone = speculative["measured"]["ngram_only"]["predicted_speedup"][0]
+        report["model_dropped"] = dropped = (
+            f"n-gram drafts alone were predicted {alone}x at batch 1, with the {config.kind} "
+            f"draft as their fallback {speculative['predicted_speedup']}x: the artifact keeps "
+            "no draft model (keep_unpaid_model: true keeps it)")
+        context.log(f"      draft: {dropped}")
+        speculative, draft, token_map = choice.without_model(speculative), None, None
     ngram = config.ngram_options()
     speculative["ngram"] = ngram.model_dump() if ngram else None
     report["speculative"] = speculative

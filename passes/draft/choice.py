@@ -70,7 +70,6 @@ def measure(target: Executor, draft: Executor | None, token_map: np.ndarray | No
     costs = measure_costs(target, draft, settings.batch_sizes, settings.max_gamma,
                           settings.context_len, settings.block_size, settings.repeats)
     choice = _choose(trajectories, costs, settings)
-    first = settings.batch_sizes[0]
     measured = _measured_record(costs, choice, settings, trajectories, trajectory_seconds,
                                 started)
     if draft is not None and settings.ngram is not None:  # each half alone, for comparison
@@ -78,6 +77,28 @@ def measure(target: Executor, draft: Executor | None, token_map: np.ndarray | No
                                                                                 ngram=None)))
         no_model = [Trajectory(t.tokens, t.prompt_len) for t in trajectories]
         measured["ngram_only"] = _summary(_choose(no_model, costs, settings))
+    return _spec(choice, costs, settings, measured)
+
+
+def ngram_alone_pays_more(spec: dict) -> bool:
+    """Whether the n-gram drafts alone were predicted faster at the first batch size than
+    with the draft model as their fallback (a draft model dearer than it returns)."""
+    alone = spec["measured"].get("ngram_only")
+    return alone is not None and alone["predicted_speedup"][0] > spec["predicted_speedup"]
+
+
+def without_model(spec: dict) -> dict:
+    """The pairing's fields for n-gram drafts alone (`ngram_only`), the model's kept in
+    `measured` for the record."""
+    alone = spec["measured"]["ngram_only"]
+    return {**spec, "gamma": alone["gamma"], "max_batch_size": alone["max_batch_size"],
+            "acceptance": alone["acceptance"], "cost_ratio": 0.0,
+            "predicted_speedup": alone["predicted_speedup"][0]}
+
+
+def _spec(choice: Choice, costs: StepCosts, settings: MeasureSettings,
+          measured: dict) -> dict:
+    first = settings.batch_sizes[0]
     return {
         "gamma": choice.gamma,
         "max_batch_size": choice.max_batch_size,

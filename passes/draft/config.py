@@ -138,6 +138,11 @@ class _ModelDraft(_Draft):
     distill_data: Literal["text", "self"] = "text"
     distill_prompts: int = Field(64, gt=1)
     distill_new_tokens: int = Field(96, gt=0)
+    # With `ngram`: where the measurement predicts the n-gram drafts alone faster at the
+    # first batch size than with the model as their fallback, the artifact keeps no model
+    # (it costs more than it returns here); true keeps it anyway (another machine may
+    # price it otherwise: the runtime's `drafts` option still chooses).
+    keep_unpaid_model: bool = False
 
     @field_validator("passes", mode="before")
     @classmethod

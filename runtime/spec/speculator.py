@@ -36,7 +36,7 @@ from llmopt.runtime.spec.policy import SpeculationPolicy
 from llmopt.runtime.spec.rejection_sampler import verify_drafts, verify_tree
 from llmopt.runtime.spec.step_cost import StepCostModel
 from llmopt.runtime.spec.suffix import SuffixSettings
-from llmopt.runtime.step_batch import Executor
+from llmopt.runtime.step_batch import MAX_TREE_TOKENS, Executor
 
 # Drafting costs host time even when the step's price then discards every draft (at
 # batch 8 on SmolLM2 int4: ~6 % of the step, for nothing). After DISCARDED_STEPS steps
@@ -217,6 +217,9 @@ def build_speculator(
                  or drafts == "model"):
         raise ValueError("draft_tree needs speculation with the artifact's n-gram draft "
                          "of method: suffix")
+    if tree and gamma >= MAX_TREE_TOKENS:
+        raise ValueError(f"draft_tree verifies at most {MAX_TREE_TOKENS - 1} drafts a step "
+                         f"(a tree mask's bits), got num_speculative_tokens={gamma}")
     if not gamma or spec is None:
         return None
     drafter = make_drafter(path, manifest, spec, kv_cache_manager, executor_for, drafts, tree)

@@ -20,7 +20,7 @@ by the same frequency product, verified in one step under a tree attention mask.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 Counts = dict[int, int]  # follower token -> count; insertion order = recency (latest last)
@@ -110,18 +110,25 @@ def suffix_draft(context: Sequence[int], indexes: Sequence[tuple[str, NgramIndex
 
 
 def suffix_tree(context: Sequence[int], indexes: Sequence[tuple[str, NgramIndex]],
-                k: int, settings: SuffixSettings) -> tuple[list[int], list[int], str]:
+                k: int, settings: SuffixSettings,
+                followers: Callable[[Sequence[int]], Counts | None] | None = None,
+                ) -> tuple[list[int], list[int], str]:
     """Up to k draft nodes after `context` as a tree: (tokens, parents, source), parents[i]
     the index of node i's parent (-1: it follows the context). Every candidate scores the
     product of its path's follower frequencies; the best are kept, best first, until k
     nodes or `min_confidence`, no deeper than `suffix_draft` would draft. Nodes come in
     depth-first order, each node's children by score (the earlier kept first among
     equals): following first children from node 0 gives the start of the chain
-    `suffix_draft` would draft, as far as the budget reached."""
+    `suffix_draft` would draft, as far as the budget reached. `followers(tokens)`: the
+    candidates after `tokens` (None: the longest match's followers)."""
     root = longest_match(list(context[len(context) - settings.max_n:]), indexes, settings)
     if root is None or k <= 0:
         return [], [], ""
-    source, n, counts = root
+    if followers is None:
+        def followers(tail: Sequence[int]) -> Counts | None:
+            match = longest_match(tail, indexes, settings)
+            return None if match is None else match[2]
+    source, n, _ = root
     max_depth = min(k, max(1, int(settings.length_per_match * n)))
     paths: list[tuple[int, ...]] = []  # each kept node's tokens from the root
     scores: list[float] = []
@@ -134,7 +141,7 @@ def suffix_tree(context: Sequence[int], indexes: Sequence[tuple[str, NgramIndex]
             heapq.heappush(candidates, (-score * count / total, -len(candidates), parent,
                                         token))
 
-    offer(counts, 1.0, -1)
+    offer(followers(list(context[len(context) - settings.max_n:])) or {}, 1.0, -1)
     while candidates and len(paths) < k:
         negative, _, parent, token = heapq.heappop(candidates)
         if -negative < settings.min_confidence:
@@ -144,10 +151,9 @@ def suffix_tree(context: Sequence[int], indexes: Sequence[tuple[str, NgramIndex]
         scores.append(-negative)
         parents.append(parent)
         if len(path) < max_depth:
-            tail = (list(context) + list(path))[-settings.max_n:]
-            match = longest_match(tail, indexes, settings)
-            if match is not None:
-                offer(match[2], -negative, len(paths) - 1)
+            counts = followers((list(context) + list(path))[-settings.max_n:])
+            if counts:
+                offer(counts, -negative, len(paths) - 1)
     if not paths:
         return [], [], ""
     order = _depth_first(parents, scores)

@@ -71,7 +71,8 @@ def test_self_draft_artifact(target_dir, target, word_text, tmp_path):
 
 def test_subset_model_draft_artifact_with_ngram(target_dir, subset_dir, word_text, tmp_path):
     out = compile_with_draft(target_dir, word_text, tmp_path / "b", kind="model",
-                             model=str(subset_dir), ngram={"max_n": 3})
+                             model=str(subset_dir), ngram={"max_n": 3},
+                             keep_unpaid_model=True)
     manifest = load_manifest(out)
     spec = manifest.speculative
     assert spec.ngram.max_n == 3 and spec.model.kind == "model"
@@ -84,6 +85,40 @@ def test_subset_model_draft_artifact_with_ngram(target_dir, subset_dir, word_tex
     assert spec.measured["model_only"]["gamma"] >= 1 and "ngram_only" in spec.measured
     assert "ngram_match_rate" in spec.measured and manifest.passes[0]["vocabulary"] == (
         "mapped subset")
+
+
+def test_a_model_draft_that_costs_more_than_it_returns_is_dropped(target_dir, word_text,
+                                                                 tmp_path, monkeypatch):
+    """Where n-gram drafts alone were predicted faster than with the model as fallback,
+    the artifact keeps no model: γ, batch limit and acceptance are the n-gram's, the
+    model's measurement stays on record; keep_unpaid_model keeps it."""
+    from llmopt.passes.draft import choice
+
+    monkeypatch.setattr(choice, "ngram_alone_pays_more", lambda spec: True)
+    out = compile_with_draft(target_dir, word_text, tmp_path / "d", kind="self", layers=2,
+                             ngram=True)
+    manifest = load_manifest(out)
+    spec, alone = manifest.speculative, manifest.speculative.measured["ngram_only"]
+    assert set(manifest.graphs) == {"target"} and spec.model is None and spec.ngram
+    assert (spec.gamma, spec.max_batch_size, spec.acceptance, spec.cost_ratio) == (
+        alone["gamma"], alone["max_batch_size"], alone["acceptance"], 0.0)
+    assert spec.predicted_speedup == alone["predicted_speedup"][0]
+    assert "keep_unpaid_model: true keeps it" in manifest.passes[0]["model_dropped"]
+    kept = load_manifest(compile_with_draft(target_dir, word_text, tmp_path / "e", kind="self",
+                                            layers=2, ngram=True, keep_unpaid_model=True))
+    assert kept.speculative.model is not None and "model_dropped" not in kept.passes[0]
+
+
+def test_the_model_is_dropped_only_where_ngram_alone_was_predicted_faster():
+    from llmopt.passes.draft.choice import ngram_alone_pays_more
+
+    def spec(alone: float, both: float) -> dict:
+        return {"predicted_speedup": both,
+                "measured": {"ngram_only": {"predicted_speedup": [alone, 1.0]}}}
+
+    assert ngram_alone_pays_more(spec(1.3, 1.1))
+    assert not ngram_alone_pays_more(spec(1.1, 1.3))
+    assert not ngram_alone_pays_more({"predicted_speedup": 1.0, "measured": {}})
 
 
 def test_ngram_only_artifact(target_dir, word_text, tmp_path):

@@ -290,6 +290,8 @@ def test_draft_trees_change_no_greedy_output(artifacts):
 def test_draft_trees_need_a_suffix_draft_and_the_native_step(artifacts):
     with pytest.raises(ValueError, match="draft_tree needs a target that runs draft trees"):
         LLM(artifacts["llama-sym-h8"], kernels="onnxruntime", draft_tree=True)
+    with pytest.raises(ValueError, match="draft_tree verifies at most 63 drafts a step"):
+        LLM(artifacts["llama-sym-h8"], draft_tree=True, num_speculative_tokens=64)
     for name in ("llama-kv-float16", "llama-asym-h4"):  # prompt lookup; no draft at all
         with pytest.raises(ValueError, match="draft_tree needs speculation with the "
                                              "artifact's n-gram draft of method: suffix"):
