@@ -41,6 +41,7 @@ class StepCostModel:
         self.widths = np.asarray(widths, dtype=np.float64)
         # A wider step never costs less than a narrower one (the table is noisy).
         self.ratios = np.maximum.accumulate(np.asarray(ratios, dtype=np.float64), axis=1)
+        self._calls: dict[tuple[int, int], float] = {}  # call_cost's answers: every step asks
 
     @classmethod
     def from_verify_cost(cls, verify_cost: Sequence[float]) -> StepCostModel:
@@ -63,9 +64,13 @@ class StepCostModel:
 
     def call_cost(self, rows: int, width: int) -> float:
         """One graph call of `rows` rows padded to `width` tokens."""
-        plain = float(np.interp(rows, self.batch_sizes, self.plain))
-        by_size = [self._ratio(row, width) for row in self.ratios]
-        return plain * float(np.interp(rows, self.batch_sizes, by_size))
+        cost = self._calls.get((rows, width))
+        if cost is None:
+            plain = float(np.interp(rows, self.batch_sizes, self.plain))
+            by_size = [self._ratio(row, width) for row in self.ratios]
+            cost = self._calls[rows, width] = plain * float(
+                np.interp(rows, self.batch_sizes, by_size))
+        return cost
 
     def _ratio(self, row: np.ndarray, width: int) -> float:
         """A row of ratios at `width`, extended linearly past its widest entry."""
