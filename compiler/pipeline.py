@@ -100,7 +100,9 @@ def check_budget(name: str, report: dict[str, Any], budget: float | None,
     if not quality:
         return
     log(f"      {name}: {quality_line(quality)}")
-    if budget is not None and quality["ppl_increase_pct"] > budget:
+    if budget is not None and quality["ppl_increase_pct"] is None:
+        log(f"      {name}: no perplexity to hold to the budget of {budget} %")
+    elif budget is not None and quality["ppl_increase_pct"] > budget:
         raise QualityBudgetError(
             f"pass {name!r} raised perplexity by {quality['ppl_increase_pct']:.2f} %, over the "
             f"recipe's quality.max_ppl_increase_pct of {budget} % (no artifact written)")
@@ -112,8 +114,9 @@ def quality_line(quality: dict[str, Any]) -> str:
     ppl = "perplexity of its own samples" if samples else "perplexity"
     caveat = "; not a text perplexity" if samples else ""
     line = (f"{ppl} {quality['ppl_before']} -> {quality['ppl_after']} "
-            f"({quality['ppl_increase_pct']:+.2f} %{caveat}), KL {quality['kl']}, "
-            f"top-1 agreement {100 * quality['top1_agreement']:.1f} %")
+            f"({quality['ppl_increase_pct']:+.2f} %{caveat}), " if quality["ppl_before"]
+            is not None else f"perplexity {quality['perplexity_on']}; ")
+    line += (f"KL {quality['kl']}, top-1 agreement {100 * quality['top1_agreement']:.1f} %")
     return f"{line}; on {quality['source']}" if "source" in quality else line
 
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 PROGRESS_EVERY_S = 10.0  # a measurement takes minutes on SmolLM2: say how far it got
 SAMPLES = "samples"  # QualityProbe.kind of the model's own samples
+NO_PERPLEXITY = "none: the LM head keeps a subset of the vocabulary"  # `perplexity_on`
 
 
 @dataclass(frozen=True)
@@ -94,10 +95,14 @@ class QualityProbe:
                    f"the input model (seed {seed})", SAMPLES)
 
     @torch.no_grad()
-    def compare(self, before: ModelIR, after: ModelIR) -> dict[str, float]:
-        """Next-token quality of `after` relative to `before`, window by window."""
+    def compare(self, before: ModelIR, after: ModelIR) -> dict[str, float | str | None]:
+        """Next-token quality of `after` relative to `before`, window by window. A model
+        whose LM head keeps a subset of the vocabulary (a draft's, `head_vocab`) has logits
+        rows that are not token ids: KL and top-1 compare its rows, and perplexity, which
+        needs the text's next token, is not measured."""
         ref, new = ReferenceModel(before, len(self.windows[0])), ReferenceModel(after,
                                                                                 len(self.windows[0]))
+        rows_are_ids = before.lm_head().shape[0] == before.weights["embed_tokens"].shape[0]
         nll_before = nll_after = kl = agree = 0.0
         count = 0
         progress = _Progress(self.log, len(self.windows), "windows",
@@ -107,24 +112,28 @@ class QualityProbe:
             ids = torch.tensor([window])
             logp = torch.log_softmax(ref.forward(ids)[0, :-1], dim=-1)
             logq = torch.log_softmax(new.forward(ids)[0, :-1], dim=-1)
-            targets = torch.tensor(window[1:])[:, None]
-            nll_before -= logp.gather(1, targets).sum().item()
-            nll_after -= logq.gather(1, targets).sum().item()
+            if rows_are_ids:
+                targets = torch.tensor(window[1:])[:, None]
+                nll_before -= logp.gather(1, targets).sum().item()
+                nll_after -= logq.gather(1, targets).sum().item()
             kl += (logp.exp() * (logp - logq)).sum().item()
             agree += (logp.argmax(-1) == logq.argmax(-1)).sum().item()
             count += len(window) - 1
             progress.done_one()
-        ppl_before, ppl_after = math.exp(nll_before / count), math.exp(nll_after / count)
-        return {
-            "ppl_before": round(ppl_before, 4),
-            "ppl_after": round(ppl_after, 4),
-            "ppl_increase_pct": round(100 * (ppl_after / ppl_before - 1), 3),
+        quality: dict[str, float | str | None] = {
+            "ppl_before": None, "ppl_after": None, "ppl_increase_pct": None,
             "kl": round(kl / count, 5),
             "top1_agreement": round(agree / count, 5),
             "tokens": count,
             "source": self.source,
-            "perplexity_on": "model samples" if self.kind == SAMPLES else "text",
+            "perplexity_on": NO_PERPLEXITY,
         }
+        if rows_are_ids:
+            ppl_before, ppl_after = math.exp(nll_before / count), math.exp(nll_after / count)
+            quality.update(ppl_before=round(ppl_before, 4), ppl_after=round(ppl_after, 4),
+                           ppl_increase_pct=round(100 * (ppl_after / ppl_before - 1), 3),
+                           perplexity_on="model samples" if self.kind == SAMPLES else "text")
+        return quality
 
 
 def calibration_span(recipe: Recipe) -> int:

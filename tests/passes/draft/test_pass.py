@@ -69,6 +69,20 @@ def test_self_draft_artifact(target_dir, target, word_text, tmp_path):
     np.testing.assert_allclose(draft_logits(out, tokens), expected, atol=1e-4)
 
 
+def test_a_head_trimmed_draft_takes_its_own_lossy_pass(target_dir, word_text, tmp_path):
+    """A draft whose LM head keeps a token subset (`head_vocab`) has logits rows that are
+    not token ids: its own rtn pass reports KL and top-1 agreement and no perplexity
+    (it used to index the text's token ids into its rows and fail)."""
+    out = compile_with_draft(target_dir, word_text, tmp_path / "trim", kind="self", layers=2,
+                             head_vocab=64, gamma=2,
+                             passes=[{"rtn": {"bits": 4, "group_size": 32}}])
+    manifest = load_manifest(out)
+    assert manifest.speculative.model.vocab_size < 256  # 64 rows and the special tokens
+    quality = manifest.passes[0]["passes"][0]["quality"]
+    assert quality["kl"] > 0 and 0 < quality["top1_agreement"] <= 1
+    assert quality["ppl_before"] is None and quality["perplexity_on"].startswith("none")
+
+
 def test_subset_model_draft_artifact_with_ngram(target_dir, subset_dir, word_text, tmp_path):
     out = compile_with_draft(target_dir, word_text, tmp_path / "b", kind="model",
                              model=str(subset_dir), ngram={"max_n": 3},
