@@ -47,7 +47,6 @@ class StepBatch:
         """int64 [B]: packed row of each sequence's first query token."""
         return np.concatenate([[0], np.cumsum(self.query_lens)[:-1]]).astype(np.int64)
 
-
     def positions(self) -> np.ndarray:
         """int32 [T]: each packed query token's position: its sequence's context plus its
         depth in the step (its offset, unless it is in a tree)."""
@@ -70,7 +69,8 @@ class StepBatch:
 
 
 def tree_depths(parents: Sequence[int]) -> np.ndarray:
-    """Depth of each query token below the pool's last entry, minus one (a chain: 0, 1..)."""
+    """Each query token's offset from its sequence's context along its ancestors: a chain's
+    are 0, 1, 2, ...; siblings share one."""
     depths = np.zeros(len(parents), np.int64)
     for i, parent in enumerate(parents):
         depths[i] = 0 if parent < 0 else depths[parent] + 1

@@ -22,7 +22,8 @@ operations written with intrinsics (gemm_tile).
 
 A sequence's consecutive tokens in one step (a prefill chunk, a token and its drafts)
 attend together, up to RUN_TOKENS at a time, reading each lane row once for all of them
-(attend_run).
+(attend_run). A draft tree's tokens take consecutive rows but their depth's position, and
+each sees only its ancestors among the step's rows (softmax_shown).
 
 Every token's result is computed by the same operations in the same order whatever else
 the step holds (a block's integer dot is exact; the float sum runs over blocks in order;
