@@ -176,8 +176,8 @@ class LLMEngine:
                 rows = logits[row : row + num_rows]
                 tokens, path = self.speculator.verify(request, rows)
                 emitted[request.request_id] = tokens
-                self._keep_branch(item, path)
-                if path != list(range(len(path))):  # a tree's side branch: its rows
+                if path != list(range(len(path))):  # a tree's side branch: its KV, its rows
+                    self._move_branch(item, path)
                     rows = rows[[0, *(node + 1 for node in path)]]
                 _record_logprobs(request, rows, tokens)  # verified row j gave token j
             elif num_rows:
@@ -205,17 +205,15 @@ class LLMEngine:
                 self.speculator.observe(request, tokens)
         return emitted
 
-    def _keep_branch(self, item: ScheduledRequest, path: list[int]) -> None:
+    def _move_branch(self, item: ScheduledRequest, path: list[int]) -> None:
         """Move an accepted tree branch's pool entries to the positions its tokens now
-        have (a chain's, and a tree's first branch, are there already)."""
+        have (those of its first nodes that sit on the tree's first branch are there)."""
         first = item.request.num_computed_tokens + item.num_tokens - item.num_spec_tokens
-        moves = [(first + node, first + depth) for depth, node in enumerate(path)
-                 if node != depth]
-        if moves:
-            sources, destinations = (list(column) for column in zip(*moves, strict=True))
-            executor = cast(TreeExecutor, self.executor)  # it ran the tree
-            executor.move_entries(self.kv_cache_manager.block_ids(item.request), sources,
-                                  destinations)
+        moved = [(node, depth) for depth, node in enumerate(path) if node != depth]
+        executor = cast(TreeExecutor, self.executor)  # it ran the tree
+        executor.move_entries(self.kv_cache_manager.block_ids(item.request),
+                              [first + node for node, _ in moved],
+                              [first + depth for _, depth in moved])
 
     def _postprocess(
         self, scheduled: list[ScheduledRequest], emitted: dict[str, list[int]]

@@ -19,6 +19,8 @@ class NativeLaneExecutor(LanePools):
     """For a graph `runs_native` (runtime/assembly.py) accepted: its plan and its KV lanes
     (float32, or the int8/int4 codes the plan names per layer)."""
 
+    tree_attention = True  # runs draft trees (StepBatch.query_parents)
+
     def __init__(self, artifact: Path, graph: GraphSpec, kv_cache: KVCacheSpec, *,
                  num_blocks: int, block_size: int, lane_blocks: int,
                  num_threads: int | None = None, max_position: int):
@@ -34,8 +36,6 @@ class NativeLaneExecutor(LanePools):
         self._values = (ctypes.c_void_p * layers)(
             *(self.pools[f"past.{i}.value"].ctypes.data for i in range(layers)))
         self._lib = kernels()
-
-    tree_attention = True  # runs draft trees (StepBatch.query_parents)
 
     def execute(self, batch: StepBatch) -> np.ndarray:
         lanes = [self.lane_of(table) for table in batch.block_tables]

@@ -118,37 +118,27 @@ class SuffixDrafter:
         return proposals
 
     def propose_one(self, request: Request, k: int) -> Proposal:
-        if not self.tree:
-            tokens, source = self.draft(request.all_token_ids, request, k)
-            return Proposal(tokens, source=source)
-        tokens, parents, source = suffix_tree(request.all_token_ids,
-                                              self._indexes(request.all_token_ids, request),
-                                              k, self.settings)
-        return Proposal(tokens, source=source, parents=parents)
-
-    def draft(self, token_ids: Sequence[int], request: Request,
-              k: int) -> tuple[list[int], str]:
-        """Up to k tokens after a request's tokens; its index is kept in its state."""
-        return suffix_draft(token_ids, self._indexes(token_ids, request), k, self.settings)
-
-    def _indexes(self, token_ids: Sequence[int],
-                 request: Request) -> list[tuple[str, NgramIndex]]:
-        """The request's index (kept in its state, synced to `token_ids`) and the corpus's."""
+        """Up to k draft tokens after the request's tokens (a tree with `tree`); its own
+        index is kept in its state."""
         if request.spec.ngram_index is None:
             request.spec.ngram_index = NgramIndex(self.settings.max_n)
-        return self._synced(token_ids, request.spec.ngram_index)
+        tokens = request.all_token_ids
+        indexes = self._synced(tokens, request.spec.ngram_index)
+        if self.tree:
+            nodes, parents, source = suffix_tree(tokens, indexes, k, self.settings)
+            return Proposal(nodes, source=source, parents=parents)
+        drafted, source = suffix_draft(tokens, indexes, k, self.settings)
+        return Proposal(drafted, source=source)
 
     def lookup(self) -> Callable[[Sequence[int], int], list[int]]:
         """A draft function for one growing sequence (the compile-time simulation's)."""
         index = NgramIndex(self.settings.max_n)
-        return lambda token_ids, k: self._draft(token_ids, index, k)[0]
-
-    def _draft(self, token_ids: Sequence[int], index: NgramIndex,
-               k: int) -> tuple[list[int], str]:
-        return suffix_draft(token_ids, self._synced(token_ids, index), k, self.settings)
+        return lambda token_ids, k: suffix_draft(token_ids, self._synced(token_ids, index), k,
+                                                 self.settings)[0]
 
     def _synced(self, token_ids: Sequence[int],
                 index: NgramIndex) -> list[tuple[str, NgramIndex]]:
+        """`index` synced to `token_ids`, and the corpus's index after it."""
         index.sync(token_ids)  # its own suffix has no follower yet: no self-match
         return [("ngram", index)] + ([("corpus", self.corpus)] if self.corpus else [])
 

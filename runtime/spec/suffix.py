@@ -121,7 +121,8 @@ def suffix_tree(context: Sequence[int], indexes: Sequence[tuple[str, NgramIndex]
     equals): following first children from node 0 gives the start of the chain
     `suffix_draft` would draft, as far as the budget reached. `followers(tokens)`: the
     candidates after `tokens` (None: the longest match's followers)."""
-    root = longest_match(list(context[len(context) - settings.max_n:]), indexes, settings)
+    tail = list(context[len(context) - settings.max_n:])  # all a lookup reads
+    root = longest_match(tail, indexes, settings)
     if root is None or k <= 0:
         return [], [], ""
     if followers is None:
@@ -141,7 +142,7 @@ def suffix_tree(context: Sequence[int], indexes: Sequence[tuple[str, NgramIndex]
             heapq.heappush(candidates, (-score * count / total, -len(candidates), parent,
                                         token))
 
-    offer(followers(list(context[len(context) - settings.max_n:])) or {}, 1.0, -1)
+    offer(followers(tail) or {}, 1.0, -1)
     while candidates and len(paths) < k:
         negative, _, parent, token = heapq.heappop(candidates)
         if -negative < settings.min_confidence:
@@ -151,7 +152,7 @@ def suffix_tree(context: Sequence[int], indexes: Sequence[tuple[str, NgramIndex]
         scores.append(-negative)
         parents.append(parent)
         if len(path) < max_depth:
-            counts = followers((list(context) + list(path))[-settings.max_n:])
+            counts = followers((tail + list(path))[-settings.max_n:])
             if counts:
                 offer(counts, -negative, len(paths) - 1)
     if not paths:
@@ -168,10 +169,11 @@ def _depth_first(parents: list[int], scores: list[float]) -> list[int]:
     children: dict[int, list[int]] = {}
     for node, parent in enumerate(parents):
         children.setdefault(parent, []).append(node)
-    order: list[int] = []
+
     def worst_first(nodes: list[int]) -> list[int]:
         return sorted(nodes, key=lambda node: (scores[node], -node))
 
+    order: list[int] = []
     stack = worst_first(children.get(-1, []))
     while stack:  # the best child is on top
         node = stack.pop()
