@@ -97,7 +97,12 @@ int llmopt_native_supported(void) {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")
 #include <immintrin.h>
 
-#define PREFETCH_BLOCKS 16  /* how far ahead of the weight stream to prefetch */
+#define PREFETCH_BLOCKS 16  /* how far ahead of the weight stream to prefetch, every 64-byte
+                               line of it: prefetching every other line and leaving its pair
+                               to the adjacent-line prefetcher made a batch-1 step of 4 tokens
+                               cost 1.5x where it now costs 1.1x (the pair's demand misses
+                               stalled the dots; measured with benchmarks/native_kernels_ab.py,
+                               session 17). 8 to 32 blocks ahead time the same. */
 #define TOKEN_TILE 8        /* activation rows that share each unpacked weight block */
 #define PARALLEL_ROWS 64    /* rows from which per-row work (quantizing, norms, rotary, SiLU)
                                is split between threads: below, a parallel region costs more
@@ -184,7 +189,9 @@ static void tile8_q4(const uint8_t *codes, const float *row_scales, const int32_
         ".endr\n"
         "1:\n\t"
         "prefetcht0 %c[ahead](%[codes])\n\t"
+        "prefetcht0 %c[ahead]+64(%[codes])\n\t"
         "prefetcht0 %c[ahead]+128(%[codes])\n\t"
+        "prefetcht0 %c[ahead]+192(%[codes])\n\t"
         UNPACK(0, 8, 9) UNPACK(1, 10, 11) UNPACK(2, 12, 13) UNPACK(3, 14, 15)
         /* each row's dot starts from its zero term */
         ".irp i,0,1,2,3,4,5,6,7\n\t"
@@ -251,8 +258,7 @@ static inline __attribute__((always_inline)) void gemm_tile(
     for (int b = 0; b < blocks; b++) {
         const uint8_t *at = group + (int64_t)b * block_bytes;
         const char *ahead = (const char *)(at + PREFETCH_BLOCKS * block_bytes);
-        /* every other 64-byte line: the adjacent-line prefetcher fetches its pair */
-        for (int line = 0; line < block_bytes; line += 128)
+        for (int line = 0; line < block_bytes; line += 64)  /* every line: see PREFETCH_BLOCKS */
             _mm_prefetch(ahead + line, _MM_HINT_T0);
         __m512i codes[8];
         if (bits == 8) {
