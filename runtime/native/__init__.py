@@ -3,7 +3,9 @@
 ONNX Runtime runs a step as ~300 nodes (SmolLM2), each dispatched on its own and with
 MatMulNBits reading ~67 % of the memory bandwidth at batch 1. `kernels.c` (ours, built
 by `pip install`) runs the same computation in one call over the step's packed tokens:
-int4/int8 block-quantized projections on int8 activations with AVX-512 VNNI, rotary,
+int4/int8 block-quantized projections on int8 activations with AVX-512 VNNI (and, for 16
+activation rows or more, AMX int8 tiles where the CPU has them: bit for bit the same result,
+`LLMOPT_NATIVE_AMX=0` turns them off), rotary,
 keys and values written into the sequence's lane (float32, or the `kv_cache` pass's int8/int4
 codes with static per-channel scales), attention over the lane, RMS norms.
 It reads the artifact's weights where the compiler wrote them (the graph's weights file,

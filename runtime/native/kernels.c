@@ -30,10 +30,14 @@ the step holds (a block's integer dot is exact; the float sum runs over blocks i
 a run's token adds exact zeros for the rows past its own), so batching, chunked prefill
 and speculation change no output.
 */
+#define _GNU_SOURCE 1  /* syscall(), for the AMX tile permission */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -93,6 +97,25 @@ int llmopt_native_supported(void) {
         && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
 }
 
+static int amx_enabled = 0;
+
+/* Turns the AMX path on (want > 0) where the CPU has it and the kernel grants the tile
+   state (Linux 5.16 and later), or off (want 0); returns whether it is on (want < 0: only
+   that). */
+int llmopt_native_amx(int want) {
+    unsigned eax, ebx, ecx, edx;
+    if (want < 0) return amx_enabled;
+    amx_enabled = 0;
+    if (!want || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx))
+        return 0;
+    const unsigned tile = 1u << 24, int8 = 1u << 25;
+    if ((edx & tile) && (edx & int8)
+        && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                   18 /* XFEATURE_XTILEDATA */) == 0)
+        amx_enabled = 1;
+    return amx_enabled;
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")
 #include <immintrin.h>
@@ -123,6 +146,8 @@ typedef struct {
                             explicit zero points) */
     float *inputs;       /* [tiles][K/32][TOKEN_TILE] the block's sum of the float inputs
                             (filled for offsets) */
+    int8_t *rows;        /* [T rounded up to AMX_ROWS][K] the same codes row after row, for
+                            AMX tiles (filled where the step uses them) */
 } QActivations;
 
 /* Where row t's block b begins in a tiled per-block array, and in the codes. */
@@ -152,6 +177,7 @@ static void quantize_rows(const float *x, int t_rows, const QMatrix *w, int thre
             const int64_t at = tile_at(t, blocks, b);
             int32_t *codes = q->codes + (at - t % TOKEN_TILE) * 8 + t % TOKEN_TILE;
             for (int m = 0; m < 8; m++) codes[m * TOKEN_TILE] = quads[m];
+            if (q->rows) memcpy(q->rows + t * k + b * 32, quads, 32);
             q->scales[at] = scale;
             int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
             q->zero_term[at] = w->zeros ? -sum : -(sum << (w->bits - 1));
@@ -327,21 +353,219 @@ static void gemm_groups(const QMatrix *w, const QActivations *a, int t_rows, flo
     }
 }
 
-static void gemm(const QMatrix *w, const QActivations *a, int t_rows, float *y, int threads) {
-    const int64_t groups = (w->n + 15) / 16;
-#ifdef _OPENMP
-    if (threads > 1) {
-        #pragma omp parallel num_threads(threads)
-        {
-            int64_t id = omp_get_thread_num(), count = omp_get_num_threads();
-            int64_t lo = groups * id / count, hi = groups * (id + 1) / count;
-            if (lo < hi) gemm_groups(w, a, t_rows, y, lo, hi);
-        }
-        return;
+/* AMX: where the CPU has int8 tile multiplies (Intel's AMX-INT8), a tile of up to sixteen
+   activation rows times a row group runs one block at a time as one TDPBSSD: the tile A is
+   the rows' 32 codes of the block (QActivations.rows), the tile B the block's eight code
+   vectors, which weights.py's layout already makes the operand's four-bytes-per-lane form,
+   as signed bytes code - zero point. The integer dot of each row and block is exact either
+   way, and the float sum over blocks is gemm_tile's, operation for operation, so the result
+   is bit for bit the VNNI path's and a step may take either path for any of its matrices.
+   The tile's sums pass through memory (AMX has no move to vector registers) and each block
+   still needs gemm_tile's three float operations per row, which bound the gain: measured
+   1.3-1.5x VNNI from 64 rows on (prefill), 1.0-1.15x at 16 (a batch-16 decode step).*/
+#define AMX_ROWS 16       /* activation rows of one tile (A's and C's rows) */
+#define AMX_MIN_ROWS 16   /* fewer rows take the VNNI path: at 8 rows a tile costs 1.3-1.5x
+                             VNNI, at 16 0.86-1.0x, at 64 0.67-0.77x (SmolLM2 shapes, 1 thread) */
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,gfni,amx-tile,amx-int8")
+
+typedef struct __attribute__((aligned(64))) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Tiles 0-3: sums (C, 16 rows of 16 int32), 4-5: activation codes (A, 16 rows of a block's
+   32), 6-7: code vectors (B, 8 rows of 64 bytes): see amx_tile. */
+static void amx_configure(void) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int tile = 0; tile < 8; tile++) {
+        config.rows[tile] = tile < 6 ? AMX_ROWS : 8;
+        config.bytes_per_row[tile] = tile == 4 || tile == 5 ? 32 : 64;
     }
-#endif
+    _tile_loadconfig(&config);
+}
+
+/* Block b of group g's code vectors as signed bytes code - zero point (512 bytes): the
+   product then needs no zero-point term (it is the same integer). Prefetches the weight
+   stream ahead. */
+static inline __attribute__((always_inline)) void amx_unpack_block(
+        const QMatrix *w, int64_t g, int b, int8_t *out) {
+    const int blocks = w->k / 32, block_bytes = w->bits * 64;
+    const uint8_t *at = w->codes + (g * blocks + b) * block_bytes;
+    const char *ahead = (const char *)(at + PREFETCH_BLOCKS * block_bytes);
+    for (int line = 0; line < block_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    if (w->bits == 8) {  /* no zero points here (amx_takes): code - 128 */
+        for (int m = 0; m < 8; m++)
+            _mm512_store_si512(out + 64 * m, _mm512_xor_si512(_mm512_loadu_si512(at + 64 * m),
+                                                              _mm512_set1_epi8((char)0x80)));
+    } else if (w->zeros) {  /* row i's zero point in each byte of lane i */
+        const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_mullo_epi32(
+            _mm512_set1_epi32(0x01010101), _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                (const __m128i *)(w->zeros + (g * blocks + b) * 16))));
+        for (int j = 0; j < 4; j++) {
+            __m512i packed = _mm512_loadu_si512(at + 64 * j);
+            _mm512_store_si512(out + 128 * j, _mm512_sub_epi8(_mm512_and_si512(packed, low4), zero));
+            _mm512_store_si512(out + 128 * j + 64, _mm512_sub_epi8(
+                _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4), zero));
+        }
+    } else {
+        /* code - 8 of a nibble is the nibble with bit 3 flipped, sign-extended: an affine map
+           of bits over GF(2), one instruction per nibble */
+        for (int j = 0; j < 4; j++) {
+            __m512i packed = _mm512_loadu_si512(at + 64 * j);
+            _mm512_store_si512(out + 128 * j, _mm512_gf2p8affine_epi64_epi8(
+                packed, _mm512_set1_epi64(0x0102040808080808), 0xF8));
+            _mm512_store_si512(out + 128 * j + 64, _mm512_gf2p8affine_epi64_epi8(
+                packed, _mm512_set1_epi64(0x1020408080808080), 0xF8));
+        }
+    }
+}
+
+/* acc[i] += block b's dots of rows t0 + i (sums: the tile's C) as gemm_tile adds them.
+   act_scales, inputs: the block's entries of rows t0 .. t0 + 7 and, 8 * blocks further,
+   of t0 + 8 .. t0 + 15 (QActivations' tiles of eight). */
+static inline __attribute__((always_inline)) void amx_add_block(
+        const float *row_scales, const float *offsets, const float *act_scales,
+        const float *inputs, int64_t next_tile, const int rows, const int32_t *sums,
+        __m512 *acc) {
+    const __m512 scales = _mm512_loadu_ps(row_scales);
+    for (int i = 0; i < rows; i++) {
+        const int64_t at = i < TOKEN_TILE ? i : next_tile + i - TOKEN_TILE;
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * i)),
+                                 _mm512_mul_ps(scales, _mm512_set1_ps(act_scales[at])), acc[i]);
+        if (offsets)
+            acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(offsets), _mm512_set1_ps(inputs[at]),
+                                     acc[i]);
+    }
+}
+
+/* Rows t0 .. t0 + rows - 1 times row group g (signed code vectors `vectors`, or NULL: each
+   pair unpacked as it comes, for a group that one tile of rows reads once). Blocks go
+   in pairs, software-pipelined: while one pair's sums are read (from tiles 0, 1 or 2, 3),
+   the next pair multiplies into the other two; tiles 4, 5 hold a pair's activation codes,
+   6, 7 its code vectors. */
+static inline __attribute__((always_inline)) void amx_tile(
+        const QMatrix *w, const QActivations *a, int t0, const int rows, const int has_offsets,
+        int64_t g, const int8_t *vectors, float *y) {
+    const int blocks = w->k / 32, pairs = blocks / 2;
+    const int64_t stride = w->k, next_tile = (int64_t)blocks * TOKEN_TILE;
+    const int8_t *act = a->rows + (int64_t)t0 * stride;
+    const float *row_scales = w->scales + g * blocks * 16;
+    const float *offsets = has_offsets ? w->offsets + g * blocks * 16 : NULL;
+    const float *act_scales = a->scales + tile_at(t0, blocks, 0);
+    const float *inputs = a->inputs + tile_at(t0, blocks, 0);
+    int32_t sums[2][AMX_ROWS * 16] __attribute__((aligned(64)));
+    int8_t ring[2][1024] __attribute__((aligned(64)));  /* a pair's code vectors, unpacked */
+    __m512 acc[AMX_ROWS];
+    for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
+#define MULTIPLY(c0, c1, b) do { \
+        const int8_t *pair = vectors ? vectors + (b) * 512 : ring[(b) / 2 % 2]; \
+        if (!vectors) { \
+            amx_unpack_block(w, g, (b), ring[(b) / 2 % 2]); \
+            amx_unpack_block(w, g, (b) + 1, ring[(b) / 2 % 2] + 512); \
+        } \
+        _tile_zero(c0); \
+        _tile_loadd(4, act + (b) * 32, stride); \
+        _tile_loadd(6, pair, 64); \
+        _tile_dpbssd(c0, 4, 6); \
+        _tile_zero(c1); \
+        _tile_loadd(5, act + (b) * 32 + 32, stride); \
+        _tile_loadd(7, pair + 512, 64); \
+        _tile_dpbssd(c1, 5, 7); \
+    } while (0)
+#define ADD_BLOCK(b, set) \
+    amx_add_block(row_scales + (b) * 16, has_offsets ? offsets + (b) * 16 : NULL, \
+                  act_scales + (b) * TOKEN_TILE, inputs + (b) * TOKEN_TILE, next_tile, rows, \
+                  sums[set], acc)
+    if (pairs > 0) MULTIPLY(0, 1, 0);
+    for (int p = 0; p < pairs; p++) {
+        const int b = 2 * p;
+        if (p % 2 == 0) {
+            if (p + 1 < pairs) MULTIPLY(2, 3, b + 2);
+            _tile_stored(0, sums[0], 64);
+            _tile_stored(1, sums[1], 64);
+        } else {
+            if (p + 1 < pairs) MULTIPLY(0, 1, b + 2);
+            _tile_stored(2, sums[0], 64);
+            _tile_stored(3, sums[1], 64);
+        }
+        ADD_BLOCK(b, 0);
+        ADD_BLOCK(b + 1, 1);
+    }
+    if (blocks % 2) {
+        const int b = blocks - 1;
+        if (!vectors) amx_unpack_block(w, g, b, ring[0]);
+        _tile_zero(0);
+        _tile_loadd(4, act + b * 32, stride);
+        _tile_loadd(6, vectors ? vectors + b * 512 : ring[0], 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_stored(0, sums[0], 64);
+        ADD_BLOCK(b, 0);
+    }
+#undef MULTIPLY
+#undef ADD_BLOCK
+    const __mmask16 outputs = (__mmask16)((1u << (w->n - 16 * g < 16 ? w->n - 16 * g : 16)) - 1);
+    for (int i = 0; i < rows; i++)
+        _mm512_mask_storeu_ps(y + (int64_t)(t0 + i) * w->n + 16 * g, outputs, acc[i]);
+}
+
+/* gemm_groups on AMX tiles: per row chunk and group, the group's code vectors unpacked once
+   for all its tiles of rows (as they come where there is one tile). */
+static int gemm_groups_amx(const QMatrix *w, const QActivations *a, int t_rows, float *y,
+                           int64_t lo, int64_t hi) {
+    const int blocks = w->k / 32;
+    int8_t *unpacked = t_rows > AMX_ROWS ? aligned_alloc(64, (size_t)blocks * 512) : NULL;
+    if (t_rows > AMX_ROWS && !unpacked) return -1;
+    amx_configure();
+    for (int c0 = 0; c0 < t_rows; c0 += ROW_CHUNK) {
+        const int t1 = t_rows - c0 < ROW_CHUNK ? t_rows : c0 + ROW_CHUNK;
+        for (int64_t g = lo; g < hi; g++) {
+            if (unpacked)
+                for (int b = 0; b < blocks; b++) amx_unpack_block(w, g, b, unpacked + b * 512);
+            for (int t0 = c0; t0 < t1; t0 += AMX_ROWS) {
+                const int rows = t1 - t0 < AMX_ROWS ? t1 - t0 : AMX_ROWS;
+                if (rows == AMX_ROWS && !w->offsets)
+                    amx_tile(w, a, t0, AMX_ROWS, 0, g, unpacked, y);
+                else
+                    amx_tile(w, a, t0, rows, w->offsets != NULL, g, unpacked, y);
+            }
+        }
+    }
+    _tile_release();
+    free(unpacked);
+    return 0;
+}
+#pragma GCC pop_options
+
+/* Whether w times t_rows activation rows runs on AMX tiles (QActivations.rows): not 8-bit
+   codes with zero points, whose code - zero does not fit a signed byte. */
+static inline int amx_takes(const QMatrix *w, int t_rows) {
+    return amx_enabled && t_rows >= AMX_MIN_ROWS && !(w->bits == 8 && w->zeros);
+}
+
+/* y [T][N] = a times w's transpose, the row groups split between threads. Returns 0, or -1
+   when memory runs out. */
+static int gemm(const QMatrix *w, const QActivations *a, int t_rows, float *y, int threads) {
+    const int64_t groups = (w->n + 15) / 16;
+    const int amx = a->rows != NULL && amx_takes(w, t_rows);
+    int status = 0;
     (void)threads;
-    gemm_groups(w, a, t_rows, y, 0, groups);
+    #pragma omp parallel num_threads(threads) if (threads > 1) reduction(|: status)
+    {
+#ifdef _OPENMP
+        int64_t id = omp_get_thread_num(), count = omp_get_num_threads();
+#else
+        int64_t id = 0, count = 1;
+#endif
+        int64_t lo = groups * id / count, hi = groups * (id + 1) / count;
+        if (lo < hi && amx) status |= gemm_groups_amx(w, a, t_rows, y, lo, hi);
+        else if (lo < hi) gemm_groups(w, a, t_rows, y, lo, hi);
+    }
+    return status;
 }
 
 static inline __m512 exp512(__m512 x) {  /* e^x, Cephes' polynomial, ~1 ulp */
@@ -726,6 +950,7 @@ typedef struct {
     float *rows;            /* [threads][RUN_TOKENS * heads][head_dim] a run's queries, sums */
     int32_t *runs;          /* [T + 1] where each run of query tokens starts (query_runs) */
     QActivations q;
+    int8_t *amx_rows;       /* QActivations.rows for the matrices that take AMX tiles */
 } Scratch;
 
 /* Memory that starts on a cache line: a vector store into an output row then touches
@@ -752,25 +977,29 @@ static int scratch_alloc(const Model *m, int t_rows, int longest, Scratch *s) {
     s->q.scales = lines_alloc(sizeof(float) * padded * (width / 32));
     s->q.zero_term = lines_alloc(sizeof(int32_t) * padded * (width / 32));
     s->q.inputs = lines_alloc(sizeof(float) * padded * (width / 32));
+    s->q.rows = NULL;
+    s->amx_rows = lines_alloc((t + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS * width);
     s->scores_stride = ((int64_t)RUN_TOKENS * (m->heads / m->kv_heads) + 1) * longest;
     int threads = m->num_threads > 1 ? m->num_threads : 1;
     s->scores = lines_alloc(sizeof(float) * s->scores_stride * threads);
     s->rows = lines_alloc(sizeof(float) * RUN_TOKENS * attn_width * threads);
     s->runs = lines_alloc(sizeof(int32_t) * (t + 1));
     return s->x && s->h && s->qkv && s->attn && s->proj && s->gate_up && s->act && s->q.codes
-        && s->q.inputs && s->q.scales && s->q.zero_term && s->scores && s->rows && s->runs;
+        && s->q.inputs && s->q.scales && s->q.zero_term && s->scores && s->rows && s->runs
+        && s->amx_rows;
 }
 
 static void scratch_free(Scratch *s) {
     free(s->x); free(s->h); free(s->qkv); free(s->attn); free(s->proj); free(s->gate_up);
     free(s->act); free(s->q.codes); free(s->q.scales); free(s->q.zero_term); free(s->q.inputs);
-    free(s->scores); free(s->rows); free(s->runs);
+    free(s->scores); free(s->rows); free(s->runs); free(s->amx_rows);
 }
 
-static void linear(const Model *m, const QMatrix *w, const float *x, int t_rows, Scratch *s,
-                   float *y) {
+static int linear(const Model *m, const QMatrix *w, const float *x, int t_rows, Scratch *s,
+                  float *y) {
+    s->q.rows = amx_takes(w, t_rows) ? s->amx_rows : NULL;
     quantize_rows(x, t_rows, w, m->num_threads, &s->q);
-    gemm(w, &s->q, t_rows, y, m->num_threads);
+    return gemm(w, &s->q, t_rows, y, m->num_threads);
 }
 
 /* One layer's attention: rotary at each token's position (and the layer's rotation), the
@@ -843,14 +1072,16 @@ static void add_norm(float *x, const float *delta, const float *weight, const Mo
 int llmopt_linear(const QMatrix *w, const float *x, int32_t t_rows, float *y, int32_t threads) {
     const int64_t padded = ((int64_t)t_rows + TOKEN_TILE - 1) / TOKEN_TILE * TOKEN_TILE;
     const int64_t blocks = padded * (w->k / 32);
+    const int64_t amx_padded = ((int64_t)t_rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
     QActivations q = {lines_alloc(padded * w->k), lines_alloc(sizeof(float) * blocks),
-                      lines_alloc(sizeof(int32_t) * blocks), lines_alloc(sizeof(float) * blocks)};
-    int ok = q.codes && q.scales && q.zero_term && q.inputs;
+                      lines_alloc(sizeof(int32_t) * blocks), lines_alloc(sizeof(float) * blocks),
+                      amx_takes(w, t_rows) ? lines_alloc(amx_padded * w->k) : NULL};
+    int ok = q.codes && q.scales && q.zero_term && q.inputs && (q.rows || !amx_takes(w, t_rows));
     if (ok) {
         quantize_rows(x, t_rows, w, threads, &q);
-        gemm(w, &q, t_rows, y, threads);
+        ok = gemm(w, &q, t_rows, y, threads) == 0;
     }
-    free(q.codes); free(q.scales); free(q.zero_term); free(q.inputs);
+    free(q.codes); free(q.scales); free(q.zero_term); free(q.inputs); free(q.rows);
     return ok ? 0 : -1;
 }
 
@@ -879,28 +1110,29 @@ int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
         rms_norm(s.x + (int64_t)t * hidden, m->attn_norm[0], m->eps, hidden,
                  s.h + (int64_t)t * hidden);
     }
-    for (int l = 0; l < m->layers; l++) {
-        linear(m, &m->qkv[l], s.h, t_rows, &s, s.qkv);
+    int status = 0;  /* an AMX tile's unpacking buffer may fail to allocate */
+    for (int l = 0; l < m->layers && !status; l++) {
+        status |= linear(m, &m->qkv[l], s.h, t_rows, &s, s.qkv);
         attention(m, &m->kv[l], t_rows, lanes, positions, lane_rows, masks, key_pools[l],
                   value_pools[l], lane_tokens, &s);
-        linear(m, &m->o[l], s.attn, t_rows, &s, s.proj);
+        status |= linear(m, &m->o[l], s.attn, t_rows, &s, s.proj);
         add_norm(s.x, s.proj, m->mlp_norm[l], m, t_rows, s.h);
-        linear(m, &m->gate_up[l], s.h, t_rows, &s, s.gate_up);
+        status |= linear(m, &m->gate_up[l], s.h, t_rows, &s, s.gate_up);
         #pragma omp parallel for num_threads(m->num_threads) \
             if (m->num_threads > 1 && t_rows >= PARALLEL_ROWS)
         for (int t = 0; t < t_rows; t++) {
             const float *gate = s.gate_up + (int64_t)t * 2 * inter;
             silu_times(gate, gate + inter, inter, s.act + (int64_t)t * inter);
         }
-        linear(m, &m->down[l], s.act, t_rows, &s, s.proj);
+        status |= linear(m, &m->down[l], s.act, t_rows, &s, s.proj);
         add_norm(s.x, s.proj, l + 1 < m->layers ? m->attn_norm[l + 1] : NULL, m, t_rows, s.h);
     }
     for (int r = 0; r < n_logits; r++)
         rms_norm(s.x + (int64_t)logit_rows[r] * hidden, m->final_norm, m->eps, hidden,
                  s.h + (int64_t)r * hidden);
-    if (n_logits > 0) linear(m, &m->head, s.h, n_logits, &s, logits);
+    if (n_logits > 0 && !status) status = linear(m, &m->head, s.h, n_logits, &s, logits);
     scratch_free(&s);
-    return 0;
+    return status ? -1 : 0;
 }
 #pragma GCC pop_options
 

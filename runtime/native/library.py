@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import os
 from typing import Any
 
 from llmopt.runtime.manifest import GraphSpec, KVCacheSpec
@@ -60,7 +61,29 @@ def kernels() -> ctypes.CDLL | None:
                                    c_ptr, c_ptr, c_ptr, c_i32, c_i32, c_ptr, c_ptr]
     lib.llmopt_linear.restype = ctypes.c_int
     lib.llmopt_linear.argtypes = [ctypes.POINTER(QMatrix), c_ptr, c_i32, c_ptr, c_i32]
+    lib.llmopt_native_amx.restype = ctypes.c_int
+    lib.llmopt_native_amx.argtypes = [ctypes.c_int]
+    if lib.llmopt_native_supported():
+        lib.llmopt_native_amx(os.environ.get(AMX_VARIABLE, "1") != "0")
     return lib
+
+
+AMX_VARIABLE = "LLMOPT_NATIVE_AMX"  # "0": the native step never uses AMX tiles
+
+
+def use_amx(enabled: bool) -> bool:
+    """Lets the native step multiply on AMX tiles where the CPU has them (the default, unless
+    LLMOPT_NATIVE_AMX=0), or never; returns whether it now does. Either way every output is
+    the same, bit for bit (kernels.c): this only moves speed."""
+    lib = kernels()
+    return bool(lib is not None and lib.llmopt_native_supported()
+                and lib.llmopt_native_amx(int(enabled)))
+
+
+def amx_in_use() -> bool:
+    """Whether the native step multiplies on AMX tiles (use_amx)."""
+    lib = kernels()
+    return bool(lib is not None and lib.llmopt_native_supported() and lib.llmopt_native_amx(-1))
 
 
 def require_native(graph: GraphSpec, kv_cache: KVCacheSpec) -> None:

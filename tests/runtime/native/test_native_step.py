@@ -11,6 +11,9 @@ batching, preemption and speculation change no greedy output.
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,12 +28,21 @@ from llmopt.compiler.recipe import Recipe
 from llmopt.runtime import LLM, SamplingParams
 from llmopt.runtime.lane_executor import LaneExecutor
 from llmopt.runtime.native.executor import NativeLaneExecutor
-from llmopt.runtime.native.library import kernels
+from llmopt.runtime.native.library import AMX_VARIABLE, kernels, use_amx
 from llmopt.runtime.native.weights import quantized_matrix
 
 lib = kernels()
 pytestmark = pytest.mark.skipif(lib is None or not lib.llmopt_native_supported(),
                                 reason="no native kernels in this install, or no AVX-512 VNNI")
+HAS_AMX = lib is not None and lib.llmopt_native_supported() and use_amx(True)
+needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU (or kernel) has no AMX int8 tiles")
+
+
+@pytest.fixture
+def amx_restored():
+    """Whatever a test sets with use_amx, the next test starts with AMX on where it exists."""
+    yield use_amx
+    use_amx(True)
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 A8 = {"nbits_accuracy_level": 4}
@@ -103,15 +115,7 @@ def test_a_projection_equals_matmul_nbits(bits, symmetric):
     the same numbers."""
     rng = np.random.default_rng(bits)
     n, k = 48, 192
-    levels = 2 ** bits
-    q = QuantizedLinear(bits=bits, group_size=32,
-                        codes=_torch(rng.integers(0, levels, (n, k)).astype(np.uint8)),
-                        scales=_torch(rng.uniform(1e-3, 2e-2, (n, k // 32)).astype(np.float32)),
-                        zeros=_torch(np.full((n, k // 32), levels // 2, np.float32) if symmetric
-                                     else rng.integers(0, levels, (n, k // 32)).astype(
-                                         np.float32)),
-                        symmetric=symmetric)
-    packed = pack_matmul_nbits(q)
+    packed = _random_matrix(rng, n, k, bits, symmetric)
     rows = 70
     x = rng.standard_normal((rows, k)).astype(np.float32)
     node = helper.make_node("MatMulNBits", ["x", *packed], ["y"], domain="com.microsoft",
@@ -138,6 +142,54 @@ def test_a_projection_equals_matmul_nbits(bits, symmetric):
             lib.llmopt_linear(ctypes.byref(matrix), x[row:row + 1].ctypes.data, 1,
                               one_row.ctypes.data, threads)
             assert np.array_equal(one_row[0], got[row])
+
+
+@needs_amx
+@pytest.mark.parametrize("bits,symmetric,k", [(4, True, 192), (4, False, 160), (8, True, 96),
+                                              (8, False, 96)])
+def test_amx_tiles_compute_the_vnni_result_bit_for_bit(bits, symmetric, k, amx_restored):
+    """Every row count a tile of sixteen can meet (a partial tile, several tiles, more than
+    a row chunk), an odd block count (k 160, 96) and both threads: AMX on and off give equal
+    floats, so a step may multiply on either."""
+    rng = np.random.default_rng(bits + k)
+    n = 40
+    packed = _random_matrix(rng, n, k, bits, symmetric)
+    arrays, matrix = quantized_matrix(packed["B"], packed["scales"], packed.get("zero_points"),
+                                      n, k, bits)
+    for rows in (1, 2, 7, 16, 17, 40, 130):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        results = []
+        for amx in (False, True):
+            assert amx_restored(amx) == amx
+            for threads in (1, 2):
+                y = np.empty((rows, n), np.float32)
+                assert lib.llmopt_linear(ctypes.byref(matrix), x.ctypes.data, rows,
+                                         y.ctypes.data, threads) == 0
+                results.append(y)
+        for y in results[1:]:
+            assert np.array_equal(y, results[0]), rows
+
+
+def test_the_environment_can_turn_amx_off():
+    """LLMOPT_NATIVE_AMX=0 keeps a process on the VNNI path; otherwise AMX is on where the
+    CPU has it."""
+    code = "from llmopt.runtime.native.library import amx_in_use; print(amx_in_use())"
+    for value, expected in (("0", False), ("1", HAS_AMX)):
+        printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                 env={**os.environ, AMX_VARIABLE: value}, check=True).stdout
+        assert printed.strip() == str(expected)
+
+
+def _random_matrix(rng: np.random.Generator, n: int, k: int, bits: int,
+                   symmetric: bool) -> dict[str, np.ndarray]:
+    """MatMulNBits' B, scales (and zero_points) of random block-quantized weights."""
+    levels = 2 ** bits
+    zeros = (np.full((n, k // 32), levels // 2, np.float32) if symmetric
+             else rng.integers(0, levels, (n, k // 32)).astype(np.float32))
+    return pack_matmul_nbits(QuantizedLinear(
+        bits=bits, group_size=32, codes=_torch(rng.integers(0, levels, (n, k)).astype(np.uint8)),
+        scales=_torch(rng.uniform(1e-3, 2e-2, (n, k // 32)).astype(np.float32)),
+        zeros=_torch(zeros), symmetric=symmetric))
 
 
 def _codes(lane: np.ndarray) -> np.ndarray:
@@ -199,6 +251,22 @@ def test_batching_preemption_and_speculation_change_nothing(name, artifacts):
     outputs = speculating.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == alone
     assert sum(o.metrics.speculation.num_spec_steps for o in outputs) > 0
+
+
+@needs_amx
+@pytest.mark.parametrize("name", ["llama-sym-h8", "llama-asym-h4", "gguf-q4_1",
+                                  "llama-kv-int4-mixed"])
+def test_amx_tiles_change_no_step_output(name, artifacts, amx_restored):
+    """A prefill (its chunks take AMX tiles), a batch of 16 and greedy decoding: the same
+    log-probs and tokens, bit for bit, with AMX on and off."""
+    tokens, prompts = (requests()[1] * 4)[:100], requests()
+    results = []
+    for amx in (False, True):
+        assert amx_restored(amx) == amx
+        llm = LLM(artifacts[name], kernels="native", speculative=False)
+        results.append((llm.score(tokens), [o.token_ids for o in llm.generate(prompts, GREEDY)]))
+    assert np.array_equal(results[0][0], results[1][0])
+    assert results[0][1] == results[1][1]
 
 
 @pytest.mark.parametrize("name", ["llama-sym-h8", "llama-kv-int4-mixed", "llama-kv-float16"])
