@@ -4,8 +4,10 @@ matter, timed interleaved, so machine drift between runs does not enter the rati
     cp runtime/native/_kernels*.so /tmp/old.so      # before editing kernels.c
     pip install -e . --no-deps --no-build-isolation  # rebuild the edited kernels
     python benchmarks/native_kernels_ab.py ART --old /tmp/old.so [--threads 1] [--rounds 15]
+    python benchmarks/native_kernels_ab.py ART --old amx-off    # the installed build, AMX off
 
-The new build is the installed one. Steps (executor calls on prepared batches, nothing
+The new build is the installed one (`--old amx-off`: "old" is the installed build with its
+AMX tiles turned off, "new" with them on, where the CPU has them). Steps (executor calls on prepared batches, nothing
 sampled): batch 1 with 1/2/4/8 tokens at context 128 (a decode step and speculation's
 verifications), batch 4 × 8 tokens, batch 16 × 1 token at context 192, a prefill of
 4 × 128 tokens. Prints median ms and new / old; writes
@@ -29,7 +31,7 @@ from _common import RESULTS_DIR, machine_info, write_json
 
 from llmopt.runtime import LLM
 from llmopt.runtime.native import executor as native_executor
-from llmopt.runtime.native.library import kernels
+from llmopt.runtime.native.library import kernels, use_amx
 from llmopt.runtime.step_batch import SequenceStep, StepBatch, make_step_batch
 
 FUNCTIONS = ("llmopt_forward", "llmopt_native_supported", "llmopt_linear")
@@ -85,7 +87,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
-    libs = {"old": load_build(args.old), "new": kernels()}
+    amx_ab = args.old == "amx-off"
+    if amx_ab and not use_amx(True):
+        raise SystemExit("--old amx-off: this CPU (or kernel) has no AMX int8 tiles")
+    libs = {"old": kernels() if amx_ab else load_build(args.old), "new": kernels()}
     engines = [(build, engine_on(args.artifact, libs[build], args.threads))
                for build in ("old", "new", "new", "old")]
     batches = step_batches(engines[0][1])
@@ -93,6 +98,8 @@ def main() -> None:
     for round_ in range(args.rounds):
         for name, batch in batches.items():
             for build, llm in engines if round_ % 2 else engines[::-1]:
+                if amx_ab:
+                    use_amx(build == "new")
                 started = time.perf_counter()
                 llm.engine.executor.execute(batch)
                 if round_ >= 2:  # the first two rounds warm up
@@ -104,7 +111,7 @@ def main() -> None:
         print(f"{name:<36} old {old:8.2f} ms   new {new:8.2f} ms   new/old {new / old:.3f}")
     write_json(RESULTS_DIR / "native_kernels_ab.json",
                {"machine": machine_info(), "artifact": str(args.artifact),
-                "threads": args.threads, "rounds": args.rounds, "rows": rows})
+                "old": args.old, "threads": args.threads, "rounds": args.rounds, "rows": rows})
 
 
 if __name__ == "__main__":
