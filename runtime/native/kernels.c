@@ -543,8 +543,19 @@ static int gemm_groups_amx(const QMatrix *w, const QActivations *a, int t_rows, 
 
 /* Whether w times t_rows activation rows runs on AMX tiles (QActivations.rows): not 8-bit
    codes with zero points, whose code - zero does not fit a signed byte. */
+static int amx_min_rows = AMX_MIN_ROWS;
+
 static inline int amx_takes(const QMatrix *w, int t_rows) {
-    return amx_enabled && t_rows >= AMX_MIN_ROWS && !(w->bits == 8 && w->zeros);
+    return amx_enabled && t_rows >= amx_min_rows && !(w->bits == 8 && w->zeros);
+}
+
+/* From how many activation rows a projection takes AMX tiles (rows > 0; the default is
+   AMX_MIN_ROWS): for benchmarks/amx_projections.py, which times every row count on both
+   paths. Returns the previous value. */
+int llmopt_native_amx_min_rows(int rows) {
+    const int previous = amx_min_rows;
+    if (rows > 0) amx_min_rows = rows;
+    return previous;
 }
 
 /* y [T][N] = a times w's transpose, the row groups split between threads. Returns 0, or -1

@@ -63,6 +63,8 @@ def kernels() -> ctypes.CDLL | None:
     lib.llmopt_linear.argtypes = [ctypes.POINTER(QMatrix), c_ptr, c_i32, c_ptr, c_i32]
     lib.llmopt_native_amx.restype = ctypes.c_int
     lib.llmopt_native_amx.argtypes = [ctypes.c_int]
+    lib.llmopt_native_amx_min_rows.restype = ctypes.c_int
+    lib.llmopt_native_amx_min_rows.argtypes = [ctypes.c_int]
     if lib.llmopt_native_supported():
         lib.llmopt_native_amx(os.environ.get(AMX_VARIABLE, "1") != "0")
     return lib

@@ -40,9 +40,12 @@ needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU (or kernel) has no 
 
 @pytest.fixture
 def amx_restored():
-    """Whatever a test sets with use_amx, the next test starts with AMX on where it exists."""
+    """Whatever a test sets with use_amx (or the tiles' row threshold), the next test starts
+    with AMX on where it exists, from its default row count."""
+    default_min_rows = lib.llmopt_native_amx_min_rows(0)
     yield use_amx
     use_amx(True)
+    lib.llmopt_native_amx_min_rows(default_min_rows)
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 A8 = {"nbits_accuracy_level": 4}
@@ -150,7 +153,9 @@ def test_a_projection_equals_matmul_nbits(bits, symmetric):
 def test_amx_tiles_compute_the_vnni_result_bit_for_bit(bits, symmetric, k, amx_restored):
     """Every row count a tile of sixteen can meet (a partial tile, several tiles, more than
     a row chunk), an odd block count (k 160, 96) and both threads: AMX on and off give equal
-    floats, so a step may multiply on either."""
+    floats, so a step may multiply on either. Tiles from one row on, below the threshold a
+    step uses, so that partial tiles run too."""
+    lib.llmopt_native_amx_min_rows(1)
     rng = np.random.default_rng(bits + k)
     n = 40
     packed = _random_matrix(rng, n, k, bits, symmetric)
