@@ -25,22 +25,82 @@ from llmopt.passes.draft.distill import text_windows
 from llmopt.passes.draft.measure import PagedRunner, Trajectory, greedy_trajectories
 from llmopt.runtime.tokenizer import Tokenizer
 
+# Generic requests whose answers are the `corpus: self` n-gram corpus and the self-distillation
+# prompts when no text is given: many kinds of everyday request, one answer each (greedy
+# answers to a repeated prompt would repeat, counting the same n-grams again).
 INSTRUCTIONS = (
+    # code
     "Write a Python function that checks whether a string is a palindrome.",
     "Write a Python function that merges two sorted lists into one sorted list.",
     "Write a Python class for a simple bank account with deposit and withdraw methods.",
     "Write a JavaScript function that debounces another function.",
     "Write a SQL query that returns the ten most recent orders per customer.",
+    "Write a Python script that counts the words in a text file.",
+    "Write a function in C that reverses a linked list.",
+    "Write a bash script that renames every .txt file in a folder to .md.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Write an HTML page with a form that asks for a name and an email address.",
+    "Fix the bug in this Python code: def add(a, b): return a - b",
+    "Write unit tests with pytest for a function that adds two numbers.",
+    # explanations
     "Explain how photosynthesis works.",
     "Explain the difference between a list and a tuple in Python.",
     "Explain what recursion is, with an example.",
+    "Explain how a vaccine trains the immune system.",
+    "Explain what inflation is and why prices rise over time.",
+    "Explain how the internet sends a message from one computer to another.",
+    "Explain the difference between weather and climate.",
+    "Explain what a black hole is to a ten-year-old.",
+    # questions and facts
     "What are the health benefits of regular exercise?",
+    "What is the capital of Australia, and why is it not Sydney?",
+    "Who was Marie Curie and what did she discover?",
+    "What causes earthquakes?",
+    "How many bones are there in the human body?",
+    "What is the difference between a virus and a bacterium?",
+    "When did the Second World War end?",
+    "What is the tallest mountain in the world, and how tall is it?",
+    # how-to and advice
+    "How do I make a cup of green tea?",
+    "How can I improve my sleep?",
+    "How do I change a flat tyre on a bicycle?",
+    "Give me tips for studying for an exam.",
+    "How should I prepare for a job interview?",
+    "How do I start learning to play the guitar?",
+    # lists and plans
     "Give me five ideas for a healthy breakfast.",
+    "List the planets of the solar system in order from the sun.",
+    "List ten common English verbs and their past tense.",
+    "Make a packing list for a weekend camping trip.",
+    "Plan a three-day sightseeing trip to Rome.",
+    "Suggest five names for a small coffee shop.",
+    "Write a weekly workout plan for a beginner.",
+    "Give me a shopping list for a week of vegetarian dinners.",
+    # writing
     "Write a short poem about the ocean.",
     "Write a polite email asking a colleague to review my report.",
-    "How do I make a cup of green tea?",
-    "List the planets of the solar system in order from the sun.",
-    "What is the capital of Australia, and why is it not Sydney?",
+    "Write a short story about a robot who learns to paint.",
+    "Write a thank-you note to a friend who helped me move house.",
+    "Write a product description for a stainless steel water bottle.",
+    "Write a short speech for a friend's wedding.",
+    "Write a cover letter for a junior data analyst position.",
+    "Write a limerick about a cat.",
+    # structured output
+    "Describe a fictional book as a JSON object with title, author, year and genres.",
+    "Make a markdown table of three countries with their capitals and populations.",
+    "Write a YAML configuration for a web server with a host, a port and a log level.",
+    "Give the steps of making pancakes as a numbered list.",
+    "Write a CSV file with five rows of names, ages and cities.",
+    # reasoning and arithmetic
+    "If a train travels 60 kilometres per hour for 2.5 hours, how far does it go?",
+    "What is 15 percent of 240?",
+    "A shirt costs 20 dollars and is on sale for 25 percent off. What is the sale price?",
+    "Compare the advantages of renting and buying a home.",
+    "What are the pros and cons of working from home?",
+    # rewriting
+    "Rewrite this sentence in a formal tone: hey, can u send me the file asap?",
+    "Translate into French: Good morning, how are you today?",
+    "Summarize the plot of Romeo and Juliet in three sentences.",
     "Describe the water cycle in simple terms.",
 )
 SNIPPET_TASKS = (
@@ -63,16 +123,18 @@ class SelfWindows:
 
 def self_prompts(ir: ModelIR, tokenizer: Tokenizer, count: int, text_file: str | None,
                  snippet_tokens: int = 48) -> list[list[int]]:
-    """`count` prompts in target ids: a quarter generic instructions, the rest snippet
-    tasks, every fourth snippet left raw (no template) as the measurement's text
-    prompts are."""
+    """`count` prompts in target ids: with a text file a quarter generic instructions, the
+    rest snippet tasks, every fourth snippet left raw (no template) as the measurement's
+    text prompts are; without one, the instructions in turn (each once, up to 64)."""
     snippets: list[str] = []
     if text_file is not None:
         windows = text_windows(ir, text_file, snippet_tokens)
         snippets = [tokenizer.decode(w.tolist()).strip() for w in windows[:count]]
     prompts = []
     for i in range(count):
-        if not snippets or i % 4 == 0:
+        if not snippets:
+            prompts.append(_chat(tokenizer, ir, INSTRUCTIONS[i % len(INSTRUCTIONS)]))
+        elif i % 4 == 0:
             prompts.append(_chat(tokenizer, ir, INSTRUCTIONS[(i // 4) % len(INSTRUCTIONS)]))
         elif i % 4 == 3:
             prompts.append(tokenizer.encode(snippets[i % len(snippets)]))

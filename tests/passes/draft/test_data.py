@@ -34,3 +34,14 @@ def test_self_distillation_data_is_the_targets_greedy_continuation(target, word_
         positions = torch.nonzero(data.mask[row]).flatten()
         assert positions[0] == len(prompt) - 1 and len(positions) <= 6
         assert (logits[row, positions].argmax(-1) == data.ids[row, positions + 1]).all()
+
+
+def test_without_text_every_prompt_is_another_instruction(target):
+    """The `corpus: self` prompts (no text file): each instruction once, so the corpus holds
+    as many different answers as prompts (repeats would only count the same n-grams again)."""
+    from llmopt.passes.draft import data as draft_data
+    from llmopt.passes.draft.choice import target_tokenizer
+
+    count = len(draft_data.INSTRUCTIONS)
+    prompts = draft_data.self_prompts(target, target_tokenizer(target), count, None)
+    assert len({tuple(p) for p in prompts}) == count
