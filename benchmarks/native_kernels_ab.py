@@ -8,9 +8,9 @@ matter, timed interleaved, so machine drift between runs does not enter the rati
 
 The new build is the installed one (`--old amx-off`: "old" is the installed build with its
 AMX tiles turned off, "new" with them on, where the CPU has them). Steps (executor calls on
-prepared batches, nothing sampled): batch 1 with 1/2/4/8 tokens at context 128 (a decode step and speculation's
-verifications), batch 4 × 8 tokens, batch 16 × 1 token at context 192, a prefill of
-4 × 128 tokens. Prints median ms and new / old; writes
+prepared batches, nothing sampled): batch 1 with 1/2/4/8 tokens at context 128 (a decode
+step and speculation's verifications), batch 4 × 8 tokens, batch 16 × 1 token at context
+192, a prefill of 4 × 128 tokens. Prints median ms and new / old; writes
 benchmarks/results/native_kernels_ab.json.
 
 Where an engine's weights land in memory moves its steps by a few per cent (two engines
