@@ -195,23 +195,10 @@ def run_llmopt(spec: dict[str, str], threads: int, cases: list[Case]) -> list[di
     return results
 
 
-def allow_amx_tiles() -> None:
-    """Asks Linux for this process's AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM,
-    XFEATURE_XTILEDATA), which a process must hold before its first tile instruction.
-    llama.cpp built with GGML_NATIVE on an AMX CPU multiplies batches on tiles but, in
-    llama-cpp-python 0.3.36's build, never asks: its first batch then dies of SIGILL. A no-op
-    where the CPU or kernel has no AMX."""
-    import ctypes
-
-    arch_prctl, req_xcomp_perm, xtiledata = 158, 0x1023, 18
-    ctypes.CDLL(None, use_errno=True).syscall(arch_prctl, req_xcomp_perm, xtiledata)
-
-
 def run_llama_cpp(spec: dict[str, str], threads: int, cases: list[Case]
                   ) -> list[dict[str, float]]:
     import llama_cpp as lc
 
-    allow_amx_tiles()
     lc.llama_backend_init()
     model_params = lc.llama_model_default_params()
     model = lc.llama_model_load_from_file(spec["model"].encode(), model_params)
