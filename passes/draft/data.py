@@ -27,20 +27,22 @@ from llmopt.runtime.tokenizer import Tokenizer
 
 # Generic requests whose answers are the `corpus: self` n-gram corpus and the self-distillation
 # prompts when no text is given: many kinds of everyday request, one answer each (greedy
-# answers to a repeated prompt would repeat, counting the same n-grams again).
+# answers to a repeated prompt would repeat, counting the same n-grams again). None may
+# share a topic with the benchmarks' speculation prompt mixes, which would grade the corpus
+# on its own answers (tests/passes/draft/test_data.py checks the words they share).
 INSTRUCTIONS = (
     # code
-    "Write a Python function that checks whether a string is a palindrome.",
+    "Write a Python function that flattens a nested list.",
     "Write a Python function that merges two sorted lists into one sorted list.",
-    "Write a Python class for a simple bank account with deposit and withdraw methods.",
+    "Write a Python class that represents a deck of playing cards.",
     "Write a JavaScript function that debounces another function.",
-    "Write a SQL query that returns the ten most recent orders per customer.",
-    "Write a Python script that counts the words in a text file.",
+    "Write a SQL statement that creates a table for library loans.",
+    "Write a Python script that renames photos by the date they were taken.",
     "Write a function in C that reverses a linked list.",
     "Write a bash script that renames every .txt file in a folder to .md.",
-    "Write a Python function that returns the n-th Fibonacci number.",
+    "Write a Python function that converts Celsius to Fahrenheit.",
     "Write an HTML page with a form that asks for a name and an email address.",
-    "Fix the bug in this Python code: def add(a, b): return a - b",
+    "Explain what a race condition is in multithreaded programs.",
     "Write unit tests with pytest for a function that adds two numbers.",
     # explanations
     "Explain how photosynthesis works.",
@@ -49,8 +51,8 @@ INSTRUCTIONS = (
     "Explain how a vaccine trains the immune system.",
     "Explain what inflation is and why prices rise over time.",
     "Explain how the internet sends a message from one computer to another.",
-    "Explain the difference between weather and climate.",
-    "Explain what a black hole is to a ten-year-old.",
+    "Explain how the moon causes tides.",
+    "Explain how a rainbow forms.",
     # questions and facts
     "What are the health benefits of regular exercise?",
     "What is the capital of Australia, and why is it not Sydney?",
@@ -68,8 +70,8 @@ INSTRUCTIONS = (
     "How should I prepare for a job interview?",
     "How do I start learning to play the guitar?",
     # lists and plans
-    "Give me five ideas for a healthy breakfast.",
-    "List the planets of the solar system in order from the sun.",
+    "Suggest some hobbies to try at home in the evening.",
+    "Name the largest ocean and the longest river on Earth.",
     "List ten common English verbs and their past tense.",
     "Make a packing list for a weekend camping trip.",
     "Plan a three-day sightseeing trip to Rome.",
@@ -78,16 +80,16 @@ INSTRUCTIONS = (
     "Give me a shopping list for a week of vegetarian dinners.",
     # writing
     "Write a short poem about the ocean.",
-    "Write a polite email asking a colleague to review my report.",
-    "Write a short story about a robot who learns to paint.",
+    "Write a message inviting a neighbour to a garden party.",
+    "Write a fable about a tortoise who enters a race.",
     "Write a thank-you note to a friend who helped me move house.",
     "Write a product description for a stainless steel water bottle.",
     "Write a short speech for a friend's wedding.",
     "Write a cover letter for a junior data analyst position.",
     "Write a limerick about a cat.",
     # structured output
-    "Describe a fictional book as a JSON object with title, author, year and genres.",
-    "Make a markdown table of three countries with their capitals and populations.",
+    "Write an XML snippet for a contact card with a phone number and an address.",
+    "Convert 1, 5 and 10 kilometres to miles.",
     "Write a YAML configuration for a web server with a host, a port and a log level.",
     "Give the steps of making pancakes as a numbered list.",
     "Write a CSV file with five rows of names, ages and cities.",
@@ -101,7 +103,7 @@ INSTRUCTIONS = (
     "Rewrite this sentence in a formal tone: hey, can u send me the file asap?",
     "Translate into French: Good morning, how are you today?",
     "Summarize the plot of Romeo and Juliet in three sentences.",
-    "Describe the water cycle in simple terms.",
+    "Describe the water cycle.",
 )
 SNIPPET_TASKS = (
     "Summarize: {}",

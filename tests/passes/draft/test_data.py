@@ -45,3 +45,38 @@ def test_without_text_every_prompt_is_another_instruction(target):
     count = len(draft_data.INSTRUCTIONS)
     prompts = draft_data.self_prompts(target, target_tokenizer(target), count, None)
     assert len({tuple(p) for p in prompts}) == count
+
+
+# Words a request's genre shares with others ("a Python function", "the difference between")
+GENRE_WORDS = {"python", "function", "class", "javascript", "between", "difference", "three",
+               "five", "small", "day"}
+FILLER = set(["a", "an", "the", "of", "to", "in", "and", "or", "for", "with", "that", "this", "what", "is", "are", "how", "do", "i", "my", "me", "your", "you", "it", "its", "be", "as", "on", "by", "from", "at", "into", "about", "write", "give", "make", "explain", "list", "describe", "who"])
+
+
+def test_no_instruction_shares_a_topic_with_the_benchmark_prompts(target):
+    """The instructions' answers are the `corpus: self` n-gram corpus: one on a speculation
+    benchmark prompt's topic would grade the corpus on its own answer. Beyond genre words,
+    an instruction and a prompt share at most one content word."""
+    import importlib.util
+    import json
+    import re
+    from pathlib import Path
+
+    from llmopt.passes.draft import data as draft_data
+
+    benchmarks = Path(__file__).resolve().parents[3] / "benchmarks"
+    spec = importlib.util.spec_from_file_location("bench_speculative",
+                                                  benchmarks / "bench_speculative.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    lines = (benchmarks / "prompts" / "spec_mix_v2.jsonl").read_text().splitlines()
+    prompts = [json.loads(line)["prompt"] for line in lines if '"prompt"' in line]
+    prompts += [str(p) for mix in bench.PROMPTS.values() for p in mix]
+
+    def words(text: str) -> set[str]:
+        return {w for w in re.findall(r"[a-z]+", text.lower()) if len(w) > 2} - FILLER
+
+    for instruction in draft_data.INSTRUCTIONS:
+        for prompt in prompts:
+            shared = words(instruction) & words(prompt)
+            assert len(shared - GENRE_WORDS) <= 1 and len(shared) <= 2, (instruction, prompt)
