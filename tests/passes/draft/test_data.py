@@ -50,7 +50,10 @@ def test_without_text_every_prompt_is_another_instruction(target):
 # Words a request's genre shares with others ("a Python function", "the difference between")
 GENRE_WORDS = {"python", "function", "class", "javascript", "between", "difference", "three",
                "five", "small", "day"}
-FILLER = set(["a", "an", "the", "of", "to", "in", "and", "or", "for", "with", "that", "this", "what", "is", "are", "how", "do", "i", "my", "me", "your", "you", "it", "its", "be", "as", "on", "by", "from", "at", "into", "about", "write", "give", "make", "explain", "list", "describe", "who"])
+FILLER = {"a", "an", "the", "of", "to", "in", "and", "or", "for", "with", "that", "this", "what",
+          "is", "are", "how", "do", "i", "my", "me", "your", "you", "it", "its", "be", "as", "on",
+          "by", "from", "at", "into", "about", "write", "give", "make", "explain", "list",
+          "describe", "who"}
 
 
 def test_no_instruction_shares_a_topic_with_the_benchmark_prompts(target):
