@@ -361,11 +361,13 @@ static void gemm_groups(const QMatrix *w, const QActivations *a, int t_rows, flo
    way, and the float sum over blocks is gemm_tile's, operation for operation, so the result
    is bit for bit the VNNI path's and a step may take either path for any of its matrices.
    The tile's sums pass through memory (AMX has no move to vector registers) and each block
-   still needs gemm_tile's three float operations per row, which bound the gain: measured
-   1.3-1.5x VNNI from 64 rows on (prefill), 1.0-1.15x at 16 (a batch-16 decode step).*/
+   still needs gemm_tile's three float operations per row, which bound the gain: a 4 x 128
+   prefill step takes 0.77x its VNNI time, a batch-16 decode step 0.89x
+   (benchmarks/native_kernels_ab.py, --old amx-off). */
 #define AMX_ROWS 16       /* activation rows of one tile (A's and C's rows) */
-#define AMX_MIN_ROWS 16   /* fewer rows take the VNNI path: at 8 rows a tile costs 1.3-1.5x
-                             VNNI, at 16 0.86-1.0x, at 64 0.67-0.77x (SmolLM2 shapes, 1 thread) */
+#define AMX_MIN_ROWS 16   /* fewer rows take the VNNI path: a projection on tiles costs
+                             1.3-1.5x VNNI at 8 rows, 0.84-1.0x at 16, 0.74-0.91x at 64
+                             (SmolLM2's shapes, 1 thread: benchmarks/amx_projections.py) */
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,gfni,amx-tile,amx-int8")
