@@ -991,7 +991,9 @@ static int scratch_alloc(const Model *m, int t_rows, int longest, Scratch *s) {
     s->q.zero_term = lines_alloc(sizeof(int32_t) * padded * (width / 32));
     s->q.inputs = lines_alloc(sizeof(float) * padded * (width / 32));
     s->q.rows = NULL;
-    s->amx_rows = lines_alloc((t + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS * width);
+    /* only where a matrix may take tiles (amx_takes): elsewhere a step allocates nothing */
+    s->amx_rows = amx_enabled ? lines_alloc((t + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS * width)
+                              : NULL;
     s->scores_stride = ((int64_t)RUN_TOKENS * (m->heads / m->kv_heads) + 1) * longest;
     int threads = m->num_threads > 1 ? m->num_threads : 1;
     s->scores = lines_alloc(sizeof(float) * s->scores_stride * threads);
@@ -999,7 +1001,7 @@ static int scratch_alloc(const Model *m, int t_rows, int longest, Scratch *s) {
     s->runs = lines_alloc(sizeof(int32_t) * (t + 1));
     return s->x && s->h && s->qkv && s->attn && s->proj && s->gate_up && s->act && s->q.codes
         && s->q.inputs && s->q.scales && s->q.zero_term && s->scores && s->rows && s->runs
-        && s->amx_rows;
+        && (s->amx_rows || !amx_enabled);
 }
 
 static void scratch_free(Scratch *s) {

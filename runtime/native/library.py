@@ -77,15 +77,18 @@ def use_amx(enabled: bool) -> bool:
     """Lets the native step multiply on AMX tiles where the CPU has them (the default, unless
     LLMOPT_NATIVE_AMX=0), or never; returns whether it now does. Either way every output is
     the same, bit for bit (kernels.c): this only moves speed."""
-    lib = kernels()
-    return bool(lib is not None and lib.llmopt_native_supported()
-                and lib.llmopt_native_amx(int(enabled)))
+    return _native_amx(int(enabled))
 
 
 def amx_in_use() -> bool:
     """Whether the native step multiplies on AMX tiles (use_amx)."""
+    return _native_amx(-1)
+
+
+def _native_amx(want: int) -> bool:
+    """kernels.c's llmopt_native_amx (want 1: on, 0: off, -1: only ask), False without it."""
     lib = kernels()
-    return bool(lib is not None and lib.llmopt_native_supported() and lib.llmopt_native_amx(-1))
+    return bool(lib is not None and lib.llmopt_native_supported() and lib.llmopt_native_amx(want))
 
 
 def require_native(graph: GraphSpec, kv_cache: KVCacheSpec) -> None:
