@@ -41,6 +41,29 @@ def read_bandwidth_gb_s(threads: int, mib: int, repeats: int) -> list[float]:
     return samples
 
 
+def native_read_bandwidth_gb_s(threads: int, mib: int, repeats: int) -> list[float] | None:
+    """GB/s of `repeats` reads of a `mib` MiB array by the native kernels' read loop (64-byte
+    loads, prefetched ahead, as the native step streams its weights; split over `threads`),
+    or None where this install has no native kernels."""
+    import numpy as np
+
+    from llmopt.runtime.native.library import kernels
+
+    lib = kernels()
+    if lib is None or not lib.llmopt_native_supported():
+        return None
+    nbytes = mib * 2**20
+    raw = np.ones(nbytes + 64, dtype=np.uint8)  # written once, so every page is resident
+    data = raw[-raw.ctypes.data % 64 :][:nbytes]  # 64-byte aligned
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        seen = lib.llmopt_native_read(data.ctypes.data, nbytes, threads)
+        samples.append(nbytes / (time.perf_counter() - started) / 1e9)
+        assert seen == 0x0101010101010101  # every byte was read as 1
+    return samples
+
+
 # ---- bytes per decode token ----------------------------------------------------------
 
 

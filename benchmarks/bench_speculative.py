@@ -98,6 +98,11 @@ def main() -> None:
     parser.add_argument("--gen", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3,
                         help="Runs of each prompt (batch) on and off, interleaved; median.")
+    parser.add_argument("--sweep-rounds", type=int, default=None,
+                        help="--rounds for the batch sweep (default: --rounds). Where a "
+                        "batch size speculates little, on and off do the same work and "
+                        "their ratio is this machine's run-to-run noise (single runs of "
+                        "batch 16 swing +-12 %% here); more rounds narrow its median.")
     parser.add_argument("--batches", default="1,2,4,8,16")
     parser.add_argument("--mixes", default="v2,old", help="Prompt mixes to run: v2, old.")
     parser.add_argument("--sweep-gen", type=int, default=48,
@@ -121,12 +126,14 @@ def main() -> None:
                                     args.worker[0] in args.trees.split(","))))
         return
     results = {"machine": machine_info(), "threads": args.threads, "gen": args.gen,
+               "rounds": args.rounds, "sweep_rounds": args.sweep_rounds or args.rounds,
                "artifacts": {}}
     for item in args.artifacts.split(","):
         name, path = item.split("=", 1)
         print(f"[{name}] {path} ...", flush=True)
         worker_args = [__file__, "--artifacts", args.artifacts, "--threads", str(args.threads),
                        "--gen", str(args.gen), "--rounds", str(args.rounds),
+                       "--sweep-rounds", str(args.sweep_rounds or args.rounds),
                        "--batches", args.batches, "--mixes", args.mixes,
                        "--sweep-gen", str(args.sweep_gen),
                        "--max-context", str(args.max_context),
@@ -191,7 +198,8 @@ def run_worker(path: Path, args: argparse.Namespace, trees: bool = False) -> dic
         name: batch1_mix(spec_llm, plain_llm, encoded, params, args.rounds, spec.gamma, costs)
         for name, encoded in mixes.items()}
     sweep_mix = [p for prompts in next(iter(mixes.values())).values() for p in prompts]
-    by_batch = {batch: batch_sweep(spec_llm, plain_llm, sweep_mix, batch, steady, args.rounds)
+    sweep_rounds = args.sweep_rounds or args.rounds
+    by_batch = {batch: batch_sweep(spec_llm, plain_llm, sweep_mix, batch, steady, sweep_rounds)
                 for batch in batches}
     return {"path": str(path), "gamma": spec.gamma, "max_batch_size": spec.max_batch_size,
             "draft_tree": trees,

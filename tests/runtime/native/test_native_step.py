@@ -185,6 +185,20 @@ def test_the_environment_can_turn_amx_off():
         assert printed.strip() == str(expected)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_bandwidth_probe_reads_every_byte(threads):
+    """llmopt_native_read (benchmarks' read-bandwidth probe) ORs every word of its range:
+    a bit set in any one chunk, including each thread's first and last, shows."""
+    chunks = 7  # not a multiple of the thread count
+    raw = np.zeros(chunks * 256 + 64, dtype=np.uint8)
+    data = raw[-raw.ctypes.data % 64 :][: chunks * 256]
+    for at in (0, 255, 256, 3 * 256 + 100, chunks * 256 - 1):
+        data[:] = 0
+        data[at] = 1 << (at % 8)
+        expected = 1 << (at % 8 + 8 * (at % 8))  # the bit, in its byte of a 64-bit word
+        assert lib.llmopt_native_read(data.ctypes.data, data.nbytes, threads) == expected
+
+
 def _random_matrix(rng: np.random.Generator, n: int, k: int, bits: int,
                    symmetric: bool) -> dict[str, np.ndarray]:
     """MatMulNBits' B, scales (and zero_points) of random block-quantized weights."""
