@@ -53,8 +53,7 @@ def native_read_bandwidth_gb_s(threads: int, mib: int, repeats: int) -> list[flo
     if lib is None or not lib.llmopt_native_supported():
         return None
     nbytes = mib * 2**20
-    raw = np.ones(nbytes + 64, dtype=np.uint8)  # written once, so every page is resident
-    data = raw[-raw.ctypes.data % 64 :][:nbytes]  # 64-byte aligned
+    data = np.ones(nbytes, dtype=np.uint8)  # written once, so every page is resident
     samples = []
     for _ in range(repeats):
         started = time.perf_counter()

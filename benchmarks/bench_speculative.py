@@ -121,19 +121,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_speculative.json")
     parser.add_argument("--worker", nargs=2, metavar=("NAME", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.sweep_rounds = args.sweep_rounds or args.rounds
     if args.worker:
         print(json.dumps(run_worker(Path(args.worker[1]), args,
                                     args.worker[0] in args.trees.split(","))))
         return
     results = {"machine": machine_info(), "threads": args.threads, "gen": args.gen,
-               "rounds": args.rounds, "sweep_rounds": args.sweep_rounds or args.rounds,
+               "rounds": args.rounds, "sweep_rounds": args.sweep_rounds,
                "artifacts": {}}
     for item in args.artifacts.split(","):
         name, path = item.split("=", 1)
         print(f"[{name}] {path} ...", flush=True)
         worker_args = [__file__, "--artifacts", args.artifacts, "--threads", str(args.threads),
                        "--gen", str(args.gen), "--rounds", str(args.rounds),
-                       "--sweep-rounds", str(args.sweep_rounds or args.rounds),
+                       "--sweep-rounds", str(args.sweep_rounds),
                        "--batches", args.batches, "--mixes", args.mixes,
                        "--sweep-gen", str(args.sweep_gen),
                        "--max-context", str(args.max_context),
@@ -198,8 +199,8 @@ def run_worker(path: Path, args: argparse.Namespace, trees: bool = False) -> dic
         name: batch1_mix(spec_llm, plain_llm, encoded, params, args.rounds, spec.gamma, costs)
         for name, encoded in mixes.items()}
     sweep_mix = [p for prompts in next(iter(mixes.values())).values() for p in prompts]
-    sweep_rounds = args.sweep_rounds or args.rounds
-    by_batch = {batch: batch_sweep(spec_llm, plain_llm, sweep_mix, batch, steady, sweep_rounds)
+    by_batch = {batch: batch_sweep(spec_llm, plain_llm, sweep_mix, batch, steady,
+                                   args.sweep_rounds)
                 for batch in batches}
     return {"path": str(path), "gamma": spec.gamma, "max_batch_size": spec.max_batch_size,
             "draft_tree": trees,

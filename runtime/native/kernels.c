@@ -560,52 +560,53 @@ int llmopt_native_amx_min_rows(int rows) {
     return previous;
 }
 
+/* The calling thread's share [*lo, *hi) of `items`, split evenly over a parallel region's
+   threads (all of them outside one). */
+static inline void thread_share(int64_t items, int64_t *lo, int64_t *hi) {
+#ifdef _OPENMP
+    const int64_t id = omp_get_thread_num(), count = omp_get_num_threads();
+#else
+    const int64_t id = 0, count = 1;
+#endif
+    *lo = items * id / count;
+    *hi = items * (id + 1) / count;
+}
+
 /* y [T][N] = a times w's transpose, the row groups split between threads. Returns 0, or -1
    when memory runs out. */
 static int gemm(const QMatrix *w, const QActivations *a, int t_rows, float *y, int threads) {
-    const int64_t groups = (w->n + 15) / 16;
     const int amx = a->rows != NULL && amx_takes(w, t_rows);
     int status = 0;
     (void)threads;
     #pragma omp parallel num_threads(threads) if (threads > 1) reduction(|: status)
     {
-#ifdef _OPENMP
-        int64_t id = omp_get_thread_num(), count = omp_get_num_threads();
-#else
-        int64_t id = 0, count = 1;
-#endif
-        int64_t lo = groups * id / count, hi = groups * (id + 1) / count;
+        int64_t lo, hi;
+        thread_share((w->n + 15) / 16, &lo, &hi);
         if (lo < hi && amx) status |= gemm_groups_amx(w, a, t_rows, y, lo, hi);
         else if (lo < hi) gemm_groups(w, a, t_rows, y, lo, hi);
     }
     return status;
 }
 
-/* Reads `bytes` of `data` (64-byte aligned, a multiple of 256) as gemm reads a weight
-   stream: 64-byte loads, every line prefetched PREFETCH_BLOCKS * 256 bytes ahead, the range
-   split between threads. Returns the OR of every word, so no load can be dropped. For
+/* Reads `bytes` of `data` (a multiple of 256) as gemm reads a weight stream: 64-byte loads,
+   every line prefetched PREFETCH_BLOCKS * 256 bytes ahead, the range split between threads.
+   Returns the OR of every word, so no load can be dropped. For
    benchmarks/_bandwidth_bound.py: the read bandwidth a loop like gemm's draws, which numpy's
    reductions (one dependent stream, no prefetching) understate on some machines (session
    18's Xeon, 1 thread, 84 MiB: this loop 27 GB/s, numpy's sum 14, a batch-1 step 14-16). */
 uint64_t llmopt_native_read(const uint8_t *data, int64_t bytes, int threads) {
-    const int64_t chunks = bytes / 256;
     uint64_t result = 0;
     (void)threads;
     #pragma omp parallel num_threads(threads) if (threads > 1) reduction(|: result)
     {
-#ifdef _OPENMP
-        int64_t id = omp_get_thread_num(), count = omp_get_num_threads();
-#else
-        int64_t id = 0, count = 1;
-#endif
-        const uint8_t *at = data + chunks * id / count * 256;
-        const uint8_t *end = data + chunks * (id + 1) / count * 256;
+        int64_t lo, hi;
+        thread_share(bytes / 256, &lo, &hi);
         __m512i seen[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(),
                            _mm512_setzero_si512(), _mm512_setzero_si512()};
-        for (; at < end; at += 256)
+        for (const uint8_t *at = data + lo * 256; at < data + hi * 256; at += 256)
             for (int line = 0; line < 4; line++) {
                 _mm_prefetch((const char *)at + PREFETCH_BLOCKS * 256 + 64 * line, _MM_HINT_T0);
-                seen[line] = _mm512_or_si512(seen[line], _mm512_load_si512(at + 64 * line));
+                seen[line] = _mm512_or_si512(seen[line], _mm512_loadu_si512(at + 64 * line));
             }
         __m512i all = _mm512_or_si512(_mm512_or_si512(seen[0], seen[1]),
                                       _mm512_or_si512(seen[2], seen[3]));
