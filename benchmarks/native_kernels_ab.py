@@ -31,7 +31,7 @@ from _common import RESULTS_DIR, machine_info, write_json
 
 from llmopt.runtime import LLM
 from llmopt.runtime.native import executor as native_executor
-from llmopt.runtime.native.library import kernels, use_amx
+from llmopt.runtime.native.library import amx_in_use, kernels, use_amx
 from llmopt.runtime.step_batch import SequenceStep, StepBatch, make_step_batch
 
 FUNCTIONS = ("llmopt_forward", "llmopt_native_supported", "llmopt_linear")
@@ -43,6 +43,10 @@ def load_build(path: str) -> ctypes.CDLL:
     for name in FUNCTIONS:
         getattr(lib, name).restype = getattr(installed, name).restype
         getattr(lib, name).argtypes = getattr(installed, name).argtypes
+    # Each library keeps its own AMX switch, off until asked: the other build's follows the
+    # installed one's, or the A/B would time AMX against VNNI.
+    if hasattr(lib, "llmopt_native_amx"):
+        lib.llmopt_native_amx(int(amx_in_use()))
     return lib
 
 

@@ -147,7 +147,9 @@ typedef struct {
     float *inputs;       /* [tiles][K/32][TOKEN_TILE] the block's sum of the float inputs
                             (filled for offsets) */
     int8_t *rows;        /* [T rounded up to AMX_ROWS][K] the same codes row after row, for
-                            AMX tiles (filled where the step uses them) */
+                            AMX tiles, or NULL. Where set, the product runs on tiles, which
+                            read rows, scales and inputs alone: codes and zero_term stay
+                            unfilled */
 } QActivations;
 
 /* Where row t's block b begins in a tiled per-block array, and in the codes. */
@@ -171,16 +173,21 @@ static void quantize_rows(const float *x, int t_rows, const QMatrix *w, int thre
             /* cvtps rounds half to even (MXCSR's default), as lrintf */
             __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
             __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-            int32_t quads[8];
-            _mm_storeu_si128((__m128i *)quads, _mm512_cvtsepi32_epi8(qlo));
-            _mm_storeu_si128((__m128i *)(quads + 4), _mm512_cvtsepi32_epi8(qhi));
             const int64_t at = tile_at(t, blocks, b);
-            int32_t *codes = q->codes + (at - t % TOKEN_TILE) * 8 + t % TOKEN_TILE;
-            for (int m = 0; m < 8; m++) codes[m * TOKEN_TILE] = quads[m];
-            if (q->rows) memcpy(q->rows + t * k + b * 32, quads, 32);
             q->scales[at] = scale;
-            int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-            q->zero_term[at] = w->zeros ? -sum : -(sum << (w->bits - 1));
+            if (q->rows) {  /* AMX tiles read the rows alone: no tiled codes, no zero term */
+                int8_t *row = q->rows + t * k + b * 32;
+                _mm_storeu_si128((__m128i *)row, _mm512_cvtsepi32_epi8(qlo));
+                _mm_storeu_si128((__m128i *)(row + 16), _mm512_cvtsepi32_epi8(qhi));
+            } else {
+                int32_t quads[8];
+                _mm_storeu_si128((__m128i *)quads, _mm512_cvtsepi32_epi8(qlo));
+                _mm_storeu_si128((__m128i *)(quads + 4), _mm512_cvtsepi32_epi8(qhi));
+                int32_t *codes = q->codes + (at - t % TOKEN_TILE) * 8 + t % TOKEN_TILE;
+                for (int m = 0; m < 8; m++) codes[m * TOKEN_TILE] = quads[m];
+                int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+                q->zero_term[at] = w->zeros ? -sum : -(sum << (w->bits - 1));
+            }
             if (w->offsets)
                 q->inputs[at] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
         }
@@ -666,28 +673,43 @@ static void rotary(float *x, int heads, int dim, const float *cos, const float *
     }
 }
 
-/* Each head of x [heads][dim] times r [dim][dim], four heads at a time: r's rows are read
-   once per four heads, and sixteen sums (four heads of 64) grow side by side. */
+/* Heads h0 .. h0 + n - 1 of x [..][dim] times r [dim][dim], columns j0 .. j0 + 16 * strips - 1,
+   into out [n][dim]: n * strips sums grow side by side, each head's element broadcast once
+   per row of r and each row's strips loaded once for the n heads. */
+static inline __attribute__((always_inline)) void rotate_block(
+        const float *x, int dim, const float *r, const int n, int j0, const int strips,
+        float *out) {
+    __m512 acc[6][4];
+    for (int h = 0; h < n; h++)
+        for (int j = 0; j < strips; j++) acc[h][j] = _mm512_setzero_ps();
+    for (int i = 0; i < dim; i++) {
+        __m512 row[4];
+        for (int j = 0; j < strips; j++)
+            row[j] = _mm512_loadu_ps(r + (int64_t)i * dim + j0 + 16 * j);
+        for (int h = 0; h < n; h++) {
+            const __m512 element = _mm512_set1_ps(x[h * dim + i]);
+            for (int j = 0; j < strips; j++)
+                acc[h][j] = _mm512_fmadd_ps(element, row[j], acc[h][j]);
+        }
+    }
+    for (int h = 0; h < n; h++)
+        for (int j = 0; j < strips; j++)
+            _mm512_storeu_ps(out + h * dim + j0 + 16 * j, acc[h][j]);
+}
+
+/* Each head of x [heads][dim] times r [dim][dim], in place, six heads and 64 columns at a
+   time (24 sums in registers: the loop is bound by its multiply-adds, not its loads). */
 static void rotate_heads(float *x, int heads, int dim, const float *r) {
-    float rotated[4 * 256];
-    for (int h0 = 0; h0 < heads; h0 += 4) {
-        const int n = heads - h0 < 4 ? heads - h0 : 4;
+    float rotated[6 * 256];
+    for (int h0 = 0; h0 < heads; h0 += 6) {
+        const int n = heads - h0 < 6 ? heads - h0 : 6;
         float *v = x + (int64_t)h0 * dim;
         for (int j0 = 0; j0 < dim; j0 += 64) {
             const int strips = dim - j0 < 64 ? (dim - j0) / 16 : 4;
-            __m512 acc[4][4];
-            for (int h = 0; h < 4; h++)
-                for (int j = 0; j < 4; j++) acc[h][j] = _mm512_setzero_ps();
-            for (int i = 0; i < dim; i++)
-                for (int j = 0; j < strips; j++) {
-                    const __m512 row = _mm512_loadu_ps(r + (int64_t)i * dim + j0 + 16 * j);
-                    for (int h = 0; h < n; h++)
-                        acc[h][j] = _mm512_fmadd_ps(_mm512_set1_ps(v[h * dim + i]), row,
-                                                    acc[h][j]);
-                }
-            for (int h = 0; h < n; h++)
-                for (int j = 0; j < strips; j++)
-                    _mm512_storeu_ps(rotated + h * dim + j0 + 16 * j, acc[h][j]);
+            if (n == 6 && strips == 4)
+                rotate_block(v, dim, r, 6, j0, 4, rotated);
+            else
+                rotate_block(v, dim, r, n, j0, strips, rotated);
         }
         memcpy(v, rotated, sizeof(float) * n * dim);
     }
@@ -787,12 +809,57 @@ static inline __attribute__((always_inline)) void group_scores_as(
     }
 }
 
+/* The four sums of four vectors' lanes, each by sum_lanes8's tree (so bit for bit its
+   sums). */
+static inline __m128 sum_lanes4(const __m512 v[4]) {
+    __m256 r[4];
+    for (int i = 0; i < 4; i++)
+        r[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]), _mm512_extractf32x8_ps(v[i], 1));
+    __m256 all = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
+}
+
+/* group_scores_as for head size 64, the same operations in the same order: four keys at a
+   time decoded into registers once for every head (where group_scores_as writes eight out
+   to memory and reads them back per head). */
+static inline __attribute__((always_inline)) void group_scores_64_as(
+        const float *q, int group, const uint8_t *keys, const int bits, int len, float scale,
+        float *scores) {
+    const int64_t stride = row_bytes(bits, 64);
+    for (int j0 = 0; j0 < len; j0 += 4) {
+        const int rows = len - j0 < 4 ? len - j0 : 4;
+        __m512 key[4][4];
+        for (int u = 0; u < 4; u++)
+            for (int d = 0; d < 4; d++)
+                key[u][d] = u < rows ? row_strip(keys + (j0 + u) * stride, bits, 16 * d)
+                                     : _mm512_setzero_ps();
+        const __mmask8 shown = (__mmask8)((1u << rows) - 1);
+        for (int h = 0; h < group; h++) {
+            __m512 dots[4];
+            for (int u = 0; u < 4; u++) {
+                dots[u] = _mm512_setzero_ps();
+                for (int d = 0; d < 4; d++)
+                    dots[u] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * 64 + 16 * d), key[u][d],
+                                              dots[u]);
+            }
+            _mm_mask_storeu_ps(scores + (int64_t)h * len + j0, shown,
+                               _mm_mul_ps(sum_lanes4(dots), _mm_set1_ps(scale)));
+        }
+    }
+}
+
 static void group_scores(const float *q, int group, const uint8_t *keys, int bits, int len,
                          int dim, float scale, float *scores) {
-    if (dim == 64)  /* the common head size: its loops unrolled */
-        group_scores_as(q, group, keys, bits, len, 64, scale, scores);
-    else
+    if (dim != 64) {
         group_scores_as(q, group, keys, bits, len, dim, scale, scores);
+        return;
+    }
+    switch (bits) {  /* the common head size: one body per row format */
+    case 32: group_scores_64_as(q, group, keys, 32, len, scale, scores); return;
+    case 16: group_scores_64_as(q, group, keys, 16, len, scale, scores); return;
+    case 8: group_scores_64_as(q, group, keys, 8, len, scale, scores); return;
+    default: group_scores_64_as(q, group, keys, 4, len, scale, scores); return;
+    }
 }
 
 /* out [group][strips * 16] = p [group][len] @ values [len][strips * 16]: each value row read
@@ -1071,10 +1138,8 @@ static void attention(const Model *m, const KVLayout *kv, int t_rows, const int3
         const float *sin = m->rope_sin + (int64_t)positions[t] * half;
         rotary(q, heads, dim, cos, sin);
         rotary(k, kv_heads, dim, cos, sin);
-        if (kv->rotation) {
-            rotate_heads(q, heads, dim, kv->rotation);
-            rotate_heads(k, kv_heads, dim, kv->rotation);
-        }
+        if (kv->rotation)  /* the keys follow the queries: all of them four at a time */
+            rotate_heads(q, heads + kv_heads, dim, kv->rotation);
         for (int g = 0; g < kv_heads; g++) {
             int64_t at = (((int64_t)lanes[t] * kv_heads + g) * lane_tokens + lane_rows[t]) * stride;
             const int64_t channel = (int64_t)g * dim;

@@ -1,0 +1,75 @@
+"""Does an AMX tile multiply overlap with AVX-512 float work on this CPU? (#14, session 19)
+
+The native step's AMX projections spend each block of 32 activation columns on tile work
+(zero, two loads, one TDPBSSD, one store of the sums) and on the float sum the block's scales
+need (per row: load, convert, scale product, FMA). Where the two overlap, a block costs about
+the larger of the two; where they do not, their sum, and no tile scheduling can beat that.
+This builds benchmarks/probe_amx_overlap.c with the system C compiler, runs each variant
+(see the C file's comment) --rounds times, interleaved, and reports median ns per block tile
+(16 rows x 16 columns x 32: 8,192 multiply-adds) and what the medians imply.
+
+    python benchmarks/probe_amx_overlap.py [--rounds 5] [--reps 20000]
+
+Prints a table; writes benchmarks/results/probe_amx_overlap.json. Exits with a message on a
+CPU (or kernel) without AMX int8 tiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+from _common import RESULTS_DIR, machine_info, write_json
+
+SOURCE = Path(__file__).with_name("probe_amx_overlap.c")
+FLAGS = ["-O2", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+         "-mamx-tile", "-mamx-int8"]
+MACS = 16 * 16 * 32
+
+
+def build(directory: Path) -> Path:
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise SystemExit("no C compiler (cc or gcc) on PATH")
+    binary = directory / "probe_amx_overlap"
+    subprocess.run([compiler, *FLAGS, "-o", str(binary), str(SOURCE)], check=True)
+    return binary
+
+
+def run_once(binary: Path, reps: int) -> dict[str, float]:
+    output = subprocess.run([str(binary), str(reps)], check=True, capture_output=True,
+                            text=True).stdout.split()
+    if output == ["no-amx"]:
+        raise SystemExit("this CPU (or kernel) grants no AMX int8 tiles: nothing to probe")
+    return {name: float(ns) for name, ns in zip(output[0::2], output[1::2], strict=True)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=20000,
+                        help="passes over the 18 blocks per variant and round")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = build(Path(tmp))
+        rounds = [run_once(binary, args.reps) for _ in range(args.rounds)]
+    ns = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
+    print(f"{'variant':<14} {'ns / block tile':>16} {'GMAC/s':>8}   (median of {args.rounds})")
+    for name, value in ns.items():
+        print(f"{name:<14} {value:16.2f} {MACS / value:8.1f}")
+    serial, overlapped = ns["tiles"] + ns["sums"], max(ns["tiles"], ns["sums"])
+    share = (serial - ns["tiles+sums"]) / (serial - overlapped)
+    print(f"\ntiles+sums {ns['tiles+sums']:.2f} ns against {serial:.2f} if serial and "
+          f"{overlapped:.2f} if fully overlapped: {100 * share:.0f} % of the overlap")
+    write_json(RESULTS_DIR / "probe_amx_overlap.json",
+               {"machine": machine_info(), "rounds": args.rounds, "reps": args.reps,
+                "ns_per_block_tile": ns, "samples": rounds, "serial_ns": serial,
+                "overlapped_ns": overlapped, "overlap_share": share})
+
+
+if __name__ == "__main__":
+    main()
