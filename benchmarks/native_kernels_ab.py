@@ -11,7 +11,9 @@ AMX tiles turned off, "new" with them on, where the CPU has them). Steps (execut
 prepared batches, nothing sampled): batch 1 with 1/2/4/8 tokens at context 128 (a decode
 step and speculation's verifications), batch 4 × 8 tokens, batch 16 × 1 token at context
 192, a prefill of 4 × 128 tokens. Prints median ms and new / old; writes
-benchmarks/results/native_kernels_ab.json.
+benchmarks/results/native_kernels_ab.json. First it checks that the builds compute the same
+numbers, bit for bit (same_outputs: log-probs, batch-16 greedy tokens, lanes), which a
+change that only makes the step faster must keep; it prints what differs.
 
 Where an engine's weights land in memory moves its steps by a few per cent (two engines
 of the same build measured 2-4 % apart, either way), so each build runs as two engines,
@@ -29,7 +31,8 @@ from pathlib import Path
 import numpy as np
 from _common import RESULTS_DIR, machine_info, write_json
 
-from llmopt.runtime import LLM
+from llmopt.runtime import LLM, SamplingParams
+from llmopt.runtime.bench import bench_prompts
 from llmopt.runtime.native import executor as native_executor
 from llmopt.runtime.native.library import amx_in_use, kernels, use_amx
 from llmopt.runtime.step_batch import SequenceStep, StepBatch, make_step_batch
@@ -84,6 +87,28 @@ def step_batches(llm: LLM) -> dict[str, StepBatch]:
     return batches
 
 
+def same_outputs(artifact: Path, libs: dict[str, ctypes.CDLL], amx_ab: bool,
+                 threads: int) -> dict[str, bool]:
+    """Whether the two builds give the same numbers, bit for bit, on fresh engines: the
+    log-probs of 700 random tokens (prefill chunks, then attention over real keys) and the
+    greedy tokens of 16 sequences decoded together (the batch-16 step), and the lanes they
+    leave. A kernel change that only reorders work must keep all three."""
+    llms = {build: engine_on(artifact, lib, threads) for build, lib in libs.items()}
+    tokens = [int(t) for t in np.random.default_rng(5).integers(100, 40000, 700)]
+    prompts = bench_prompts(llms["new"].manifest.model.vocab_size, 16, 100, 3)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    scores, generated = {}, {}
+    for build, llm in llms.items():
+        if amx_ab:
+            use_amx(build == "new")
+        scores[build] = llm.score(tokens)
+        generated[build] = [output.token_ids for output in llm.generate(prompts, params)]
+    pools = [llm.engine.executor.pools for llm in llms.values()]
+    return {"log_probs": bool(np.array_equal(scores["old"], scores["new"])),
+            "greedy_tokens": generated["old"] == generated["new"],
+            "lanes": all(np.array_equal(pools[0][name], pools[1][name]) for name in pools[0])}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact", type=Path)
@@ -95,6 +120,8 @@ def main() -> None:
     if amx_ab and not use_amx(True):
         raise SystemExit("--old amx-off: this CPU (or kernel) has no AMX int8 tiles")
     libs = {"old": kernels() if amx_ab else load_build(args.old), "new": kernels()}
+    same = same_outputs(args.artifact, libs, amx_ab, args.threads)
+    print("bit for bit the same: " + ", ".join(f"{k} {v}" for k, v in same.items()))
     engines = [(build, engine_on(args.artifact, libs[build], args.threads))
                for build in ("old", "new", "new", "old")]
     batches = step_batches(engines[0][1])
@@ -115,7 +142,8 @@ def main() -> None:
         print(f"{name:<36} old {old:8.2f} ms   new {new:8.2f} ms   new/old {new / old:.3f}")
     write_json(RESULTS_DIR / "native_kernels_ab.json",
                {"machine": machine_info(), "artifact": str(args.artifact),
-                "old": args.old, "threads": args.threads, "rounds": args.rounds, "rows": rows})
+                "old": args.old, "threads": args.threads, "rounds": args.rounds,
+                "same_outputs": same, "rows": rows})
 
 
 if __name__ == "__main__":
