@@ -94,8 +94,9 @@ def same_outputs(artifact: Path, libs: dict[str, ctypes.CDLL], amx_ab: bool,
     greedy tokens of 16 sequences decoded together (the batch-16 step), and the lanes they
     leave. A kernel change that only reorders work must keep all three."""
     llms = {build: engine_on(artifact, lib, threads) for build, lib in libs.items()}
-    tokens = [int(t) for t in np.random.default_rng(5).integers(100, 40000, 700)]
-    prompts = bench_prompts(llms["new"].manifest.model.vocab_size, 16, 100, 3)
+    vocab = llms["new"].manifest.model.vocab_size
+    tokens = [int(t) for t in np.random.default_rng(5).integers(3, vocab, 700)]
+    prompts = bench_prompts(vocab, 16, 100, 3)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     scores, generated = {}, {}
     for build, llm in llms.items():

@@ -1138,7 +1138,7 @@ static void attention(const Model *m, const KVLayout *kv, int t_rows, const int3
         const float *sin = m->rope_sin + (int64_t)positions[t] * half;
         rotary(q, heads, dim, cos, sin);
         rotary(k, kv_heads, dim, cos, sin);
-        if (kv->rotation)  /* the keys follow the queries: all of them four at a time */
+        if (kv->rotation)  /* the keys follow the queries in the row: one pass for both */
             rotate_heads(q, heads + kv_heads, dim, kv->rotation);
         for (int g = 0; g < kv_heads; g++) {
             int64_t at = (((int64_t)lanes[t] * kv_heads + g) * lane_tokens + lane_rows[t]) * stride;
