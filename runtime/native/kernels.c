@@ -127,9 +127,11 @@ int llmopt_native_amx(int want) {
                                stalled the dots; measured with benchmarks/native_kernels_ab.py,
                                session 17). 8 to 32 blocks ahead time the same. */
 #define TOKEN_TILE 8        /* activation rows that share each unpacked weight block */
-#define PARALLEL_ROWS 64    /* rows from which per-row work (quantizing, norms, rotary, SiLU)
+#define PARALLEL_ROWS 16    /* rows from which per-row work (quantizing, norms, rotary, SiLU)
                                is split between threads: below, a parallel region costs more
-                               than it saves */
+                               than it saves (2 threads, session 19: from 16 rows rather
+                               than 64, a batch-16 step took 0.945x and 0.966x, a batch 4 x 8
+                               step 0.894x and 0.966x, in two A/Bs of 31 rounds) */
 #define RUN_TOKENS 8        /* a lane's consecutive query tokens that attend together */
 #define ROW_CHUNK 64        /* activation rows a pass over the weights serves (their codes
                                stay in cache while it runs; a matrix's weights stay in L2/L3
