@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,13 +32,21 @@ def read_bandwidth_gb_s(threads: int, mib: int, repeats: int) -> list[float]:
 
     data = np.ones(mib * 2**20 // 8)  # written once, so every page is resident
     parts = np.array_split(data, threads)
-    samples = []
     with ThreadPoolExecutor(threads) as pool:
-        for _ in range(repeats):
-            started = time.perf_counter()
-            total = sum(pool.map(np.sum, parts))
-            samples.append(data.nbytes / (time.perf_counter() - started) / 1e9)
-            assert total == data.size
+        return _timed_reads(data.nbytes, repeats, lambda: sum(pool.map(np.sum, parts)),
+                            data.size)
+
+
+def _timed_reads(nbytes: int, repeats: int, read: Callable[[], Any], expected: Any
+                 ) -> list[float]:
+    """GB/s of each of `repeats` calls of `read` over `nbytes`, each checked to return
+    `expected` (so no read can be skipped)."""
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        result = read()
+        samples.append(nbytes / (time.perf_counter() - started) / 1e9)
+        assert result == expected
     return samples
 
 
@@ -52,15 +61,10 @@ def native_read_bandwidth_gb_s(threads: int, mib: int, repeats: int) -> list[flo
     lib = kernels()
     if lib is None or not lib.llmopt_native_supported():
         return None
-    nbytes = mib * 2**20
-    data = np.ones(nbytes, dtype=np.uint8)  # written once, so every page is resident
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        seen = lib.llmopt_native_read(data.ctypes.data, nbytes, threads)
-        samples.append(nbytes / (time.perf_counter() - started) / 1e9)
-        assert seen == 0x0101010101010101  # every byte was read as 1
-    return samples
+    data = np.ones(mib * 2**20, dtype=np.uint8)  # written once, so every page is resident
+    return _timed_reads(data.nbytes, repeats,
+                        lambda: lib.llmopt_native_read(data.ctypes.data, data.nbytes, threads),
+                        0x0101010101010101)  # the OR of every 8-byte word of ones
 
 
 # ---- bytes per decode token ----------------------------------------------------------

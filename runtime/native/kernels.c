@@ -767,17 +767,20 @@ static inline __m512 row_strip(const uint8_t *row, int bits, int d) {
                                                _mm512_set1_epi32(8)));
 }
 
-/* The eight sums of eight vectors' lanes. */
-static inline __m256 sum_lanes8(const __m512 v[8]) {
-    __m256 r[8];
-    for (int i = 0; i < 8; i++)
+/* The four sums of four vectors' lanes: lane j plus lane j + 8, then pairs, then the two
+   halves (a fixed tree per vector). */
+static inline __m128 sum_lanes4(const __m512 v[4]) {
+    __m256 r[4];
+    for (int i = 0; i < 4; i++)
         r[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]), _mm512_extractf32x8_ps(v[i], 1));
-    __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
-    __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(r[4], r[5]), _mm256_hadd_ps(r[6], r[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20),
-                         _mm256_permute2f128_ps(ab, cd, 0x31));
+    __m256 all = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
 }
 
+/* The eight sums of eight vectors' lanes, by sum_lanes4's tree. */
+static inline __m256 sum_lanes8(const __m512 v[8]) {
+    return _mm256_set_m128(sum_lanes4(v + 4), sum_lanes4(v));
+}
 /* scores[h][j] = scale * q_h . keys[j] for the group's heads, eight keys at a time (rows
    of codes decoded to float32 first, eight at a time). */
 static inline __attribute__((always_inline)) void group_scores_as(
@@ -809,16 +812,6 @@ static inline __attribute__((always_inline)) void group_scores_as(
             _mm256_mask_storeu_ps(scores + (int64_t)h * len + j0, m, sums);
         }
     }
-}
-
-/* The four sums of four vectors' lanes, each by sum_lanes8's tree (so bit for bit its
-   sums). */
-static inline __m128 sum_lanes4(const __m512 v[4]) {
-    __m256 r[4];
-    for (int i = 0; i < 4; i++)
-        r[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]), _mm512_extractf32x8_ps(v[i], 1));
-    __m256 all = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
-    return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
 }
 
 /* group_scores_as for head size 64, the same operations in the same order: four keys at a
