@@ -1,14 +1,15 @@
 """The native step's projections on AMX tiles against its VNNI loop, one projection at a time.
 
-    python benchmarks/amx_projections.py [--threads 1] [--rows 1,2,4,8,16,64,512]
+    python benchmarks/amx_projections.py [--threads 1] [--rows 1,2,4,8,16,64,512] [--block 32]
 
 SmolLM2-135M's projection shapes (q/k/v 960 x 576, o 576 x 576, gate/up 3072 x 576, down
 576 x 1536 with 4-bit codes; the LM head 49152 x 576 with 8-bit codes), random symmetric
-block-quantized weights, random activations of `rows` rows: `llmopt_linear` with AMX off and
-on, interleaved, the best of 5 timings of a batch of calls each; the two paths' outputs are
-checked equal, bit for bit. Every row count takes the tiles here (a step takes them from
-kernels.c's AMX_MIN_ROWS rows on: this table is where that threshold comes from).
-Prints a table and writes benchmarks/results/amx_projections.json.
+weights quantized in blocks of --block columns (K 576 in blocks of 128: four, then one of
+64), random activations of `rows` rows: `llmopt_linear` with AMX off and on, interleaved,
+the best of 5 timings of a batch of calls each; the two paths' outputs are checked equal,
+bit for bit. Every row count takes the tiles here (a step takes them from kernels.c's
+AMX_MIN_ROWS rows on: this table is where that threshold comes from).
+Prints a table and writes benchmarks/results/amx_projections.json (_block64, _block128).
 """
 
 from __future__ import annotations
@@ -28,15 +29,18 @@ SHAPES = {"qkv": (960, 576, 4), "o": (576, 576, 4), "gate_up": (3072, 576, 4),
 MACS_PER_BATCH = 2e8  # multiply-adds timed per measurement: milliseconds at any shape
 
 
-def random_matrix(n: int, k: int, bits: int, rng: np.random.Generator):
-    """MatMulNBits-packed random symmetric codes (two 4-bit codes a byte, low nibble first)
-    and scales, as the native step's QMatrix (with the arrays it points at)."""
-    codes = rng.integers(0, 2 ** bits, (n, k), dtype=np.uint8)
+def random_matrix(n: int, k: int, bits: int, block: int, rng: np.random.Generator):
+    """MatMulNBits-packed random symmetric codes (two 4-bit codes a byte, low nibble first;
+    the last block padded) and scales, as the native step's QMatrix (with the arrays it
+    points at)."""
+    blocks = -(-k // block)
+    codes = np.zeros((n, blocks * block), np.uint8)
+    codes[:, :k] = rng.integers(0, 2 ** bits, (n, k), dtype=np.uint8)
     if bits == 4:
         codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    packed = codes.reshape(n, k // 32, 32 * bits // 8)
-    scales = rng.uniform(1e-3, 2e-2, (n, k // 32)).astype(np.float32)
-    return quantized_matrix(packed, scales.reshape(-1), None, n, k, bits)
+    packed = codes.reshape(n, blocks, block * bits // 8)
+    scales = rng.uniform(1e-3, 2e-2, (n, blocks)).astype(np.float32)
+    return quantized_matrix(packed, scales.reshape(-1), None, n, k, bits, block=block)
 
 
 def timed_ms(lib: ctypes.CDLL, matrix, x: np.ndarray, y: np.ndarray, threads: int,
@@ -52,6 +56,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rows", default="1,2,4,8,16,64,512")
+    parser.add_argument("--block", type=int, choices=(32, 64, 128), default=32,
+                        help="columns per quantization block")
     args = parser.parse_args()
     lib = kernels()
     if lib is None or not use_amx(True):
@@ -61,7 +67,7 @@ def main() -> None:
     rows_out = []
     print(f"{'projection':<14}{'rows':>6}{'VNNI ms':>10}{'AMX ms':>10}{'AMX/VNNI':>10}")
     for name, (n, k, bits) in SHAPES.items():
-        arrays, matrix = random_matrix(n, k, bits, rng)
+        arrays, matrix = random_matrix(n, k, bits, args.block, rng)
         for rows in (int(r) for r in args.rows.split(",")):
             x = rng.standard_normal((rows, k)).astype(np.float32)
             outputs = {amx: np.empty((rows, n), np.float32) for amx in (False, True)}
@@ -81,8 +87,9 @@ def main() -> None:
                              "amx_over_vnni": ratio})
     use_amx(True)
     lib.llmopt_native_amx_min_rows(default_min_rows)
-    write_json(RESULTS_DIR / "amx_projections.json",
-               {"machine": machine_info(), "threads": args.threads, "rows": rows_out})
+    name = "amx_projections" + ("" if args.block == 32 else f"_block{args.block}")
+    write_json(RESULTS_DIR / f"{name}.json", {"machine": machine_info(), "threads": args.threads,
+                                              "block": args.block, "rows": rows_out})
 
 
 if __name__ == "__main__":

@@ -4,13 +4,13 @@ The runtime's native decoder step (one C call per step, see runtime/native/kerne
 computes what a lanes graph computes, for the graphs it knows: a llama-style decoder
 (RMS norms, fused QKV and gate/up projections, SiLU, GroupQueryAttention with rotary, no
 biases, softcap or sliding window) whose projections are MatMulNBits at accuracy level 4
-with 4- or 8-bit codes in blocks of 32, and KV lanes of float32 or, per layer, the KV-cache
-pass's float16 or int8/int4 codes with static per-channel scales (rotary and an optional
-rotation of queries and keys run before the node then, and the step's keys and values are
-rounded to their codes, or the node's inputs cast to float16: `_quantized_kv` and
-`_float16_kv` read those chains). The plan is read off the
-saved graph itself, so it describes exactly what ONNX Runtime runs; a graph with
-anything else gets `{"unsupported": reason}` and the runtime keeps ONNX Runtime.
+with 4- or 8-bit codes in blocks of 32, 64 or 128, and KV lanes of float32 or, per layer,
+the KV-cache pass's float16 or int8/int4 codes with static per-channel scales (rotary and
+an optional rotation of queries and keys run before the node then, and the step's keys
+and values are rounded to their codes, or the node's inputs cast to float16:
+`_quantized_kv` and `_float16_kv` read those chains). The plan is read off the saved graph
+itself, so it describes exactly what ONNX Runtime runs; a graph with anything else gets
+`{"unsupported": reason}` and the runtime keeps ONNX Runtime.
 
 A tensor is `{"dtype", "shape", "offset", "length"}` in the graph's weights file, or
 `{"dtype", "shape", "values"}` for one small enough to stay inside the ONNX file.
@@ -27,7 +27,8 @@ from onnx import helper, numpy_helper
 
 from llmopt.runtime import contract as C
 
-_BLOCK = 32  # the kernels' quantization block, for weights and activations
+_BLOCKS = (32, 64, 128)  # the kernels' quantization blocks, for weights and activations
+_SLICE = 32  # the columns of the kernels' packed layout: every K is a multiple
 _VECTOR = 16  # float32 lanes of the kernels' vectors: every width is a multiple
 
 
@@ -254,14 +255,14 @@ class _Planner:
         if gather.op_type == "Gather":
             return {"table": self._tensor(gather.input[0])}
         attrs = _attrs(gather)
-        if attrs.get("block_size") != _BLOCK or attrs.get("bits") not in (4, 8):
-            raise Unsupported("a quantized embedding in blocks other than 32")
+        if attrs.get("block_size") not in _BLOCKS or attrs.get("bits") not in (4, 8):
+            raise Unsupported("a quantized embedding in blocks other than 32, 64 or 128")
         codes = self._dims(gather.input[0])
         return {"codes": {"codes": self._tensor(gather.input[0]),
                           "scales": self._tensor(gather.input[2]),
                           "zeros": self._tensor(gather.input[3]) if len(gather.input) > 3
                           and gather.input[3] else None,
-                          "bits": attrs["bits"], "n": codes[0],
+                          "bits": attrs["bits"], "block": attrs["block_size"], "n": codes[0],
                           "k": codes[1] * 8 // attrs["bits"]}}
 
     def _layer(self, i: int, kv: dict[str, Any] | None) -> dict[str, Any]:
@@ -282,11 +283,12 @@ class _Planner:
 
     def _matmul(self, node: onnx.NodeProto) -> dict[str, Any]:
         attrs = _attrs(node)
-        if attrs["block_size"] != _BLOCK or attrs["bits"] not in (4, 8):
+        if attrs["block_size"] not in _BLOCKS or attrs["bits"] not in (4, 8):
             raise Unsupported(f"{node.input[1]}: {attrs['bits']}-bit codes in blocks of "
-                              f"{attrs['block_size']} (the native step takes 4/8-bit, 32)")
-        if attrs["K"] % _BLOCK:
-            raise Unsupported(f"{node.input[1]}: K {attrs['K']} is not a multiple of {_BLOCK}")
+                              f"{attrs['block_size']} (the native step takes 4/8-bit; "
+                              "32, 64, 128)")
+        if attrs["K"] % _SLICE:
+            raise Unsupported(f"{node.input[1]}: K {attrs['K']} is not a multiple of {_SLICE}")
         zeros = node.input[3] if len(node.input) > 3 and node.input[3] else None
         if zeros and self.tensors[zeros].data_type != onnx.TensorProto.UINT8:
             raise Unsupported("fractional zero points")
@@ -296,7 +298,8 @@ class _Planner:
         return {"codes": self._tensor(node.input[1]), "scales": self._tensor(node.input[2]),
                 "zeros": self._tensor(zeros) if zeros else None,
                 "offsets": self._tensor(offsets) if offsets else None,
-                "bits": attrs["bits"], "n": attrs["N"], "k": attrs["K"]}
+                "bits": attrs["bits"], "block": attrs["block_size"], "n": attrs["N"],
+                "k": attrs["K"]}
 
     def _group_offsets(self, node: onnx.NodeProto) -> str | None:
         """The [K/32, N] offsets of fractional zero points (compiler/quant_format's

@@ -7,18 +7,21 @@ lane), the final norm and the LM head rows asked for. A lane holds float32 keys 
 or int8/int4 codes with static per-channel scales (the KV-cache pass's layouts that
 GroupQueryAttention reads in place), optionally of keys rotated per head. It computes what
 the artifact's ONNX graph computes with ONNX Runtime's MatMulNBits at accuracy level 4
-(activations quantized to int8 per block of 32 with scale absmax / 127, rounded half to
-even).
+(activations quantized to int8 per block of the weights' with scale absmax / 127, rounded
+half to even).
 
-Weights: a projection w [N, K] is int codes in blocks of 32 along K with a float scale
-per block and an optional integer zero point (else 2^(bits-1)): w = (code - zero) * scale.
-They are repacked at load (runtime/native/weights.py) for one 512-bit VNNI dot per four
-columns of sixteen rows: int32 lane i of a dot holds row i's four products with four
-activation bytes broadcast to every lane. A block of sixteen rows is 8 such vectors
-(8-bit codes), or 4 whose low and high nibbles are those 8 (4-bit codes). Activation
-rows are quantized into tiles of eight (QActivations); a full tile times symmetric 4-bit
-weights runs as one loop of inline assembly (tile8_q4), every other shape through the same
-operations written with intrinsics (gemm_tile).
+Weights: a projection w [N, K] is int codes in quantization blocks of 32, 64 or 128
+along K (the last one may be shorter, a multiple of 32) with a float scale per block and an
+optional integer zero point (else 2^(bits-1)): w = (code - zero) * scale. Activations are
+quantized in the same blocks. The codes are repacked at load (runtime/native/weights.py),
+32 columns (a slice) at a time, for one 512-bit VNNI dot per four columns of sixteen rows:
+int32 lane i of a dot holds row i's four products with four activation bytes broadcast to
+every lane. A slice of sixteen rows is 8 such vectors (8-bit codes), or 4 whose low and
+high nibbles are those 8 (4-bit codes). A block's integer dot is the exact sum of its
+slices' dots; its float scales apply once per block. Activation rows are quantized into
+tiles of eight (QActivations); a full tile times symmetric 4-bit weights runs as one loop
+of inline assembly (tile8_q4), every other shape through the same operations written with
+intrinsics (gemm_tile).
 
 A sequence's consecutive tokens in one step (a prefill chunk, a token and its drafts)
 attend together, up to RUN_TOKENS at a time, reading each lane row once for all of them
@@ -46,23 +49,27 @@ and speculation change no output.
 #include <omp.h>
 #endif
 
-typedef struct {  /* a projection, sixteen rows interleaved (see above) */
+typedef struct {  /* a projection, sixteen rows interleaved (see above); B: block count */
     const uint8_t *codes;   /* [ceil(N/16)][K/32][bits * 64] */
-    const float *scales;    /* [ceil(N/16)][K/32][16] */
-    const uint8_t *zeros;   /* [ceil(N/16)][K/32][16], or NULL: 2^(bits-1) */
-    const float *offsets;   /* [ceil(N/16)][K/32][16] fractional zero points (GGUF Q4_1) as
+    const float *scales;    /* [ceil(N/16)][B][16] */
+    const uint8_t *zeros;   /* [ceil(N/16)][B][16], or NULL: 2^(bits-1) */
+    const float *offsets;   /* [ceil(N/16)][B][16] fractional zero points (GGUF Q4_1) as
                                scale * (2^(bits-1) - zero), times the block's float input sum;
-                               or NULL */
+                               or NULL (blocks of 32 only) */
     int32_t n, k, bits;
+    int32_t block;          /* columns per quantization block: 32, 64 or 128 */
 } QMatrix;
 
 typedef struct {  /* embedding rows: MatMulNBits' layout, row after row */
     const uint8_t *codes;   /* [N][K * bits / 8], 4-bit: element 2j low nibble of byte j */
-    const float *scales;    /* [N][K/32] */
-    const uint8_t *zeros;   /* [N][K/32], or NULL */
+    const float *scales;    /* [N][B] */
+    const uint8_t *zeros;   /* [N][B], or NULL */
     const float *offsets;   /* unused: QMatrix's layout */
-    int32_t n, k, bits;
+    int32_t n, k, bits, block;
 } QRows;
+
+/* Quantization blocks of a K-wide row (the last may be shorter). */
+static inline int block_count(int k, int block) { return (k + block - 1) / block; }
 
 typedef struct {  /* how one layer's lanes hold keys and values */
     int32_t bits;               /* 32: float32; 16: float16 (queries and the attention output
@@ -120,13 +127,13 @@ int llmopt_native_amx(int want) {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")
 #include <immintrin.h>
 
-#define PREFETCH_BLOCKS 16  /* how far ahead of the weight stream to prefetch, every 64-byte
-                               line of it: prefetching every other line and leaving its pair
+#define PREFETCH_SLICES 16  /* how far ahead of the weight stream to prefetch (slices of 32
+                               columns), every 64-byte line of it: prefetching every other line and leaving its pair
                                to the adjacent-line prefetcher made a batch-1 step of 4 tokens
                                cost 1.5x where it now costs 1.1x (the pair's demand misses
                                stalled the dots; measured with benchmarks/native_kernels_ab.py,
-                               session 17). 8 to 32 blocks ahead time the same. */
-#define TOKEN_TILE 8        /* activation rows that share each unpacked weight block */
+                               session 17). 8 to 32 slices ahead time the same. */
+#define TOKEN_TILE 8        /* activation rows that share each unpacked weight slice */
 #define PARALLEL_ROWS 16    /* rows from which per-row work (quantizing, norms, rotary, SiLU)
                                is split between threads: below, a parallel region costs more
                                than it saves (2 threads, session 19: from 16 rows rather
@@ -137,16 +144,17 @@ int llmopt_native_amx(int want) {
                                stay in cache while it runs; a matrix's weights stay in L2/L3
                                between passes) */
 
-/* int8 activations of T rows of width K, blocks of 32, in tiles of TOKEN_TILE rows: row t
-   is row t % TOKEN_TILE of tile t / TOKEN_TILE, and a tile's rows lie side by side per block
-   (the dot kernel broadcasts each row's four codes at fixed offsets from one pointer). */
+/* int8 activations of T rows of width K, quantized per block of w's (B blocks), in tiles
+   of TOKEN_TILE rows: row t is row t % TOKEN_TILE of tile t / TOKEN_TILE, and a tile's rows
+   lie side by side per slice or block (the dot kernel broadcasts each row's four codes at
+   fixed offsets from one pointer). */
 typedef struct {
-    int32_t *codes;      /* [tiles][K/32][8][TOKEN_TILE]: four codes per int32, blocks of 32 */
-    float *scales;       /* [tiles][K/32][TOKEN_TILE] absmax / 127 */
-    int32_t *zero_term;  /* [tiles][K/32][TOKEN_TILE] the block's sum of codes, negated and
+    int32_t *codes;      /* [tiles][K/32][8][TOKEN_TILE]: four codes per int32, per slice */
+    float *scales;       /* [tiles][B][TOKEN_TILE] the block's absmax / 127 */
+    int32_t *zero_term;  /* [tiles][B][TOKEN_TILE] the block's sum of codes, negated and
                             times the weights' implicit zero point 2^(bits-1) (times -1 with
                             explicit zero points) */
-    float *inputs;       /* [tiles][K/32][TOKEN_TILE] the block's sum of the float inputs
+    float *inputs;       /* [tiles][B][TOKEN_TILE] the block's sum of the float inputs
                             (filled for offsets) */
     int8_t *rows;        /* [T rounded up to AMX_ROWS][K] the same codes row after row, for
                             AMX tiles, or NULL. Where set, the product runs on tiles, which
@@ -154,60 +162,82 @@ typedef struct {
                             unfilled */
 } QActivations;
 
-/* Where row t's block b begins in a tiled per-block array, and in the codes. */
-static inline int64_t tile_at(int64_t t, int blocks, int b) {
-    return ((t / TOKEN_TILE) * blocks + b) * TOKEN_TILE + t % TOKEN_TILE;
+/* Where row t's entry b lies in a tiled array of `count` entries per row (slices, blocks). */
+static inline int64_t tile_at(int64_t t, int count, int b) {
+    return ((t / TOKEN_TILE) * count + b) * TOKEN_TILE + t % TOKEN_TILE;
+}
+
+/* Row t's block b of x (`slices` slices of 32 from `first`) quantized as w's kernels read
+   it (see QActivations). */
+static inline void quantize_block(const float *x, int64_t t, int first, int slices,
+                                  int64_t at, const QMatrix *w, QActivations *q) {
+    const int k = w->k, row_slices = k / 32;
+    __m512 amax_v = _mm512_setzero_ps(), input_v = _mm512_setzero_ps();
+    for (int s = first; s < first + slices; s++) {
+        const float *xs = x + t * k + s * 32;
+        __m512 lo = _mm512_loadu_ps(xs), hi = _mm512_loadu_ps(xs + 16);
+        amax_v = _mm512_max_ps(amax_v, _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        input_v = _mm512_add_ps(input_v, _mm512_add_ps(lo, hi));
+    }
+    const float scale = _mm512_reduce_max_ps(amax_v) / 127.f;
+    const __m512 inv = _mm512_set1_ps(scale != 0.f ? 1.f / scale : 0.f);
+    __m512i sum = _mm512_setzero_si512();
+    for (int s = first; s < first + slices; s++) {
+        const float *xs = x + t * k + s * 32;
+        /* cvtps rounds half to even (MXCSR's default), as lrintf */
+        __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xs), inv));
+        __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xs + 16), inv));
+        if (q->rows) {  /* AMX tiles read the rows alone: no tiled codes, no zero term */
+            int8_t *row = q->rows + t * k + s * 32;
+            _mm_storeu_si128((__m128i *)row, _mm512_cvtsepi32_epi8(qlo));
+            _mm_storeu_si128((__m128i *)(row + 16), _mm512_cvtsepi32_epi8(qhi));
+            continue;
+        }
+        int32_t quads[8];
+        _mm_storeu_si128((__m128i *)quads, _mm512_cvtsepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(quads + 4), _mm512_cvtsepi32_epi8(qhi));
+        const int64_t slice_at = tile_at(t, row_slices, s);
+        int32_t *codes = q->codes + (slice_at - t % TOKEN_TILE) * 8 + t % TOKEN_TILE;
+        for (int m = 0; m < 8; m++) codes[m * TOKEN_TILE] = quads[m];
+        sum = _mm512_add_epi32(sum, _mm512_add_epi32(qlo, qhi));
+    }
+    q->scales[at] = scale;
+    if (!q->rows) {
+        const int32_t total = _mm512_reduce_add_epi32(sum);
+        q->zero_term[at] = w->zeros ? -total : -(total << (w->bits - 1));
+    }
+    if (w->offsets) q->inputs[at] = _mm512_reduce_add_ps(input_v);
 }
 
 /* x [T][K] quantized as w's kernels read it (see QActivations). */
 static void quantize_rows(const float *x, int t_rows, const QMatrix *w, int threads,
                           QActivations *q) {
-    const int k = w->k, blocks = k / 32;
+    const int slices = w->k / 32, per_block = w->block / 32;
+    const int blocks = block_count(w->k, w->block);
     (void)threads;
     #pragma omp parallel for num_threads(threads) if (threads > 1 && t_rows >= PARALLEL_ROWS)
     for (int64_t t = 0; t < t_rows; t++)
         for (int b = 0; b < blocks; b++) {
-            const float *xb = x + t * k + b * 32;
-            __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
-            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-            float scale = amax / 127.f;
-            __m512 inv = _mm512_set1_ps(scale != 0.f ? 1.f / scale : 0.f);
-            /* cvtps rounds half to even (MXCSR's default), as lrintf */
-            __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
-            __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-            const int64_t at = tile_at(t, blocks, b);
-            q->scales[at] = scale;
-            if (q->rows) {  /* AMX tiles read the rows alone: no tiled codes, no zero term */
-                int8_t *row = q->rows + t * k + b * 32;
-                _mm_storeu_si128((__m128i *)row, _mm512_cvtsepi32_epi8(qlo));
-                _mm_storeu_si128((__m128i *)(row + 16), _mm512_cvtsepi32_epi8(qhi));
-            } else {
-                int32_t quads[8];
-                _mm_storeu_si128((__m128i *)quads, _mm512_cvtsepi32_epi8(qlo));
-                _mm_storeu_si128((__m128i *)(quads + 4), _mm512_cvtsepi32_epi8(qhi));
-                int32_t *codes = q->codes + (at - t % TOKEN_TILE) * 8 + t % TOKEN_TILE;
-                for (int m = 0; m < 8; m++) codes[m * TOKEN_TILE] = quads[m];
-                int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-                q->zero_term[at] = w->zeros ? -sum : -(sum << (w->bits - 1));
-            }
-            if (w->offsets)
-                q->inputs[at] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+            const int first = b * per_block;
+            quantize_block(x, t, first, slices - first < per_block ? slices - first : per_block,
+                           tile_at(t, blocks, b), w, q);
         }
 }
 
 /* The common full tile as one loop of assembly: TOKEN_TILE (8) activation rows times a row
-   group of symmetric 4-bit weights (no zero points, no offsets) over `blocks` blocks,
-   computing what gemm_tile computes, operation for operation, with every value in a named
-   register. (GCC, given gemm_tile's intrinsics, moves sums between registers and spills
+   group of symmetric 4-bit weights (no zero points, no offsets) over `blocks` blocks of
+   `slices` slices each, adding to `out`'s sums what gemm_tile computes, operation for
+   operation, with every value in a named register. (GCC, given gemm_tile's intrinsics, moves sums between registers and spills
    addresses; this loop issues ~1.45 dots a cycle where that one issues ~1.2.)
    Registers: zmm0-7 each row's integer dot of the block, zmm8-15 the block's eight code
    vectors, zmm16-23 each row's float sum, zmm24 a broadcast activation, zmm25 the block's
-   row scales, zmm26 a row's scale product. Per block the pointers advance by: codes 256
-   bytes, row scales 16 floats, activation codes 8 x 8 int32, zero terms and activation
-   scales 8 each (the tiled layouts above). out: [8][16] floats. */
+   row scales, zmm26 a row's scale product. Per slice the pointers advance by: codes 256
+   bytes, activation codes 8 x 8 int32; per block: row scales 16 floats, zero terms and
+   activation scales 8 each (the tiled layouts above). out: [8][16] floats. */
 static void tile8_q4(const uint8_t *codes, const float *row_scales, const int32_t *act,
                      const int32_t *zero_term, const float *act_scales, int64_t blocks,
-                     float *out) {
+                     int64_t slices, float *out) {
+    int64_t left;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
 #define UNPACK(j, lo, hi) \
     "vmovdqu64 64*" #j "(%[codes]), %%zmm" #lo "\n\t" \
@@ -220,18 +250,20 @@ static void tile8_q4(const uint8_t *codes, const float *row_scales, const int32_
     "vfmadd231ps %%zmm26, %%zmm" #i ", %%zmm" #f "\n\t"
     __asm__ volatile(
         ".irp f,16,17,18,19,20,21,22,23\n\t"
-        "vpxord %%zmm\\f, %%zmm\\f, %%zmm\\f\n\t"
+        "vmovups 64*(\\f-16)(%[out]), %%zmm\\f\n\t"
         ".endr\n"
         "1:\n\t"
+        /* each row's dot starts from its zero term */
+        ".irp i,0,1,2,3,4,5,6,7\n\t"
+        "vpbroadcastd 4*\\i(%[zero_term]), %%zmm\\i\n\t"
+        ".endr\n\t"
+        "mov %[slices], %[left]\n"
+        "2:\n\t"
         "prefetcht0 %c[ahead](%[codes])\n\t"
         "prefetcht0 %c[ahead]+64(%[codes])\n\t"
         "prefetcht0 %c[ahead]+128(%[codes])\n\t"
         "prefetcht0 %c[ahead]+192(%[codes])\n\t"
         UNPACK(0, 8, 9) UNPACK(1, 10, 11) UNPACK(2, 12, 13) UNPACK(3, 14, 15)
-        /* each row's dot starts from its zero term */
-        ".irp i,0,1,2,3,4,5,6,7\n\t"
-        "vpbroadcastd 4*\\i(%[zero_term]), %%zmm\\i\n\t"
-        ".endr\n\t"
         /* code vector m (zmm8+m) times row i's four activation codes m, for every m, i */
         ".irp m,8,9,10,11,12,13,14,15\n\t"
         ".irp i,0,1,2,3,4,5,6,7\n\t"
@@ -239,12 +271,14 @@ static void tile8_q4(const uint8_t *codes, const float *row_scales, const int32_
         "vpdpbusd %%zmm24, %%zmm\\m, %%zmm\\i\n\t"
         ".endr\n\t"
         ".endr\n\t"
+        "add $256, %[codes]\n\t"
+        "add $256, %[act]\n\t"
+        "dec %[left]\n\t"
+        "jnz 2b\n\t"
         "vmovups (%[row_scales]), %%zmm25\n\t"
         SUM(0, 16) SUM(1, 17) SUM(2, 18) SUM(3, 19)
         SUM(4, 20) SUM(5, 21) SUM(6, 22) SUM(7, 23)
-        "add $256, %[codes]\n\t"
         "add $64, %[row_scales]\n\t"
-        "add $256, %[act]\n\t"
         "add $32, %[zero_term]\n\t"
         "add $32, %[act_scales]\n\t"
         "dec %[blocks]\n\t"
@@ -253,8 +287,10 @@ static void tile8_q4(const uint8_t *codes, const float *row_scales, const int32_
         "vmovups %%zmm\\f, 64*(\\f-16)(%[out])\n\t"
         ".endr\n\t"
         : [codes] "+r"(codes), [row_scales] "+r"(row_scales), [act] "+r"(act),
-          [zero_term] "+r"(zero_term), [act_scales] "+r"(act_scales), [blocks] "+r"(blocks)
-        : [out] "r"(out), [low4] "v"(low4), [ahead] "i"(PREFETCH_BLOCKS * 256)
+          [zero_term] "+r"(zero_term), [act_scales] "+r"(act_scales), [blocks] "+r"(blocks),
+          [left] "=&r"(left)
+        : [out] "r"(out), [slices] "r"(slices), [low4] "v"(low4),
+          [ahead] "i"(PREFETCH_SLICES * 256)
         : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
           "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18",
           "xmm19", "xmm20", "xmm21", "xmm22", "xmm23", "xmm24", "xmm25", "xmm26", "memory",
@@ -264,25 +300,33 @@ static void tile8_q4(const uint8_t *codes, const float *row_scales, const int32_
 }
 
 /* Tile `tile` (rows t0 .., `tile` of them) times row group g: 16 outputs per row. Each
-   block's integer dots start from the zero point's term and run as one chain per row, the
-   rows interleaved so that `tile` chains are in flight. `bits` and `zeros` are constants
-   in each instance. */
+   block's integer dots start from the zero point's term and run as one chain per row over
+   the block's slices, the rows interleaved so that `tile` chains are in flight. `bits` and
+   `zeros` are constants in each instance. */
 static inline __attribute__((always_inline)) void gemm_tile(
         const QMatrix *w, const QActivations *a, int t0, const int tile, const int bits,
         const int has_zeros, float *y, int64_t g) {
-    const int blocks = w->k / 32, block_bytes = bits * 64;
-    const uint8_t *group = w->codes + g * blocks * block_bytes;
+    const int slices = w->k / 32, slice_bytes = bits * 64, per_block = w->block / 32;
+    const int blocks = block_count(w->k, w->block);
+    const uint8_t *group = w->codes + g * slices * slice_bytes;
     const float *scales = w->scales + g * blocks * 16;
     const uint8_t *zeros = has_zeros ? w->zeros + g * blocks * 16 : NULL;
     const float *offsets = w->offsets ? w->offsets + g * blocks * 16 : NULL;
     const __mmask16 rows = (__mmask16)((1u << (w->n - 16 * g < 16 ? w->n - 16 * g : 16)) - 1);
     const int64_t first = tile_at(t0, blocks, 0);
-    const int32_t *act = a->codes + first * 8;
+    const int32_t *act = a->codes + tile_at(t0, slices, 0) * 8;
     const int32_t *zero_term = a->zero_term + first;
     const float *act_scales = a->scales + first, *inputs = a->inputs + first;
     if (tile == TOKEN_TILE && bits == 4 && !has_zeros && !offsets && blocks > 0) {
-        float sums[TOKEN_TILE][16];
-        tile8_q4(group, scales, act, zero_term, act_scales, blocks, &sums[0][0]);
+        float sums[TOKEN_TILE][16] = {{0}};
+        const int full = slices / per_block, tail = slices % per_block;
+        if (full)  /* the loop runs at least once */
+            tile8_q4(group, scales, act, zero_term, act_scales, full, per_block, &sums[0][0]);
+        if (tail)  /* the shorter last block */
+            tile8_q4(group + (int64_t)full * per_block * slice_bytes, scales + full * 16,
+                     act + (int64_t)full * per_block * 8 * TOKEN_TILE,
+                     zero_term + full * TOKEN_TILE, act_scales + full * TOKEN_TILE, 1, tail,
+                     &sums[0][0]);
         for (int i = 0; i < tile; i++)
             _mm512_mask_storeu_ps(y + (int64_t)(t0 + i) * w->n + 16 * g, rows,
                                   _mm512_loadu_ps(sums[i]));
@@ -291,22 +335,6 @@ static inline __attribute__((always_inline)) void gemm_tile(
     __m512 acc[TOKEN_TILE];
     for (int i = 0; i < tile; i++) acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        const uint8_t *at = group + (int64_t)b * block_bytes;
-        const char *ahead = (const char *)(at + PREFETCH_BLOCKS * block_bytes);
-        for (int line = 0; line < block_bytes; line += 64)  /* every line: see PREFETCH_BLOCKS */
-            _mm_prefetch(ahead + line, _MM_HINT_T0);
-        __m512i codes[8];
-        if (bits == 8) {
-            for (int m = 0; m < 8; m++) codes[m] = _mm512_loadu_si512(at + 64 * m);
-        } else {
-            const __m512i low4 = _mm512_set1_epi8(0x0F);
-            for (int j = 0; j < 4; j++) {
-                __m512i packed = _mm512_loadu_si512(at + 64 * j);
-                codes[2 * j] = _mm512_and_si512(packed, low4);
-                codes[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
-            }
-        }
-        const int32_t *block_act = act + (int64_t)b * 8 * TOKEN_TILE;
         const int64_t bt = (int64_t)b * TOKEN_TILE;
         __m512i dot[TOKEN_TILE];
         if (has_zeros) {
@@ -317,10 +345,29 @@ static inline __attribute__((always_inline)) void gemm_tile(
         } else {
             for (int i = 0; i < tile; i++) dot[i] = _mm512_set1_epi32(zero_term[bt + i]);
         }
-        for (int m = 0; m < 8; m++)
-            for (int i = 0; i < tile; i++)
-                dot[i] = _mm512_dpbusd_epi32(dot[i], codes[m],
-                                             _mm512_set1_epi32(block_act[m * TOKEN_TILE + i]));
+        const int end = (b + 1) * per_block < slices ? (b + 1) * per_block : slices;
+        for (int s = b * per_block; s < end; s++) {
+            const uint8_t *at = group + (int64_t)s * slice_bytes;
+            const char *ahead = (const char *)(at + PREFETCH_SLICES * slice_bytes);
+            for (int line = 0; line < slice_bytes; line += 64)  /* see PREFETCH_SLICES */
+                _mm_prefetch(ahead + line, _MM_HINT_T0);
+            __m512i codes[8];
+            if (bits == 8) {
+                for (int m = 0; m < 8; m++) codes[m] = _mm512_loadu_si512(at + 64 * m);
+            } else {
+                const __m512i low4 = _mm512_set1_epi8(0x0F);
+                for (int j = 0; j < 4; j++) {
+                    __m512i packed = _mm512_loadu_si512(at + 64 * j);
+                    codes[2 * j] = _mm512_and_si512(packed, low4);
+                    codes[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+                }
+            }
+            const int32_t *slice_act = act + (int64_t)s * 8 * TOKEN_TILE;
+            for (int m = 0; m < 8; m++)
+                for (int i = 0; i < tile; i++)
+                    dot[i] = _mm512_dpbusd_epi32(dot[i], codes[m], _mm512_set1_epi32(
+                        slice_act[m * TOKEN_TILE + i]));
+        }
         const __m512 row_scales = _mm512_loadu_ps(scales + b * 16);
         for (int i = 0; i < tile; i++) {
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(
@@ -363,16 +410,19 @@ static void gemm_groups(const QMatrix *w, const QActivations *a, int t_rows, flo
 }
 
 /* AMX: where the CPU has int8 tile multiplies (Intel's AMX-INT8), a tile of up to sixteen
-   activation rows times a row group runs one block at a time as one TDPBSSD: the tile A is
-   the rows' 32 codes of the block (QActivations.rows), the tile B the block's eight code
-   vectors, which weights.py's layout already makes the operand's four-bytes-per-lane form,
-   as signed bytes code - zero point. The integer dot of each row and block is exact either
-   way, and the float sum over blocks is gemm_tile's, operation for operation, so the result
-   is bit for bit the VNNI path's and a step may take either path for any of its matrices.
-   The tile's sums pass through memory (AMX has no move to vector registers) and each block
-   still needs gemm_tile's three float operations per row, which bound the gain: a 4 x 128
-   prefill step takes 0.77x its VNNI time, a batch-16 decode step 0.89x
-   (benchmarks/native_kernels_ab.py, --old amx-off). */
+   activation rows times a row group runs one block at a time. In blocks of 32 (amx_tile)
+   a block is one TDPBSSD: the tile A is the rows' 32 codes of the block
+   (QActivations.rows), the tile B the block's eight code vectors, which weights.py's layout
+   already makes the operand's four-bytes-per-lane form, as signed bytes code - zero point.
+   Wider blocks (amx_tile_wide) take one TDPBSSD per 64 columns, A 64 codes a row and B two
+   slices' sixteen vectors, all summed in one tile. The integer dot of each row and block is
+   exact either way, and the float sum over blocks is gemm_tile's, operation for operation,
+   so the result is bit for bit the VNNI path's and a step may take either path for any of
+   its matrices. The tile's sums pass through memory (AMX has no move to vector registers)
+   and each block still needs gemm_tile's three float operations per row, which bound the
+   gain in blocks of 32: a 4 x 128 prefill step takes 0.77x its VNNI time, a batch-16 decode
+   step 0.89x (benchmarks/native_kernels_ab.py, --old amx-off). Blocks of 128 need a quarter
+   of those operations and half the multiplies. */
 #define AMX_ROWS 16       /* activation rows of one tile (A's and C's rows) */
 #define AMX_MIN_ROWS 16   /* fewer rows take the VNNI path: a projection on tiles costs
                              1.3-1.5x VNNI at 8 rows, 0.84-1.0x at 16, 0.74-0.91x at 64
@@ -387,28 +437,29 @@ typedef struct __attribute__((aligned(64))) {
     uint8_t rows[16];
 } TileConfig;
 
-/* Tiles 0-3: sums (C, 16 rows of 16 int32), 4-5: activation codes (A, 16 rows of a block's
-   32), 6-7: code vectors (B, 8 rows of 64 bytes): see amx_tile. */
-static void amx_configure(void) {
+/* Tiles 0-3: sums (C, 16 rows of 16 int32), 4-5: activation codes (A, 16 rows of 32 codes,
+   or 64 when `wide`), 6-7: code vectors (B, 8 rows of 64 bytes, or 16): see amx_tile and
+   amx_tile_wide. */
+static void amx_configure(int wide) {
     TileConfig config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
     for (int tile = 0; tile < 8; tile++) {
-        config.rows[tile] = tile < 6 ? AMX_ROWS : 8;
-        config.bytes_per_row[tile] = tile == 4 || tile == 5 ? 32 : 64;
+        config.rows[tile] = tile < 6 || wide ? AMX_ROWS : 8;
+        config.bytes_per_row[tile] = (tile == 4 || tile == 5) && !wide ? 32 : 64;
     }
     _tile_loadconfig(&config);
 }
 
-/* Block b of group g's code vectors as signed bytes code - zero point (512 bytes): the
+/* Slice s of group g's code vectors as signed bytes code - zero point (512 bytes): the
    product then needs no zero-point term (it is the same integer). Prefetches the weight
    stream ahead. */
-static inline __attribute__((always_inline)) void amx_unpack_block(
-        const QMatrix *w, int64_t g, int b, int8_t *out) {
-    const int blocks = w->k / 32, block_bytes = w->bits * 64;
-    const uint8_t *at = w->codes + (g * blocks + b) * block_bytes;
-    const char *ahead = (const char *)(at + PREFETCH_BLOCKS * block_bytes);
-    for (int line = 0; line < block_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+static inline __attribute__((always_inline)) void amx_unpack_slice(
+        const QMatrix *w, int64_t g, int s, int8_t *out) {
+    const int slices = w->k / 32, slice_bytes = w->bits * 64;
+    const uint8_t *at = w->codes + (g * slices + s) * slice_bytes;
+    const char *ahead = (const char *)(at + PREFETCH_SLICES * slice_bytes);
+    for (int line = 0; line < slice_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
     if (w->bits == 8) {  /* no zero points here (amx_takes): code - 128 */
         for (int m = 0; m < 8; m++)
             _mm512_store_si512(out + 64 * m, _mm512_xor_si512(_mm512_loadu_si512(at + 64 * m),
@@ -416,7 +467,8 @@ static inline __attribute__((always_inline)) void amx_unpack_block(
     } else if (w->zeros) {  /* row i's zero point in each byte of lane i */
         const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_mullo_epi32(
             _mm512_set1_epi32(0x01010101), _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                (const __m128i *)(w->zeros + (g * blocks + b) * 16))));
+                (const __m128i *)(w->zeros + (g * block_count(w->k, w->block)
+                                              + s / (w->block / 32)) * 16))));
         for (int j = 0; j < 4; j++) {
             __m512i packed = _mm512_loadu_si512(at + 64 * j);
             _mm512_store_si512(out + 128 * j, _mm512_sub_epi8(_mm512_and_si512(packed, low4), zero));
@@ -454,9 +506,9 @@ static inline __attribute__((always_inline)) void amx_add_block(
     }
 }
 
-/* Rows t0 .. t0 + rows - 1 times row group g (signed code vectors `vectors`, or NULL: each
-   pair unpacked as it comes, for a group that one tile of rows reads once). Blocks go
-   in pairs, software-pipelined: while one pair's sums are read (from tiles 0, 1 or 2, 3),
+/* Blocks of 32: rows t0 .. t0 + rows - 1 times row group g (signed code vectors `vectors`,
+   or NULL: each pair unpacked as it comes, for a group that one tile of rows reads once).
+   Blocks go in pairs, software-pipelined: while one pair's sums are read (from tiles 0, 1 or 2, 3),
    the next pair multiplies into the other two; tiles 4, 5 hold a pair's activation codes,
    6, 7 its code vectors. */
 static inline __attribute__((always_inline)) void amx_tile(
@@ -476,8 +528,8 @@ static inline __attribute__((always_inline)) void amx_tile(
 #define MULTIPLY(c0, c1, b) do { \
         const int8_t *pair = vectors ? vectors + (b) * 512 : ring[(b) / 2 % 2]; \
         if (!vectors) { \
-            amx_unpack_block(w, g, (b), ring[(b) / 2 % 2]); \
-            amx_unpack_block(w, g, (b) + 1, ring[(b) / 2 % 2] + 512); \
+            amx_unpack_slice(w, g, (b), ring[(b) / 2 % 2]); \
+            amx_unpack_slice(w, g, (b) + 1, ring[(b) / 2 % 2] + 512); \
         } \
         _tile_zero(c0); \
         _tile_loadd(4, act + (b) * 32, stride); \
@@ -509,7 +561,7 @@ static inline __attribute__((always_inline)) void amx_tile(
     }
     if (blocks % 2) {
         const int b = blocks - 1;
-        if (!vectors) amx_unpack_block(w, g, b, ring[0]);
+        if (!vectors) amx_unpack_slice(w, g, b, ring[0]);
         _tile_zero(0);
         _tile_loadd(4, act + b * 32, stride);
         _tile_loadd(6, vectors ? vectors + b * 512 : ring[0], 64);
@@ -524,22 +576,96 @@ static inline __attribute__((always_inline)) void amx_tile(
         _mm512_mask_storeu_ps(y + (int64_t)(t0 + i) * w->n + 16 * g, outputs, acc[i]);
 }
 
+/* amx_tile for blocks of 64 or 128 (K a multiple of 64): rows t0 .. t0 + rows - 1 times
+   row group g, 128 columns a step: two multiplies of 64 columns (one at the end of a
+   shorter K), each into its own tile of sums, so that no multiply waits for another's
+   result. A step is one block of 128, whose two tiles' integer sums add exactly before its
+   float epilogue, or two blocks of 64. Software-pipelined as amx_tile: while one step's
+   sums are read (from tiles 0, 1 or 2, 3), the next step multiplies into the other two;
+   tiles 4, 6 and 5, 7 hold each multiply's activation codes and code vectors. */
+static inline __attribute__((always_inline)) void amx_tile_wide(
+        const QMatrix *w, const QActivations *a, int t0, const int rows, int64_t g,
+        const int8_t *vectors, float *y) {
+    const int slices = w->k / 32, steps = (slices + 3) / 4, wide_blocks = w->block == 128;
+    const int blocks = block_count(w->k, w->block);
+    const int64_t stride = w->k, next_tile = (int64_t)blocks * TOKEN_TILE;
+    const int8_t *act = a->rows + (int64_t)t0 * stride;
+    const float *row_scales = w->scales + g * blocks * 16;
+    const float *act_scales = a->scales + tile_at(t0, blocks, 0);
+    int32_t sums[2][AMX_ROWS * 16] __attribute__((aligned(64)));
+    int8_t ring[2][4 * 512] __attribute__((aligned(64)));  /* a step's code vectors */
+    __m512 acc[AMX_ROWS];
+    for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
+#define MULTIPLY(c0, c1, st) do { \
+        const int first = 4 * (st), count = slices - first < 4 ? slices - first : 4; \
+        const int8_t *step = vectors ? vectors + (int64_t)first * 512 : ring[(st) % 2]; \
+        if (!vectors) \
+            for (int s = 0; s < count; s++) \
+                amx_unpack_slice(w, g, first + s, ring[(st) % 2] + s * 512); \
+        _tile_zero(c0); \
+        _tile_loadd(4, act + first * 32, stride); \
+        _tile_loadd(6, step, 64); \
+        _tile_dpbssd(c0, 4, 6); \
+        if (count > 2) { \
+            _tile_zero(c1); \
+            _tile_loadd(5, act + first * 32 + 64, stride); \
+            _tile_loadd(7, step + 1024, 64); \
+            _tile_dpbssd(c1, 5, 7); \
+        } \
+    } while (0)
+    if (steps > 0) MULTIPLY(0, 1, 0);
+    for (int st = 0; st < steps; st++) {
+        const int second = 4 * st + 2 < slices;  /* the step's second multiply ran */
+        if (st % 2 == 0) {
+            if (st + 1 < steps) MULTIPLY(2, 3, st + 1);
+            _tile_stored(0, sums[0], 64);
+            if (second) _tile_stored(1, sums[1], 64);
+        } else {
+            if (st + 1 < steps) MULTIPLY(0, 1, st + 1);
+            _tile_stored(2, sums[0], 64);
+            if (second) _tile_stored(3, sums[1], 64);
+        }
+        if (wide_blocks) {
+            if (second)
+                for (int i = 0; i < AMX_ROWS * 16; i += 16)
+                    _mm512_store_si512(sums[0] + i, _mm512_add_epi32(
+                        _mm512_load_si512(sums[0] + i), _mm512_load_si512(sums[1] + i)));
+            amx_add_block(row_scales + st * 16, NULL, act_scales + st * TOKEN_TILE, NULL,
+                          next_tile, rows, sums[0], acc);
+        } else {
+            for (int half = 0; half <= second; half++) {
+                const int b = 2 * st + half;
+                amx_add_block(row_scales + b * 16, NULL, act_scales + b * TOKEN_TILE, NULL,
+                              next_tile, rows, sums[half], acc);
+            }
+        }
+    }
+#undef MULTIPLY
+    const __mmask16 outputs = (__mmask16)((1u << (w->n - 16 * g < 16 ? w->n - 16 * g : 16)) - 1);
+    for (int i = 0; i < rows; i++)
+        _mm512_mask_storeu_ps(y + (int64_t)(t0 + i) * w->n + 16 * g, outputs, acc[i]);
+}
+
 /* gemm_groups on AMX tiles: per row chunk and group, the group's code vectors unpacked once
    for all its tiles of rows (as they come where there is one tile). */
 static int gemm_groups_amx(const QMatrix *w, const QActivations *a, int t_rows, float *y,
                            int64_t lo, int64_t hi) {
-    const int blocks = w->k / 32;
-    int8_t *unpacked = t_rows > AMX_ROWS ? aligned_alloc(64, (size_t)blocks * 512) : NULL;
+    const int slices = w->k / 32, wide = w->block > 32;
+    int8_t *unpacked = t_rows > AMX_ROWS ? aligned_alloc(64, (size_t)slices * 512) : NULL;
     if (t_rows > AMX_ROWS && !unpacked) return -1;
-    amx_configure();
+    amx_configure(wide);
     for (int c0 = 0; c0 < t_rows; c0 += ROW_CHUNK) {
         const int t1 = t_rows - c0 < ROW_CHUNK ? t_rows : c0 + ROW_CHUNK;
         for (int64_t g = lo; g < hi; g++) {
             if (unpacked)
-                for (int b = 0; b < blocks; b++) amx_unpack_block(w, g, b, unpacked + b * 512);
+                for (int s = 0; s < slices; s++) amx_unpack_slice(w, g, s, unpacked + s * 512);
             for (int t0 = c0; t0 < t1; t0 += AMX_ROWS) {
                 const int rows = t1 - t0 < AMX_ROWS ? t1 - t0 : AMX_ROWS;
-                if (rows == AMX_ROWS && !w->offsets)
+                if (wide && rows == AMX_ROWS)
+                    amx_tile_wide(w, a, t0, AMX_ROWS, g, unpacked, y);
+                else if (wide)
+                    amx_tile_wide(w, a, t0, rows, g, unpacked, y);
+                else if (rows == AMX_ROWS && !w->offsets)
                     amx_tile(w, a, t0, AMX_ROWS, 0, g, unpacked, y);
                 else
                     amx_tile(w, a, t0, rows, w->offsets != NULL, g, unpacked, y);
@@ -553,11 +679,13 @@ static int gemm_groups_amx(const QMatrix *w, const QActivations *a, int t_rows, 
 #pragma GCC pop_options
 
 /* Whether w times t_rows activation rows runs on AMX tiles (QActivations.rows): not 8-bit
-   codes with zero points, whose code - zero does not fit a signed byte. */
+   codes with zero points, whose code - zero does not fit a signed byte, nor wide blocks
+   with a last one of 32 columns (a tile multiply takes 64). */
 static int amx_min_rows = AMX_MIN_ROWS;
 
 static inline int amx_takes(const QMatrix *w, int t_rows) {
-    return amx_enabled && t_rows >= amx_min_rows && !(w->bits == 8 && w->zeros);
+    return amx_enabled && t_rows >= amx_min_rows && !(w->bits == 8 && w->zeros)
+        && (w->block == 32 || w->k % 64 == 0);
 }
 
 /* From how many activation rows a projection takes AMX tiles (rows > 0; the default is
@@ -598,7 +726,7 @@ static int gemm(const QMatrix *w, const QActivations *a, int t_rows, float *y, i
 }
 
 /* Reads `bytes` of `data` (a multiple of 256) as gemm reads a weight stream: 64-byte loads,
-   every line prefetched PREFETCH_BLOCKS * 256 bytes ahead, the range split between threads.
+   every line prefetched PREFETCH_SLICES * 256 bytes ahead, the range split between threads.
    Returns the OR of every word, so no load can be dropped. For
    benchmarks/_bandwidth_bound.py: the read bandwidth a loop like gemm's draws, which numpy's
    reductions (one dependent stream, no prefetching) understate on some machines (session
@@ -614,7 +742,7 @@ uint64_t llmopt_native_read(const uint8_t *data, int64_t bytes, int threads) {
                            _mm512_setzero_si512(), _mm512_setzero_si512()};
         for (const uint8_t *at = data + lo * 256; at < data + hi * 256; at += 256)
             for (int line = 0; line < 4; line++) {
-                _mm_prefetch((const char *)at + PREFETCH_BLOCKS * 256 + 64 * line, _MM_HINT_T0);
+                _mm_prefetch((const char *)at + PREFETCH_SLICES * 256 + 64 * line, _MM_HINT_T0);
                 seen[line] = _mm512_or_si512(seen[line], _mm512_loadu_si512(at + 64 * line));
             }
         __m512i all = _mm512_or_si512(_mm512_or_si512(seen[0], seen[1]),
@@ -1037,7 +1165,7 @@ static void embed_row(const Model *m, int64_t token, float *out) {
         return;
     }
     const QRows *w = &m->embed_codes;
-    int blocks = w->k / 32;
+    const int blocks = block_count(w->k, w->block);
     for (int e = 0; e < w->k; e++) {
         int code;
         if (w->bits == 8) {
@@ -1046,8 +1174,9 @@ static void embed_row(const Model *m, int64_t token, float *out) {
             uint8_t byte = w->codes[token * (w->k / 2) + e / 2];
             code = e & 1 ? byte >> 4 : byte & 15;
         }
-        int zero = w->zeros ? w->zeros[token * blocks + e / 32] : 1 << (w->bits - 1);
-        out[e] = (float)(code - zero) * w->scales[token * blocks + e / 32];
+        const int64_t at = token * blocks + e / w->block;
+        int zero = w->zeros ? w->zeros[at] : 1 << (w->bits - 1);
+        out[e] = (float)(code - zero) * w->scales[at];
     }
 }
 

@@ -14,11 +14,11 @@ c_ptr, c_i32, c_f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
 
 
 class QMatrix(ctypes.Structure):
-    """kernels.c's QMatrix: codes, per-block scales and zero points of w [n, k], sixteen
-    rows interleaved (runtime/native/weights.py)."""
+    """kernels.c's QMatrix: codes, per-block scales and zero points of w [n, k] (blocks of
+    `block` columns), sixteen rows interleaved (runtime/native/weights.py)."""
 
     _fields_ = [("codes", c_ptr), ("scales", c_ptr), ("zeros", c_ptr), ("offsets", c_ptr),
-                ("n", c_i32), ("k", c_i32), ("bits", c_i32)]
+                ("n", c_i32), ("k", c_i32), ("bits", c_i32), ("block", c_i32)]
 
 
 class QRows(ctypes.Structure):

@@ -68,45 +68,52 @@ class NativeWeights:
     def _matrix(self, spec: dict[str, Any]) -> QMatrix:
         offsets = self._array(spec["offsets"]) if spec.get("offsets") else None
         arrays, matrix = quantized_matrix(*self._quantized(spec), spec["n"], spec["k"],
-                                          spec["bits"], offsets)
+                                          spec["bits"], offsets, _block(spec))
         self._keep += arrays
         return matrix
 
     def _rows(self, spec: dict[str, Any]) -> QRows:
         """Embedding rows, read in place (zero points one per byte)."""
         codes, scales, zeros = self._quantized(spec)
-        n, k, bits = spec["n"], spec["k"], spec["bits"]
+        n, k, bits, block = spec["n"], spec["k"], spec["bits"], _block(spec)
         if zeros is not None:
-            zeros = self._keep_ptr(_zero_points(zeros, n, k, bits))
+            zeros = self._keep_ptr(_zero_points(zeros, n, k, bits, block))
         return QRows(codes=self._keep_ptr(codes.reshape(n, -1)),
-                     scales=self._keep_ptr(scales.reshape(n, -1)[:, : k // 32]
+                     scales=self._keep_ptr(scales.reshape(n, -1)[:, : -(-k // block)]
                                            .astype(np.float32)),
-                     zeros=zeros, n=n, k=k, bits=bits)
+                     zeros=zeros, n=n, k=k, bits=bits, block=block)
 
     def _quantized(self, spec: dict[str, Any]):
         zeros = self._array(spec["zeros"]) if spec["zeros"] is not None else None
         return self._array(spec["codes"]), self._array(spec["scales"]), zeros
 
 
+def _block(spec: dict[str, Any]) -> int:
+    """A matrix's quantization block (plans from before blocks of 64 and 128 name none)."""
+    return spec.get("block", 32)
+
+
 def quantized_matrix(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, n: int,
-                     k: int, bits: int, offsets: np.ndarray | None = None
+                     k: int, bits: int, offsets: np.ndarray | None = None, block: int = 32
                      ) -> tuple[list[np.ndarray], QMatrix]:
-    """A QMatrix over MatMulNBits' inputs (B, scales, packed zero points; `offsets` [K/32, N]
-    the graph's group offsets of fractional zero points), with the arrays it points at: rows
-    padded to a multiple of 16 (scale 0), and per group of 16 rows and block of 32 columns,
-    vector m (0..7) holds in lane i row i's codes 4m .. 4m+3 (4-bit: vector j's low nibbles
-    are vector 2j, its high nibbles vector 2j + 1); per-row block values (scales, zero
-    points, offsets) as [group, block, 16]."""
-    groups, blocks = -(-n // 16), k // 32
+    """A QMatrix over MatMulNBits' inputs in blocks of `block` columns (B, scales, packed
+    zero points; `offsets` [K/32, N] the graph's group offsets of fractional zero points),
+    with the arrays it points at: rows padded to a multiple of 16 (scale 0), and per group
+    of 16 rows and slice of 32 columns, vector m (0..7) holds in lane i row i's codes
+    4m .. 4m+3 (4-bit: vector j's low nibbles are vector 2j, its high nibbles vector
+    2j + 1); per-row block values (scales, zero points, offsets) as [group, block, 16]."""
+    if offsets is not None and block != 32:
+        raise ValueError(f"fractional zero points come in blocks of 32, not {block}")
+    groups, slices, blocks = -(-n // 16), k // 32, -(-k // block)
     codes = codes.reshape(n, -1)
     if bits == 4:  # unpack MatMulNBits' nibbles: element 2j low, 2j + 1 high
         codes = np.stack([codes & 15, codes >> 4], axis=-1).reshape(n, -1)
     values = np.zeros((groups * 16, k), np.uint8)
     values[:n] = codes[:, :k]
-    # [group, row, block, vector m, byte q] -> [group, block, m, row, q]
-    values = values.reshape(groups, 16, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
+    # [group, row, slice, vector m, byte q] -> [group, slice, m, row, q]
+    values = values.reshape(groups, 16, slices, 8, 4).transpose(0, 2, 3, 1, 4)
     if bits == 4:  # vector pair (2j, 2j + 1) -> one vector of nibbles
-        values = values.reshape(groups, blocks, 4, 2, 16, 4)
+        values = values.reshape(groups, slices, 4, 2, 16, 4)
         values = values[:, :, :, 0] | (values[:, :, :, 1] << 4)
     def per_block(rows: np.ndarray, dtype: type) -> np.ndarray:  # [n, blocks] -> interleaved
         padded = np.zeros((groups * 16, blocks), dtype)
@@ -116,16 +123,16 @@ def quantized_matrix(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | 
     arrays = {"codes": np.ascontiguousarray(values),
               "scales": per_block(scales.reshape(n, -1), np.float32)}
     if zeros is not None:
-        arrays["zeros"] = per_block(_zero_points(zeros, n, k, bits), np.uint8)
+        arrays["zeros"] = per_block(_zero_points(zeros, n, k, bits, block), np.uint8)
     if offsets is not None:
         arrays["offsets"] = per_block(offsets.reshape(-1, n).T, np.float32)
-    return list(arrays.values()), QMatrix(n=n, k=k, bits=bits,
+    return list(arrays.values()), QMatrix(n=n, k=k, bits=bits, block=block,
                                           **{key: a.ctypes.data for key, a in arrays.items()})
 
 
-def _zero_points(zeros: np.ndarray, n: int, k: int, bits: int) -> np.ndarray:
-    """MatMulNBits' packed zero points [n, ...] -> one per byte [n, k / 32]."""
+def _zero_points(zeros: np.ndarray, n: int, k: int, bits: int, block: int) -> np.ndarray:
+    """MatMulNBits' packed zero points [n, ...] -> one per byte [n, blocks]."""
     zeros = zeros.reshape(n, -1)
     if bits == 4:  # two per byte, low nibble first
         zeros = np.stack([zeros & 15, zeros >> 4], axis=-1).reshape(n, -1)
-    return np.ascontiguousarray(zeros[:, : k // 32], dtype=np.uint8)
+    return np.ascontiguousarray(zeros[:, : -(-k // block)], dtype=np.uint8)

@@ -52,8 +52,8 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 A8 = {"nbits_accuracy_level": 4}
 
 
-def rtn(symmetric: bool, head_bits: int) -> dict:
-    return {"rtn": {"bits": 4, "group_size": 32, "symmetric": symmetric,
+def rtn(symmetric: bool, head_bits: int, group_size: int = 32) -> dict:
+    return {"rtn": {"bits": 4, "group_size": group_size, "symmetric": symmetric,
                     "include_lm_head": True, "lm_head_bits": head_bits}}
 
 
@@ -84,6 +84,11 @@ ARTIFACTS = {  # name -> (architecture, passes, target options)
     "llama-d64-kv-int8-rotate": ("llama-d64", [{"kv_cache": {"dtype": "int8", **STATIC,
                                                              "rotate": True}}, rtn(True, 8)], A8),
     "llama-asym-h4": ("llama", [rtn(False, 4)], A8),
+    # wider blocks, on VNNI and AMX tiles: of 128 (hidden 64: one shorter block a row;
+    # down_proj's K 128: one whole), and of 64 with zero points
+    "llama-g128-kv-int8": ("llama", [{"kv_cache": {"dtype": "int8", **STATIC}},
+                                     rtn(True, 4, 128), SUFFIX], A8),
+    "llama-asym-g64-h8": ("llama", [rtn(False, 8, 64)], A8),
     "llama-float-activations": ("llama", [rtn(True, 8)], {}),
     "llama-blocks": ("llama", [rtn(True, 8)], {**A8, "kv_layout": "blocks"}),
     "mistral-window": ("mistral", [rtn(True, 8)], A8),
@@ -124,19 +129,23 @@ def requests() -> list[list[int]]:
     return [(prefix + t if i % 2 else t) for i, t in enumerate(tails)]
 
 
-@pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, True)])
-def test_a_projection_equals_matmul_nbits(bits, symmetric):
-    """The same input, quantized the same way: equal within float summation order. 70 rows
-    run every kernel path: full tiles of eight (4-bit: the assembly loop), a partial tile,
-    two row chunks, rows quantized by both threads; each row alone (the decode path) gives
-    the same numbers."""
-    rng = np.random.default_rng(bits)
-    n, k = 48, 192
-    packed = _random_matrix(rng, n, k, bits, symmetric)
+@pytest.mark.parametrize("bits,symmetric,block,k", [
+    (4, True, 32, 192), (4, False, 32, 192), (8, True, 32, 192),
+    (4, True, 128, 352), (4, True, 128, 96), (4, False, 64, 160), (8, True, 128, 192),
+    (8, False, 64, 192)])
+def test_a_projection_equals_matmul_nbits(bits, symmetric, block, k):
+    """The same input, quantized the same way (activations in the weights' blocks): equal
+    within float summation order. 70 rows run every kernel path: full tiles of eight (4-bit:
+    the assembly loop), a partial tile, two row chunks, rows quantized by both threads; each
+    row alone (the decode path) gives the same numbers. K 352 in blocks of 128 ends in a
+    block of 96, 160 in blocks of 64 in one of 32."""
+    rng = np.random.default_rng(bits + block)
+    n = 48
+    packed = _random_matrix(rng, n, k, bits, symmetric, block)
     rows = 70
     x = rng.standard_normal((rows, k)).astype(np.float32)
     node = helper.make_node("MatMulNBits", ["x", *packed], ["y"], domain="com.microsoft",
-                            K=k, N=n, bits=bits, block_size=32, accuracy_level=4)
+                            K=k, N=n, bits=bits, block_size=block, accuracy_level=4)
     graph = helper.make_graph(
         [node], "projection",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])],
@@ -148,7 +157,7 @@ def test_a_projection_equals_matmul_nbits(bits, symmetric):
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     expected = session.run(None, {"x": x})[0]
     arrays, matrix = quantized_matrix(packed["B"], packed["scales"], packed.get("zero_points"),
-                                      n, k, bits)
+                                      n, k, bits, block=block)
     got = np.empty((rows, n), np.float32)
     for threads in (1, 2):
         assert lib.llmopt_linear(ctypes.byref(matrix), x.ctypes.data, rows, got.ctypes.data,
@@ -162,19 +171,22 @@ def test_a_projection_equals_matmul_nbits(bits, symmetric):
 
 
 @needs_amx
-@pytest.mark.parametrize("bits,symmetric,k", [(4, True, 192), (4, False, 160), (8, True, 96),
-                                              (8, False, 96)])
-def test_amx_tiles_compute_the_vnni_result_bit_for_bit(bits, symmetric, k, amx_restored):
+@pytest.mark.parametrize("bits,symmetric,block,k", [
+    (4, True, 32, 192), (4, False, 32, 160), (8, True, 32, 96), (8, False, 32, 96),
+    (4, True, 128, 320), (4, False, 128, 192), (4, True, 64, 192), (8, True, 128, 128)])
+def test_amx_tiles_compute_the_vnni_result_bit_for_bit(bits, symmetric, block, k,
+                                                       amx_restored):
     """Every row count a tile of sixteen can meet (a partial tile, several tiles, more than
-    a row chunk), an odd block count (k 160, 96) and both threads: AMX on and off give equal
+    a row chunk), an odd block count (k 160, 96; 192 in blocks of 64), a shorter last block
+    of 64 (k 320 and 192 in blocks of 128) and both threads: AMX on and off give equal
     floats, so a step may multiply on either. Tiles from one row on, below the threshold a
     step uses, so that partial tiles run too."""
     lib.llmopt_native_amx_min_rows(1)
-    rng = np.random.default_rng(bits + k)
+    rng = np.random.default_rng(bits + k + block)
     n = 40
-    packed = _random_matrix(rng, n, k, bits, symmetric)
+    packed = _random_matrix(rng, n, k, bits, symmetric, block)
     arrays, matrix = quantized_matrix(packed["B"], packed["scales"], packed.get("zero_points"),
-                                      n, k, bits)
+                                      n, k, bits, block=block)
     for rows in (1, 2, 7, 16, 17, 40, 130):
         x = rng.standard_normal((rows, k)).astype(np.float32)
         results = []
@@ -212,15 +224,16 @@ def test_the_bandwidth_probe_reads_every_byte(threads):
         assert lib.llmopt_native_read(data.ctypes.data, data.nbytes, threads) == expected
 
 
-def _random_matrix(rng: np.random.Generator, n: int, k: int, bits: int,
-                   symmetric: bool) -> dict[str, np.ndarray]:
+def _random_matrix(rng: np.random.Generator, n: int, k: int, bits: int, symmetric: bool,
+                   block: int = 32) -> dict[str, np.ndarray]:
     """MatMulNBits' B, scales (and zero_points) of random block-quantized weights."""
-    levels = 2 ** bits
-    zeros = (np.full((n, k // 32), levels // 2, np.float32) if symmetric
-             else rng.integers(0, levels, (n, k // 32)).astype(np.float32))
+    levels, blocks = 2 ** bits, -(-k // block)
+    zeros = (np.full((n, blocks), levels // 2, np.float32) if symmetric
+             else rng.integers(0, levels, (n, blocks)).astype(np.float32))
     return pack_matmul_nbits(QuantizedLinear(
-        bits=bits, group_size=32, codes=_torch(rng.integers(0, levels, (n, k)).astype(np.uint8)),
-        scales=_torch(rng.uniform(1e-3, 2e-2, (n, k // 32)).astype(np.float32)),
+        bits=bits, group_size=block,
+        codes=_torch(rng.integers(0, levels, (n, k)).astype(np.uint8)),
+        scales=_torch(rng.uniform(1e-3, 2e-2, (n, blocks)).astype(np.float32)),
         zeros=_torch(zeros), symmetric=symmetric))
 
 
@@ -240,13 +253,16 @@ def _torch(array: np.ndarray):
 @pytest.mark.parametrize("name", ["llama-sym-h8", "llama-asym-h4", "gguf-q4_1",
                                   "llama-kv-int8-rotate", "llama-kv-int4-mixed",
                                   "llama-kv-float16", "llama-d64-kv-int4",
-                                  "llama-d64-kv-int8-rotate"])
+                                  "llama-d64-kv-int8-rotate", "llama-g128-kv-int8",
+                                  "llama-asym-g64-h8"])
 def test_the_step_matches_onnx_runtime(name, artifacts):
     native, reference = (LLM(artifacts[name], kernels=k, speculative=False)
                          for k in ("native", "onnxruntime"))
     assert isinstance(native.engine.executor, NativeLaneExecutor)
     plan = native.manifest.graphs["target"].native
     assert (plan["layers"][0]["qkv"]["offsets"] is not None) == (name == "gguf-q4_1")
+    assert plan["layers"][0]["down"]["block"] == {"llama-g128-kv-int8": 128,
+                                                  "llama-asym-g64-h8": 64}.get(name, 32)
     tokens = (requests()[1] * 4)[:100]
     got, expected = native.score(tokens), reference.score(tokens)
     # log-probs: int8-activation rounding noise. float16: one activation code flipped at
@@ -274,7 +290,8 @@ def test_the_step_matches_onnx_runtime(name, artifacts):
 
 
 @pytest.mark.parametrize("name", ["llama-sym-h8", "llama-self-draft", "llama-kv-int4-mixed",
-                                  "llama-kv-float16", "llama-d64-kv-int4"])
+                                  "llama-kv-float16", "llama-d64-kv-int4",
+                                  "llama-g128-kv-int8"])
 def test_batching_preemption_and_speculation_change_nothing(name, artifacts):
     prompts = requests()
     llm = LLM(artifacts[name], kernels="native", speculative=False)
@@ -294,7 +311,8 @@ def test_batching_preemption_and_speculation_change_nothing(name, artifacts):
 
 @needs_amx
 @pytest.mark.parametrize("name", ["llama-sym-h8", "llama-asym-h4", "gguf-q4_1",
-                                  "llama-kv-int4-mixed"])
+                                  "llama-kv-int4-mixed", "llama-g128-kv-int8",
+                                  "llama-asym-g64-h8"])
 def test_amx_tiles_change_no_step_output(name, artifacts, amx_restored):
     """A prefill (its chunks take AMX tiles), a batch of 16 and greedy decoding: the same
     log-probs and tokens, bit for bit, with AMX on and off."""
