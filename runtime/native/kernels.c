@@ -128,11 +128,12 @@ int llmopt_native_amx(int want) {
 #include <immintrin.h>
 
 #define PREFETCH_SLICES 16  /* how far ahead of the weight stream to prefetch (slices of 32
-                               columns), every 64-byte line of it: prefetching every other line and leaving its pair
-                               to the adjacent-line prefetcher made a batch-1 step of 4 tokens
-                               cost 1.5x where it now costs 1.1x (the pair's demand misses
-                               stalled the dots; measured with benchmarks/native_kernels_ab.py,
-                               session 17). 8 to 32 slices ahead time the same. */
+                               columns), every 64-byte line of it: prefetching every other
+                               line and leaving its pair to the adjacent-line prefetcher
+                               made a batch-1 step of 4 tokens cost 1.5x where it now costs
+                               1.1x (the pair's demand misses stalled the dots; measured
+                               with benchmarks/native_kernels_ab.py, session 17). 8 to 32
+                               slices ahead time the same. */
 #define TOKEN_TILE 8        /* activation rows that share each unpacked weight slice */
 #define PARALLEL_ROWS 16    /* rows from which per-row work (quantizing, norms, rotary, SiLU)
                                is split between threads: below, a parallel region costs more
@@ -226,9 +227,10 @@ static void quantize_rows(const float *x, int t_rows, const QMatrix *w, int thre
 
 /* The common full tile as one loop of assembly: TOKEN_TILE (8) activation rows times a row
    group of symmetric 4-bit weights (no zero points, no offsets) over `blocks` blocks of
-   `slices` slices each, adding to `out`'s sums what gemm_tile computes, operation for
-   operation, with every value in a named register. (GCC, given gemm_tile's intrinsics, moves sums between registers and spills
-   addresses; this loop issues ~1.45 dots a cycle where that one issues ~1.2.)
+   `slices` slices each (blocks > 0), adding to `out`'s sums what gemm_tile computes,
+   operation for operation, with every value in a named register. (GCC, given gemm_tile's
+   intrinsics, moves sums between registers and spills addresses; this loop issues ~1.45
+   dots a cycle where that one issues ~1.2.)
    Registers: zmm0-7 each row's integer dot of the block, zmm8-15 the block's eight code
    vectors, zmm16-23 each row's float sum, zmm24 a broadcast activation, zmm25 the block's
    row scales, zmm26 a row's scale product. Per slice the pointers advance by: codes 256
