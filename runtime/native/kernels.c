@@ -71,6 +71,13 @@ typedef struct {  /* embedding rows: MatMulNBits' layout, row after row */
 /* Quantization blocks of a K-wide row (the last may be shorter). */
 static inline int block_count(int k, int block) { return (k + block - 1) / block; }
 
+/* How many slices of 32 columns w's block b holds (the last block may hold fewer); they
+   start at slice b * block / 32. */
+static inline int block_slices(const QMatrix *w, int b) {
+    const int per_block = w->block / 32, left = w->k / 32 - b * per_block;
+    return left < per_block ? left : per_block;
+}
+
 typedef struct {  /* how one layer's lanes hold keys and values */
     int32_t bits;               /* 32: float32; 16: float16 (queries and the attention output
                                    rounded to float16 too, as the graph's node has them); 8:
@@ -178,7 +185,7 @@ static inline void quantize_block(const float *x, int64_t t, int first, int slic
         const float *xs = x + t * k + s * 32;
         __m512 lo = _mm512_loadu_ps(xs), hi = _mm512_loadu_ps(xs + 16);
         amax_v = _mm512_max_ps(amax_v, _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        input_v = _mm512_add_ps(input_v, _mm512_add_ps(lo, hi));
+        if (w->offsets) input_v = _mm512_add_ps(input_v, _mm512_add_ps(lo, hi));
     }
     const float scale = _mm512_reduce_max_ps(amax_v) / 127.f;
     const __m512 inv = _mm512_set1_ps(scale != 0.f ? 1.f / scale : 0.f);
@@ -213,16 +220,13 @@ static inline void quantize_block(const float *x, int64_t t, int first, int slic
 /* x [T][K] quantized as w's kernels read it (see QActivations). */
 static void quantize_rows(const float *x, int t_rows, const QMatrix *w, int threads,
                           QActivations *q) {
-    const int slices = w->k / 32, per_block = w->block / 32;
     const int blocks = block_count(w->k, w->block);
     (void)threads;
     #pragma omp parallel for num_threads(threads) if (threads > 1 && t_rows >= PARALLEL_ROWS)
     for (int64_t t = 0; t < t_rows; t++)
-        for (int b = 0; b < blocks; b++) {
-            const int first = b * per_block;
-            quantize_block(x, t, first, slices - first < per_block ? slices - first : per_block,
+        for (int b = 0; b < blocks; b++)
+            quantize_block(x, t, b * (w->block / 32), block_slices(w, b),
                            tile_at(t, blocks, b), w, q);
-        }
 }
 
 /* The common full tile as one loop of assembly: TOKEN_TILE (8) activation rows times a row
@@ -347,8 +351,7 @@ static inline __attribute__((always_inline)) void gemm_tile(
         } else {
             for (int i = 0; i < tile; i++) dot[i] = _mm512_set1_epi32(zero_term[bt + i]);
         }
-        const int end = (b + 1) * per_block < slices ? (b + 1) * per_block : slices;
-        for (int s = b * per_block; s < end; s++) {
+        for (int s = b * per_block; s < b * per_block + block_slices(w, b); s++) {
             const uint8_t *at = group + (int64_t)s * slice_bytes;
             const char *ahead = (const char *)(at + PREFETCH_SLICES * slice_bytes);
             for (int line = 0; line < slice_bytes; line += 64)  /* see PREFETCH_SLICES */
@@ -490,17 +493,20 @@ static inline __attribute__((always_inline)) void amx_unpack_slice(
     }
 }
 
-/* acc[i] += block b's dots of rows t0 + i (sums: the tile's C) as gemm_tile adds them.
-   act_scales, inputs: the block's entries of rows t0 .. t0 + 7 and, 8 * blocks further,
-   of t0 + 8 .. t0 + 15 (QActivations' tiles of eight). */
+/* acc[i] += block b's dots of rows t0 + i (sums: the tile's C, plus `more`'s where a block
+   took two tiles, or NULL) as gemm_tile adds them. act_scales, inputs: the block's entries
+   of rows t0 .. t0 + 7 and, 8 * blocks further, of t0 + 8 .. t0 + 15 (QActivations' tiles
+   of eight). */
 static inline __attribute__((always_inline)) void amx_add_block(
         const float *row_scales, const float *offsets, const float *act_scales,
         const float *inputs, int64_t next_tile, const int rows, const int32_t *sums,
-        __m512 *acc) {
+        const int32_t *more, __m512 *acc) {
     const __m512 scales = _mm512_loadu_ps(row_scales);
     for (int i = 0; i < rows; i++) {
         const int64_t at = i < TOKEN_TILE ? i : next_tile + i - TOKEN_TILE;
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * i)),
+        __m512i dot = _mm512_load_si512(sums + 16 * i);
+        if (more) dot = _mm512_add_epi32(dot, _mm512_load_si512(more + 16 * i));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
                                  _mm512_mul_ps(scales, _mm512_set1_ps(act_scales[at])), acc[i]);
         if (offsets)
             acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(offsets), _mm512_set1_ps(inputs[at]),
@@ -510,9 +516,9 @@ static inline __attribute__((always_inline)) void amx_add_block(
 
 /* Blocks of 32: rows t0 .. t0 + rows - 1 times row group g (signed code vectors `vectors`,
    or NULL: each pair unpacked as it comes, for a group that one tile of rows reads once).
-   Blocks go in pairs, software-pipelined: while one pair's sums are read (from tiles 0, 1 or 2, 3),
-   the next pair multiplies into the other two; tiles 4, 5 hold a pair's activation codes,
-   6, 7 its code vectors. */
+   Blocks go in pairs, software-pipelined: while one pair's sums are read (from tiles 0, 1
+   or 2, 3), the next pair multiplies into the other two; tiles 4, 5 hold a pair's
+   activation codes, 6, 7 its code vectors. */
 static inline __attribute__((always_inline)) void amx_tile(
         const QMatrix *w, const QActivations *a, int t0, const int rows, const int has_offsets,
         int64_t g, const int8_t *vectors, float *y) {
@@ -545,7 +551,7 @@ static inline __attribute__((always_inline)) void amx_tile(
 #define ADD_BLOCK(b, set) \
     amx_add_block(row_scales + (b) * 16, has_offsets ? offsets + (b) * 16 : NULL, \
                   act_scales + (b) * TOKEN_TILE, inputs + (b) * TOKEN_TILE, next_tile, rows, \
-                  sums[set], acc)
+                  sums[set], NULL, acc)
     if (pairs > 0) MULTIPLY(0, 1, 0);
     for (int p = 0; p < pairs; p++) {
         const int b = 2 * p;
@@ -628,17 +634,13 @@ static inline __attribute__((always_inline)) void amx_tile_wide(
             if (second) _tile_stored(3, sums[1], 64);
         }
         if (wide_blocks) {
-            if (second)
-                for (int i = 0; i < AMX_ROWS * 16; i += 16)
-                    _mm512_store_si512(sums[0] + i, _mm512_add_epi32(
-                        _mm512_load_si512(sums[0] + i), _mm512_load_si512(sums[1] + i)));
             amx_add_block(row_scales + st * 16, NULL, act_scales + st * TOKEN_TILE, NULL,
-                          next_tile, rows, sums[0], acc);
+                          next_tile, rows, sums[0], second ? sums[1] : NULL, acc);
         } else {
             for (int half = 0; half <= second; half++) {
                 const int b = 2 * st + half;
                 amx_add_block(row_scales + b * 16, NULL, act_scales + b * TOKEN_TILE, NULL,
-                              next_tile, rows, sums[half], acc);
+                              next_tile, rows, sums[half], NULL, acc);
             }
         }
     }

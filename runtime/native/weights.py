@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from llmopt.runtime.native.library import KVLayout, Model, QMatrix, QRows
+from llmopt.runtime.paging import cdiv
 
 
 class NativeWeights:
@@ -77,9 +78,9 @@ class NativeWeights:
         codes, scales, zeros = self._quantized(spec)
         n, k, bits, block = spec["n"], spec["k"], spec["bits"], _block(spec)
         if zeros is not None:
-            zeros = self._keep_ptr(_zero_points(zeros, n, k, bits, block))
+            zeros = self._keep_ptr(_zero_points(zeros, n, bits, cdiv(k, block)))
         return QRows(codes=self._keep_ptr(codes.reshape(n, -1)),
-                     scales=self._keep_ptr(scales.reshape(n, -1)[:, : -(-k // block)]
+                     scales=self._keep_ptr(scales.reshape(n, -1)[:, : cdiv(k, block)]
                                            .astype(np.float32)),
                      zeros=zeros, n=n, k=k, bits=bits, block=block)
 
@@ -104,7 +105,7 @@ def quantized_matrix(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | 
     2j + 1); per-row block values (scales, zero points, offsets) as [group, block, 16]."""
     if offsets is not None and block != 32:
         raise ValueError(f"fractional zero points come in blocks of 32, not {block}")
-    groups, slices, blocks = -(-n // 16), k // 32, -(-k // block)
+    groups, slices, blocks = cdiv(n, 16), k // 32, cdiv(k, block)
     codes = codes.reshape(n, -1)
     if bits == 4:  # unpack MatMulNBits' nibbles: element 2j low, 2j + 1 high
         codes = np.stack([codes & 15, codes >> 4], axis=-1).reshape(n, -1)
@@ -123,16 +124,16 @@ def quantized_matrix(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | 
     arrays = {"codes": np.ascontiguousarray(values),
               "scales": per_block(scales.reshape(n, -1), np.float32)}
     if zeros is not None:
-        arrays["zeros"] = per_block(_zero_points(zeros, n, k, bits, block), np.uint8)
+        arrays["zeros"] = per_block(_zero_points(zeros, n, bits, blocks), np.uint8)
     if offsets is not None:
         arrays["offsets"] = per_block(offsets.reshape(-1, n).T, np.float32)
     return list(arrays.values()), QMatrix(n=n, k=k, bits=bits, block=block,
                                           **{key: a.ctypes.data for key, a in arrays.items()})
 
 
-def _zero_points(zeros: np.ndarray, n: int, k: int, bits: int, block: int) -> np.ndarray:
+def _zero_points(zeros: np.ndarray, n: int, bits: int, blocks: int) -> np.ndarray:
     """MatMulNBits' packed zero points [n, ...] -> one per byte [n, blocks]."""
     zeros = zeros.reshape(n, -1)
     if bits == 4:  # two per byte, low nibble first
         zeros = np.stack([zeros & 15, zeros >> 4], axis=-1).reshape(n, -1)
-    return np.ascontiguousarray(zeros[:, : -(-k // block)], dtype=np.uint8)
+    return np.ascontiguousarray(zeros[:, :blocks], dtype=np.uint8)
