@@ -1,13 +1,14 @@
 """Which scale a symmetric int4 block should take, measured before changing the compiler's.
 
-`compiler/quant_format.py` scales a symmetric block by absmax / 7.5: both extremes land on
-±7.5 and round to -8 or (clamped) 7. llama.cpp's Q4_0 and ONNX Runtime's blockwise
+`compiler/quant_format.py` used to scale a symmetric block by absmax / 7.5: both extremes
+land on ±7.5 and round to -8 or (clamped) 7. llama.cpp's Q4_0 and ONNX Runtime's blockwise
 quantizer instead map the block's extreme value, with its sign, onto -8 (scale = extreme /
 -8, negative when the extreme is positive): eight steps on that side instead of 7.5, and
 no clipped extreme. This probe rounds every linear of SmolLM2 (decoder and tied LM head,
 round to nearest, no calibration) both ways, in torch with float activations, and scores
 WikiText-2 test windows of 512 tokens (the shared protocol, fewer windows by default).
-Prints a table; writes benchmarks/results/probe_symmetric_scales.json.
+Prints a table; writes benchmarks/results/probe_symmetric_scales.json. The compiler takes
+extreme / -8 since this probe measured it (quant_format.quant_params).
 
     python benchmarks/probe_symmetric_scales.py --windows 16 --groups 32,64,128
 """

@@ -68,9 +68,15 @@ def quant_params(
         w_max, w_min = w_max * clip, w_min * clip
     levels = 2**bits - 1
     if symmetric:
+        # The group's extreme (largest magnitude, with its sign) takes code 0, i.e. -half:
+        # the scale is negative when the extreme is positive. Codes span [-half, half), so
+        # the extreme's side gets all `half` levels; absmax / (half - 0.5) would waste half a
+        # level on each side (llama.cpp's Q4_0 rule; 15 % lower perplexity for SmolLM2 RTN
+        # g32, benchmarks/probe_symmetric_scales.py).
         half = 2 ** (bits - 1)
-        scales = torch.maximum(w_max.abs(), w_min.abs()) / (half - 0.5)
-        scales = scales.clamp(min=1e-10)
+        extreme = torch.where(w_max.abs() >= w_min.abs(), w_max, w_min)
+        scales = extreme / -half
+        scales = torch.where(scales.abs() < 1e-10, torch.full_like(scales, 1e-10), scales)
         zeros = torch.full_like(scales, float(half))
     else:
         w_max, w_min = w_max.clamp(min=0), w_min.clamp(max=0)  # zero is exactly representable

@@ -27,11 +27,29 @@ def test_rtn_error_is_at_most_half_a_step(bits, symmetric):
     q = group_quantize(w, bits, 32, symmetric)
     assert q.codes.dtype == torch.uint8 and int(q.codes.max()) < 2**bits
     assert q.scales.shape == (24, 3)  # 72 = 32 + 32 + a short group of 8
-    step = q.scales.repeat_interleave(32, dim=1)[:, :72]
+    step = q.scales.abs().repeat_interleave(32, dim=1)[:, :72]
     inside = (q.codes > 0) & (q.codes < 2**bits - 1)  # clipped codes may err more
     assert ((w - q.dequantize()).abs()[inside] <= step[inside] / 2 + 1e-6).all()
     if symmetric:
         assert (q.zeros == 2 ** (bits - 1)).all()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_symmetric_extreme_is_exact_and_takes_code_zero(bits):
+    """Each group's largest-magnitude weight, whatever its sign, takes code 0 (-2^(bits-1))
+    and comes back exactly: the scale is negative when that weight is positive."""
+    w = weight()
+    w[0, :32] = w[0, :32].abs()  # a group whose extreme is positive
+    w[1, :32] = -w[1, :32].abs()  # and one whose extreme is negative
+    q = group_quantize(w, bits, 32, symmetric=True)
+    groups = w[:, :64].reshape(24, 2, 32)
+    at = groups.abs().argmax(-1, keepdim=True)
+    extreme = groups.gather(-1, at).squeeze(-1)
+    codes = q.codes[:, :64].reshape(24, 2, 32).gather(-1, at).squeeze(-1)
+    assert (codes == 0).all()
+    assert torch.allclose(q.dequantize()[:, :64].reshape(24, 2, 32).gather(-1, at).squeeze(-1),
+                          extreme)
+    assert q.scales[0, 0] < 0 < q.scales[1, 0]
 
 
 def test_short_last_group_uses_only_its_own_columns():
