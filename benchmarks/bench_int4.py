@@ -27,6 +27,7 @@ Systems (each worker a fresh subprocess, greedy, EOS ignored, same random prompt
   llmopt-gptq4-g128-h4-a8-kv8-native  gptq instead of rtn: int4 sym in blocks of 128 (act
                        order, 128 x 512 calibration tokens of the validation split), 4-bit LM
                        head, int8 KV lanes: a quarter of g32's float work per multiply-add
+  llmopt-gptq4-g128-h8-a8-kv8-native  ... with an 8-bit LM head (llama.cpp Q4_0's head width)
   llama.cpp-q4_1       llama-cpp-python on the package's own Q4_1 GGUF
   llama.cpp-q4_0       the same weights as an F32 GGUF, re-quantized by llama.cpp to Q4_0
   llama.cpp-q8_0       ... and to Q8_0
@@ -92,7 +93,7 @@ KV8 = "{kv_cache: {dtype: int8, key_scales: channel, value_scales: channel}}"
 KV4 = ("{kv_cache: {dtype: int4, key_scales: channel, value_scales: channel, "
        "skip_dtype: int8, auto_skip: 6}}")
 GPTQ128 = ("{gptq: {bits: 4, group_size: 128, symmetric: true, include_lm_head: true, "
-           "lm_head_bits: 4}}")
+           "lm_head_bits: %d}}")
 VALID_SPLIT = REPO_ROOT.parent / "shared" / "data" / "wikitext2-valid.tokens.txt"
 CALIBRATION = f"calibration.text={VALID_SPLIT}"
 # llmopt system -> (artifact directory name under --out-dir, recipe overrides)
@@ -116,7 +117,12 @@ ARTIFACTS: dict[str, tuple[str, list[str]]] = {
     "llmopt-rtn4-h4-a8-kv4-native": ("smollm2-rtn4-sym-g32-h4-a8-kv4",
                                      [f"passes=[{KV4}, {RTN4 % 4}]", A8, CALIBRATION]),
     "llmopt-gptq4-g128-h4-a8-kv8-native": ("smollm2-gptq4-sym-g128-h4-a8-kv8",
-                                           [f"passes=[{KV8}, {GPTQ128}]", A8, CALIBRATION]),
+                                           [f"passes=[{KV8}, {GPTQ128 % 4}]", A8,
+                                            CALIBRATION]),
+    # ... with an 8-bit LM head: Q4_0's bytes per token (its head is Q8_0), better quality
+    "llmopt-gptq4-g128-h8-a8-kv8-native": ("smollm2-gptq4-sym-g128-h8-a8-kv8",
+                                           [f"passes=[{KV8}, {GPTQ128 % 8}]", A8,
+                                            CALIBRATION]),
     "llmopt-rtn4-a8-dq": ("smollm2-rtn4-sym-g32-h8-a8-dq",
                           [f"passes=[{RTN4 % 8}]", A8,
                            "target.quantized_matmul=dequantize_linear"]),
@@ -132,7 +138,8 @@ DEFAULT_SYSTEMS = ("llmopt-q4_1", "llmopt-q4_1-a8", "llmopt-rtn4-a8", "llmopt-rt
 INT4_LLMOPT = ("llmopt-q4_1", "llmopt-q4_1-a8", "llmopt-rtn4-a8", "llmopt-rtn4-h4-a8",
                "llmopt-rtn4-a8-dq", "llmopt-q4_1-a8-native", "llmopt-rtn4-a8-native",
                "llmopt-rtn4-h4-a8-native", "llmopt-rtn4-h4-a8-kv8-native",
-               "llmopt-rtn4-h4-a8-kv4-native", "llmopt-gptq4-g128-h4-a8-kv8-native")
+               "llmopt-rtn4-h4-a8-kv4-native", "llmopt-gptq4-g128-h4-a8-kv8-native",
+               "llmopt-gptq4-g128-h8-a8-kv8-native")
 # lossless: the same blocks as llama.cpp-q4_1
 Q4_1_LLMOPT = ("llmopt-q4_1", "llmopt-q4_1-a8", "llmopt-q4_1-a8-native")
 ANCHORS = (Q4_0, Q4_1, "llama.cpp-q8_0", OG)
