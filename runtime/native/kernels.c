@@ -493,19 +493,17 @@ static inline __attribute__((always_inline)) void amx_unpack_slice(
     }
 }
 
-/* acc[i] += block b's dots of rows t0 + i (sums: the tile's C, plus `more`'s where a block
-   took two tiles, or NULL) as gemm_tile adds them. act_scales, inputs: the block's entries
-   of rows t0 .. t0 + 7 and, 8 * blocks further, of t0 + 8 .. t0 + 15 (QActivations' tiles
-   of eight). */
+/* acc[i] += block b's dots of rows t0 + i (sums: the tile's C) as gemm_tile adds them.
+   act_scales, inputs: the block's entries of rows t0 .. t0 + 7 and, 8 * blocks further, of
+   t0 + 8 .. t0 + 15 (QActivations' tiles of eight). */
 static inline __attribute__((always_inline)) void amx_add_block(
         const float *row_scales, const float *offsets, const float *act_scales,
         const float *inputs, int64_t next_tile, const int rows, const int32_t *sums,
-        const int32_t *more, __m512 *acc) {
+        __m512 *acc) {
     const __m512 scales = _mm512_loadu_ps(row_scales);
     for (int i = 0; i < rows; i++) {
         const int64_t at = i < TOKEN_TILE ? i : next_tile + i - TOKEN_TILE;
         __m512i dot = _mm512_load_si512(sums + 16 * i);
-        if (more) dot = _mm512_add_epi32(dot, _mm512_load_si512(more + 16 * i));
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
                                  _mm512_mul_ps(scales, _mm512_set1_ps(act_scales[at])), acc[i]);
         if (offsets)
@@ -551,7 +549,7 @@ static inline __attribute__((always_inline)) void amx_tile(
 #define ADD_BLOCK(b, set) \
     amx_add_block(row_scales + (b) * 16, has_offsets ? offsets + (b) * 16 : NULL, \
                   act_scales + (b) * TOKEN_TILE, inputs + (b) * TOKEN_TILE, next_tile, rows, \
-                  sums[set], NULL, acc)
+                  sums[set], acc)
     if (pairs > 0) MULTIPLY(0, 1, 0);
     for (int p = 0; p < pairs; p++) {
         const int b = 2 * p;
@@ -586,11 +584,13 @@ static inline __attribute__((always_inline)) void amx_tile(
 
 /* amx_tile for blocks of 64 or 128 (K a multiple of 64): rows t0 .. t0 + rows - 1 times
    row group g, 128 columns a step: two multiplies of 64 columns (one at the end of a
-   shorter K), each into its own tile of sums, so that no multiply waits for another's
-   result. A step is one block of 128, whose two tiles' integer sums add exactly before its
-   float epilogue, or two blocks of 64. Software-pipelined as amx_tile: while one step's
-   sums are read (from tiles 0, 1 or 2, 3), the next step multiplies into the other two;
-   tiles 4, 6 and 5, 7 hold each multiply's activation codes and code vectors. */
+   shorter K). A step is one block of 128, whose two multiplies add into one tile of sums
+   (integers: exact), or two blocks of 64, each into its own tile. (Two tiles for a block
+   of 128, added in vectors, cost a tile store and sixteen adds more per block: its
+   projections took 0.72-0.88x the time with one, at 16 and 512 rows; session 22.)
+   Software-pipelined as amx_tile: while one step's sums are read (from tiles 0, 1 or
+   2, 3), the next step multiplies into the other two; tiles 4, 6 and 5, 7 hold each
+   multiply's activation codes and code vectors. */
 static inline __attribute__((always_inline)) void amx_tile_wide(
         const QMatrix *w, const QActivations *a, int t0, const int rows, int64_t g,
         const int8_t *vectors, float *y) {
@@ -615,10 +615,10 @@ static inline __attribute__((always_inline)) void amx_tile_wide(
         _tile_loadd(6, step, 64); \
         _tile_dpbssd(c0, 4, 6); \
         if (count > 2) { \
-            _tile_zero(c1); \
+            if (!wide_blocks) _tile_zero(c1); \
             _tile_loadd(5, act + first * 32 + 64, stride); \
             _tile_loadd(7, step + 1024, 64); \
-            _tile_dpbssd(c1, 5, 7); \
+            if (wide_blocks) _tile_dpbssd(c0, 5, 7); else _tile_dpbssd(c1, 5, 7); \
         } \
     } while (0)
     if (steps > 0) MULTIPLY(0, 1, 0);
@@ -627,20 +627,20 @@ static inline __attribute__((always_inline)) void amx_tile_wide(
         if (st % 2 == 0) {
             if (st + 1 < steps) MULTIPLY(2, 3, st + 1);
             _tile_stored(0, sums[0], 64);
-            if (second) _tile_stored(1, sums[1], 64);
+            if (second && !wide_blocks) _tile_stored(1, sums[1], 64);
         } else {
             if (st + 1 < steps) MULTIPLY(0, 1, st + 1);
             _tile_stored(2, sums[0], 64);
-            if (second) _tile_stored(3, sums[1], 64);
+            if (second && !wide_blocks) _tile_stored(3, sums[1], 64);
         }
         if (wide_blocks) {
             amx_add_block(row_scales + st * 16, NULL, act_scales + st * TOKEN_TILE, NULL,
-                          next_tile, rows, sums[0], second ? sums[1] : NULL, acc);
+                          next_tile, rows, sums[0], acc);
         } else {
             for (int half = 0; half <= second; half++) {
                 const int b = 2 * st + half;
                 amx_add_block(row_scales + b * 16, NULL, act_scales + b * TOKEN_TILE, NULL,
-                              next_tile, rows, sums[half], NULL, acc);
+                              next_tile, rows, sums[half], acc);
             }
         }
     }
