@@ -6,7 +6,9 @@ need (per row: load, convert, scale product, FMA). Where the two overlap, a bloc
 the larger of the two; where they do not, their sum, and no tile scheduling can beat that.
 This builds benchmarks/probe_amx_overlap.c with the system C compiler, runs each variant
 (see the C file's comment) --rounds times, interleaved, and reports median ns per block tile
-(16 rows x 16 columns x 32: 8,192 multiply-adds) and what the medians imply.
+(16 rows x 16 columns x 32: 8,192 multiply-adds; the wide- variants, session 22: a block of
+128 columns at sixteen rows, with its weights unpacked as a batch-16 step does) and what the
+medians imply.
 
     python benchmarks/probe_amx_overlap.py [--rounds 5] [--reps 20000]
 
@@ -26,9 +28,10 @@ from pathlib import Path
 from _common import RESULTS_DIR, machine_info, write_json
 
 SOURCE = Path(__file__).with_name("probe_amx_overlap.c")
-FLAGS = ["-O2", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+FLAGS = ["-O2", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mgfni",
          "-mamx-tile", "-mamx-int8"]
 MACS = 16 * 16 * 32
+WIDE_MACS = 16 * 16 * 128  # the wide- variants' block tile: a block of 128 columns
 
 
 def build(directory: Path) -> Path:
@@ -60,15 +63,29 @@ def main() -> None:
     ns = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
     print(f"{'variant':<14} {'ns / block tile':>16} {'GMAC/s':>8}   (median of {args.rounds})")
     for name, value in ns.items():
-        print(f"{name:<14} {value:16.2f} {MACS / value:8.1f}")
-    serial, overlapped = ns["tiles"] + ns["sums"], max(ns["tiles"], ns["sums"])
-    share = (serial - ns["tiles+sums"]) / (serial - overlapped)
-    print(f"\ntiles+sums {ns['tiles+sums']:.2f} ns against {serial:.2f} if serial and "
-          f"{overlapped:.2f} if fully overlapped: {100 * share:.0f} % of the overlap")
+        macs = WIDE_MACS if name.startswith("wide-") else MACS
+        print(f"{name:<14} {value:16.2f} {macs / value:8.1f}")
+    overlap = {"tiles+sums": overlap_of(ns, "tiles+sums", ("tiles", "sums")),
+               "wide-all": overlap_of(ns, "wide-all", ("wide-tiles", "wide-unpack", "wide-sums"))}
+    print()
+    for name, (serial, overlapped, share) in overlap.items():
+        print(f"{name} {ns[name]:.2f} ns against {serial:.2f} if serial and {overlapped:.2f} "
+              f"if fully overlapped: {100 * share:.0f} % of the overlap")
     write_json(RESULTS_DIR / "probe_amx_overlap.json",
                {"machine": machine_info(), "rounds": args.rounds, "reps": args.reps,
-                "ns_per_block_tile": ns, "samples": rounds, "serial_ns": serial,
-                "overlapped_ns": overlapped, "overlap_share": share})
+                "ns_per_block_tile": ns, "samples": rounds,
+                "overlap": {name: {"serial_ns": serial, "overlapped_ns": overlapped,
+                                   "overlap_share": share}
+                            for name, (serial, overlapped, share) in overlap.items()}})
+
+
+def overlap_of(ns: dict[str, float], together: str,
+               parts: tuple[str, ...]) -> tuple[float, float, float]:
+    """The parts' serial and fully overlapped times, and the share of that overlap the
+    combined variant reaches (0: it costs their sum; 1: the largest part's time)."""
+    serial = sum(ns[part] for part in parts)
+    overlapped = max(ns[part] for part in parts)
+    return serial, overlapped, (serial - ns[together]) / (serial - overlapped)
 
 
 if __name__ == "__main__":
