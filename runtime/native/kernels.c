@@ -587,7 +587,7 @@ static inline __attribute__((always_inline)) void amx_tile(
    shorter K). A step is one block of 128, whose two multiplies add into one tile of sums
    (integers: exact), or two blocks of 64, each into its own tile. (Two tiles for a block
    of 128, added in vectors, cost a tile store and sixteen adds more per block: its
-   projections took 0.72-0.88x the time with one, at 16 and 512 rows; session 22.)
+   projections took 0.71-0.92x the time with one, at 16 and 512 rows; session 22.)
    Software-pipelined as amx_tile: while one step's sums are read (from tiles 0, 1 or
    2, 3), the next step multiplies into the other two; tiles 4, 6 and 5, 7 hold each
    multiply's activation codes and code vectors. */
