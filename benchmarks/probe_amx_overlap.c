@@ -151,22 +151,20 @@ static void configure_wide(void) {
         } \
     } while (0)
 
-/* Step st's two multiplies of 64 columns into sum tile 0 (even st) or 2. */
-#define WIDE_MULTIPLY(st) do { \
+/* Step st's two multiplies of 64 columns into sum tile c (a constant: tiles are named in the
+   instruction). */
+#define MULTIPLY_INTO(c, st) do { \
         const int8_t *vectors = ring[(st) % 2]; \
-        if ((st) % 2) { \
-            _tile_zero(2); \
-            _tile_loadd(4, act + (st) * 128, STRIDE); _tile_loadd(6, vectors, 64); \
-            _tile_dpbssd(2, 4, 6); \
-            _tile_loadd(5, act + (st) * 128 + 64, STRIDE); _tile_loadd(7, vectors + 1024, 64); \
-            _tile_dpbssd(2, 5, 7); \
-        } else { \
-            _tile_zero(0); \
-            _tile_loadd(4, act + (st) * 128, STRIDE); _tile_loadd(6, vectors, 64); \
-            _tile_dpbssd(0, 4, 6); \
-            _tile_loadd(5, act + (st) * 128 + 64, STRIDE); _tile_loadd(7, vectors + 1024, 64); \
-            _tile_dpbssd(0, 5, 7); \
-        } \
+        _tile_zero(c); \
+        _tile_loadd(4, act + (st) * 128, STRIDE); _tile_loadd(6, vectors, 64); \
+        _tile_dpbssd(c, 4, 6); \
+        _tile_loadd(5, act + (st) * 128 + 64, STRIDE); _tile_loadd(7, vectors + 1024, 64); \
+        _tile_dpbssd(c, 5, 7); \
+    } while (0)
+
+/* ... into sum tile 0 (even st) or 2. */
+#define WIDE_MULTIPLY(st) do { \
+        if ((st) % 2) MULTIPLY_INTO(2, st); else MULTIPLY_INTO(0, st); \
     } while (0)
 
 /* Step st's sums stored (to sums[st % 2][0]). */
