@@ -40,6 +40,7 @@ and speculation change no output.
 #include <string.h>
 #include <cpuid.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #define PY_SSIZE_T_CLEAN
@@ -109,6 +110,62 @@ int llmopt_native_supported(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
         && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
         && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
+}
+
+/* Where a step's time goes, phase by phase (benchmarks/native_step_profile.py): off unless
+   asked for, and then a clock read either side of each phase, on the thread that calls
+   llmopt_forward (a phase's parallel regions end before it does). Phases, in a layer's
+   order: */
+enum {
+    PHASE_EMBED,          /* embedding rows and the first norm */
+    PHASE_QKV,            /* quantize the norm's output, the fused q/k/v projection */
+    PHASE_KV_WRITE,       /* rotary (and the rotation), keys and values into their lanes */
+    PHASE_ATTEND,         /* every run of query tokens against its lane (attend_run) */
+    PHASE_O,              /* the output projection */
+    PHASE_NORMS,          /* residual adds and RMS norms */
+    PHASE_GATE_UP,        /* the fused gate/up projection */
+    PHASE_SILU,           /* SiLU(gate) * up */
+    PHASE_DOWN,           /* the down projection */
+    PHASE_HEAD,           /* the final norm and the LM head */
+    PHASES
+};
+static const char *const phase_names[PHASES] = {
+    "embed", "qkv", "kv_write", "attend", "o", "norms", "gate_up", "silu", "down", "head"};
+static int profile_on = 0;
+static double phase_seconds[PHASES];
+
+static inline double profile_clock(void) {
+    if (!profile_on) return 0.;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
+}
+
+/* Adds the time since `since` (a profile_clock reading) to `phase`; returns the clock. */
+static inline double profile_phase(int phase, double since) {
+    if (!profile_on) return 0.;
+    const double now = profile_clock();
+    phase_seconds[phase] += now - since;
+    return now;
+}
+
+/* Turns the phase profile on (on > 0, its sums reset to zero) or off (0); returns whether
+   it was on. */
+int llmopt_native_profile(int on) {
+    const int was = profile_on;
+    if (on > 0) memset(phase_seconds, 0, sizeof phase_seconds);
+    profile_on = on > 0;
+    return was;
+}
+
+/* The phases' names, NULL past the last. */
+const char *llmopt_native_profile_name(int phase) {
+    return phase >= 0 && phase < PHASES ? phase_names[phase] : NULL;
+}
+
+/* Seconds spent in `phase` since the profile was turned on. */
+double llmopt_native_profile_seconds(int phase) {
+    return phase >= 0 && phase < PHASES ? phase_seconds[phase] : 0.;
 }
 
 static int amx_enabled = 0;
@@ -1292,6 +1349,7 @@ static void attention(const Model *m, const KVLayout *kv, int t_rows, const int3
     const int64_t stride = row_bytes(kv->bits, dim);
     int threads = m->num_threads > 1 ? m->num_threads : 1;
     (void)threads;
+    const double write_start = profile_clock();
     #pragma omp parallel for num_threads(threads) if (threads > 1 && t_rows >= PARALLEL_ROWS)
     for (int t = 0; t < t_rows; t++) {
         float *q = s->qkv + (int64_t)t * qkv_width, *k = q + heads * dim, *v = k + kv_heads * dim;
@@ -1311,6 +1369,7 @@ static void attention(const Model *m, const KVLayout *kv, int t_rows, const int3
                       kv->bits, dim, value_pool + at);
         }
     }
+    const double attend_start = profile_phase(PHASE_KV_WRITE, write_start);
     const int runs = query_runs(t_rows, lanes, lane_rows, s->runs), items = runs * kv_heads;
     /* item i: run i / kv_heads, query group i % kv_heads; each thread takes a range of
        items in order, so item i + 1's rows are the ones to prefetch during item i */
@@ -1339,6 +1398,7 @@ static void attention(const Model *m, const KVLayout *kv, int t_rows, const int3
                    s->attn + (int64_t)t * heads * dim + g * group * dim, (int64_t)heads * dim,
                    &ahead);
     }
+    profile_phase(PHASE_ATTEND, attend_start);
 }
 
 static void add_norm(float *x, const float *delta, const float *weight, const Model *m,
@@ -1388,6 +1448,7 @@ int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
         return -1;
     }
     const int hidden = m->hidden, inter = m->intermediate;
+    double clock = profile_clock();
     #pragma omp parallel for num_threads(m->num_threads) \
         if (m->num_threads > 1 && t_rows >= PARALLEL_ROWS)
     for (int t = 0; t < t_rows; t++) {
@@ -1395,27 +1456,37 @@ int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
         rms_norm(s.x + (int64_t)t * hidden, m->attn_norm[0], m->eps, hidden,
                  s.h + (int64_t)t * hidden);
     }
+    clock = profile_phase(PHASE_EMBED, clock);
     int status = 0;  /* an AMX tile's unpacking buffer may fail to allocate */
     for (int l = 0; l < m->layers && !status; l++) {
         status |= linear(m, &m->qkv[l], s.h, t_rows, &s, s.qkv);
+        clock = profile_phase(PHASE_QKV, clock);
         attention(m, &m->kv[l], t_rows, lanes, positions, lane_rows, masks, key_pools[l],
-                  value_pools[l], lane_tokens, &s);
+                  value_pools[l], lane_tokens, &s);  /* profiles its two phases */
+        clock = profile_clock();
         status |= linear(m, &m->o[l], s.attn, t_rows, &s, s.proj);
+        clock = profile_phase(PHASE_O, clock);
         add_norm(s.x, s.proj, m->mlp_norm[l], m, t_rows, s.h);
+        clock = profile_phase(PHASE_NORMS, clock);
         status |= linear(m, &m->gate_up[l], s.h, t_rows, &s, s.gate_up);
+        clock = profile_phase(PHASE_GATE_UP, clock);
         #pragma omp parallel for num_threads(m->num_threads) \
             if (m->num_threads > 1 && t_rows >= PARALLEL_ROWS)
         for (int t = 0; t < t_rows; t++) {
             const float *gate = s.gate_up + (int64_t)t * 2 * inter;
             silu_times(gate, gate + inter, inter, s.act + (int64_t)t * inter);
         }
+        clock = profile_phase(PHASE_SILU, clock);
         status |= linear(m, &m->down[l], s.act, t_rows, &s, s.proj);
+        clock = profile_phase(PHASE_DOWN, clock);
         add_norm(s.x, s.proj, l + 1 < m->layers ? m->attn_norm[l + 1] : NULL, m, t_rows, s.h);
+        clock = profile_phase(PHASE_NORMS, clock);
     }
     for (int r = 0; r < n_logits; r++)
         rms_norm(s.x + (int64_t)logit_rows[r] * hidden, m->final_norm, m->eps, hidden,
                  s.h + (int64_t)r * hidden);
     if (n_logits > 0 && !status) status = linear(m, &m->head, s.h, n_logits, &s, logits);
+    profile_phase(PHASE_HEAD, clock);
     scratch_free(&s);
     return status ? -1 : 0;
 }

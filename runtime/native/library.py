@@ -67,6 +67,12 @@ def kernels() -> ctypes.CDLL | None:
     lib.llmopt_native_amx_min_rows.argtypes = [ctypes.c_int]
     lib.llmopt_native_read.restype = ctypes.c_uint64
     lib.llmopt_native_read.argtypes = [c_ptr, ctypes.c_int64, ctypes.c_int]
+    lib.llmopt_native_profile.restype = ctypes.c_int
+    lib.llmopt_native_profile.argtypes = [ctypes.c_int]
+    lib.llmopt_native_profile_name.restype = ctypes.c_char_p
+    lib.llmopt_native_profile_name.argtypes = [ctypes.c_int]
+    lib.llmopt_native_profile_seconds.restype = ctypes.c_double
+    lib.llmopt_native_profile_seconds.argtypes = [ctypes.c_int]
     if lib.llmopt_native_supported():
         lib.llmopt_native_amx(os.environ.get(AMX_VARIABLE, "1") != "0")
     return lib

@@ -14,6 +14,7 @@ import ctypes
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -316,6 +317,31 @@ def test_batching_preemption_and_speculation_change_nothing(name, artifacts):
     outputs = speculating.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == alone
     assert sum(o.metrics.speculation.num_spec_steps for o in outputs) > 0
+
+
+def test_the_phase_profile_times_every_phase_and_changes_no_output(artifacts):
+    """llmopt_native_profile (benchmarks/native_step_profile.py): with it on, a prefill and
+    greedy decoding give the same log-probs and tokens, every phase gathers time, and the
+    phases fit in the wall time; off, nothing more gathers."""
+    names = []
+    while (name := lib.llmopt_native_profile_name(len(names))) is not None:
+        names.append(name.decode())
+    assert names == ["embed", "qkv", "kv_write", "attend", "o", "norms", "gate_up", "silu",
+                     "down", "head"]
+    llm = LLM(artifacts["llama-sym-h8"], kernels="native", speculative=False)
+    tokens, prompts = (requests()[1] * 4)[:100], requests()
+    plain = (llm.score(tokens), [o.token_ids for o in llm.generate(prompts, GREEDY)])
+    assert lib.llmopt_native_profile(1) == 0
+    started = time.perf_counter()
+    profiled = (llm.score(tokens), [o.token_ids for o in llm.generate(prompts, GREEDY)])
+    wall = time.perf_counter() - started
+    assert lib.llmopt_native_profile(0) == 1
+    seconds = [lib.llmopt_native_profile_seconds(i) for i in range(len(names))]
+    assert np.array_equal(plain[0], profiled[0]) and plain[1] == profiled[1]
+    assert all(s > 0 for s in seconds), dict(zip(names, seconds, strict=True))
+    assert sum(seconds) < wall
+    llm.score(tokens)
+    assert [lib.llmopt_native_profile_seconds(i) for i in range(len(names))] == seconds
 
 
 @needs_amx
