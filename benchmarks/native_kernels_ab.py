@@ -53,13 +53,13 @@ def load_build(path: str) -> ctypes.CDLL:
     return lib
 
 
-def engine_on(artifact: Path, lib: ctypes.CDLL, threads: int) -> LLM:
+def engine_on(artifact: Path, lib: ctypes.CDLL, threads: int, max_context: int = 1024) -> LLM:
     """An LLM whose native executor calls `lib` (the executor takes its library at build)."""
     installed = native_executor.kernels
     native_executor.kernels = lambda: lib
     try:
         return LLM(artifact, num_threads=threads, kernels="native", speculative=False,
-                   max_num_seqs=16, max_context=1024)
+                   max_num_seqs=16, max_context=max_context)
     finally:
         native_executor.kernels = installed
 
