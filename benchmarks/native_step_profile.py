@@ -31,6 +31,7 @@ WARMUP_ROUNDS = 2
 
 
 def phase_names(lib: ctypes.CDLL) -> list[str]:
+    """The profile's phases, in kernels.c's order."""
     names, phase = [], 0
     while (name := lib.llmopt_native_profile_name(phase)) is not None:
         names.append(name.decode())

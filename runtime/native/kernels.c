@@ -970,6 +970,7 @@ static inline __m128 sum_lanes4(const __m512 v[4]) {
 static inline __m256 sum_lanes8(const __m512 v[8]) {
     return _mm256_set_m128(sum_lanes4(v + 4), sum_lanes4(v));
 }
+
 /* The next attend_run's key and value rows, prefetched into L2 a few lines at a time while
    this run computes: a run's own rows come from memory in a burst (touch_rows) that the
    arithmetic cannot hide, and a batch-16 step's runs read ~24 KB each, one after another. */
