@@ -24,30 +24,20 @@ from _common import RESULTS_DIR, machine_info, write_json
 from native_kernels_ab import engine_on, step_batches
 
 from llmopt.runtime import LLM
-from llmopt.runtime.native.library import amx_in_use, kernels
+from llmopt.runtime.native.library import amx_in_use, kernels, profile_phases, profile_seconds
 from llmopt.runtime.step_batch import StepBatch
 
 WARMUP_ROUNDS = 2
 
 
-def phase_names(lib: ctypes.CDLL) -> list[str]:
-    """The profile's phases, in kernels.c's order."""
-    names, phase = [], 0
-    while (name := lib.llmopt_native_profile_name(phase)) is not None:
-        names.append(name.decode())
-        phase += 1
-    return names
-
-
-def profiled_step(lib: ctypes.CDLL, llm: LLM, batch: StepBatch,
-                  names: list[str]) -> dict[str, float]:
+def profiled_step(lib: ctypes.CDLL, llm: LLM, batch: StepBatch) -> dict[str, float]:
     """One executor call with the profile on: ms per phase, 'outside' and 'step' (wall)."""
     lib.llmopt_native_profile(1)
     started = time.perf_counter()
     llm.engine.executor.execute(batch)
     wall = time.perf_counter() - started
     lib.llmopt_native_profile(0)
-    ms = {name: 1000 * lib.llmopt_native_profile_seconds(i) for i, name in enumerate(names)}
+    ms = {name: 1000 * seconds for name, seconds in profile_seconds(lib).items()}
     return {**ms, "outside": 1000 * wall - sum(ms.values()), "step": 1000 * wall}
 
 
@@ -62,16 +52,15 @@ def main() -> None:
         raise SystemExit("this install has no native kernels for this CPU: nothing to profile")
     llm = engine_on(args.artifact, lib, args.threads)
     batches = step_batches(llm)
-    names = phase_names(lib)
     samples: dict[str, list[dict[str, float]]] = {step: [] for step in batches}
     for round_ in range(WARMUP_ROUNDS + args.rounds):
         for step, batch in batches.items():
-            ms = profiled_step(lib, llm, batch, names)
+            ms = profiled_step(lib, llm, batch)
             if round_ >= WARMUP_ROUNDS:
                 samples[step].append(ms)
     table = {step: {key: statistics.median(s[key] for s in runs) for key in runs[0]}
              for step, runs in samples.items()}
-    keys = [*names, "outside", "step"]
+    keys = [*profile_phases(lib), "outside", "step"]
     print(f"{'ms per step (median of ' + str(args.rounds) + ')':<36}"
           + "".join(f"{key:>9}" for key in keys))
     for step, ms in table.items():

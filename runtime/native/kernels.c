@@ -1337,20 +1337,16 @@ static inline int64_t lane_start(int lane, int g, int kv_heads, int lane_tokens,
     return ((int64_t)lane * kv_heads + g) * lane_tokens * stride;
 }
 
-/* One layer's attention: rotary at each token's position (and the layer's rotation), the
-   step's keys and values into their lanes' rows in the layer's format, then every query
-   token attends to its lane's rows 0 .. its own but those its tree mask hides, a lane's
-   consecutive rows together (attend_run). */
-static void attention(const Model *m, const KVLayout *kv, int t_rows, const int32_t *lanes,
-                      const int32_t *positions, const int32_t *lane_rows,
-                      const uint64_t *masks, uint8_t *key_pool, uint8_t *value_pool,
-                      int lane_tokens, Scratch *s) {
+/* One layer's KV write: rotary at each token's position (and the layer's rotation), then
+   the step's keys and values into their lanes' rows in the layer's format. */
+static void write_kv(const Model *m, const KVLayout *kv, int t_rows, const int32_t *lanes,
+                     const int32_t *positions, const int32_t *lane_rows, uint8_t *key_pool,
+                     uint8_t *value_pool, int lane_tokens, Scratch *s) {
     const int dim = m->head_dim, heads = m->heads, kv_heads = m->kv_heads, half = dim / 2;
-    const int qkv_width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
+    const int qkv_width = (heads + 2 * kv_heads) * dim;
     const int64_t stride = row_bytes(kv->bits, dim);
     int threads = m->num_threads > 1 ? m->num_threads : 1;
     (void)threads;
-    const double write_start = profile_clock();
     #pragma omp parallel for num_threads(threads) if (threads > 1 && t_rows >= PARALLEL_ROWS)
     for (int t = 0; t < t_rows; t++) {
         float *q = s->qkv + (int64_t)t * qkv_width, *k = q + heads * dim, *v = k + kv_heads * dim;
@@ -1370,18 +1366,38 @@ static void attention(const Model *m, const KVLayout *kv, int t_rows, const int3
                       kv->bits, dim, value_pool + at);
         }
     }
-    const double attend_start = profile_phase(PHASE_KV_WRITE, write_start);
-    const int runs = query_runs(t_rows, lanes, lane_rows, s->runs), items = runs * kv_heads;
-    /* item i: run i / kv_heads, query group i % kv_heads; each thread takes a range of
-       items in order, so item i + 1's rows are the ones to prefetch during item i */
+}
+
+/* Attention's item i (attend below): run i / kv_heads of the step's runs (its first token
+   *t, its length *n) against query group *g = i % kv_heads. */
+static inline void run_item(const int32_t *runs, int kv_heads, int i, int *t, int *n,
+                            int *g) {
+    *t = runs[i / kv_heads];
+    *n = runs[i / kv_heads + 1] - *t;
+    *g = i % kv_heads;
+}
+
+/* One layer's attention after write_kv: every query token attends to its lane's rows 0 ..
+   its own but those its tree mask hides, a lane's consecutive rows together (attend_run).
+   Each thread takes a range of items in order, so item i + 1's rows are the ones to
+   prefetch during item i. */
+static void attend(const Model *m, const KVLayout *kv, int t_rows, const int32_t *lanes,
+                   const int32_t *lane_rows, const uint64_t *masks, const uint8_t *key_pool,
+                   const uint8_t *value_pool, int lane_tokens, Scratch *s) {
+    const int dim = m->head_dim, heads = m->heads, kv_heads = m->kv_heads;
+    const int qkv_width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
+    const int64_t stride = row_bytes(kv->bits, dim);
+    const int items = query_runs(t_rows, lanes, lane_rows, s->runs) * kv_heads;
+    int threads = m->num_threads > 1 ? m->num_threads : 1;
+    (void)threads;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int i = 0; i < items; i++) {
-        const int t = s->runs[i / kv_heads], n = s->runs[i / kv_heads + 1] - t, g = i % kv_heads;
-        const float *q = s->qkv + (int64_t)t * qkv_width + g * group * dim;
+        int t, n, g;
+        run_item(s->runs, kv_heads, i, &t, &n, &g);
         Ahead ahead = {0};
         if (i + 1 < items) {
-            const int next_t = s->runs[(i + 1) / kv_heads], next_g = (i + 1) % kv_heads;
-            const int next_n = s->runs[(i + 1) / kv_heads + 1] - next_t;
+            int next_t, next_n, next_g;
+            run_item(s->runs, kv_heads, i + 1, &next_t, &next_n, &next_g);
             const int64_t at = lane_start(lanes[next_t], next_g, kv_heads, lane_tokens, stride);
             ahead = (Ahead){(const char *)key_pool + at, (const char *)value_pool + at,
                             (lane_rows[next_t] + next_n) * stride, 0};
@@ -1392,14 +1408,14 @@ static void attention(const Model *m, const KVLayout *kv, int t_rows, const int3
         int id = 0;
 #endif
         const int64_t lane = lane_start(lanes[t], g, kv_heads, lane_tokens, stride);
-        attend_run(q, qkv_width, n, group, key_pool + lane, value_pool + lane, kv,
-                   (int64_t)g * dim, lane_rows[t] + 1, dim, m->attn_scale,
-                   masks ? masks + t : NULL, s->scores + id * s->scores_stride,
+        attend_run(s->qkv + (int64_t)t * qkv_width + g * group * dim, qkv_width, n, group,
+                   key_pool + lane, value_pool + lane, kv, (int64_t)g * dim, lane_rows[t] + 1,
+                   dim, m->attn_scale, masks ? masks + t : NULL,
+                   s->scores + id * s->scores_stride,
                    s->rows + (int64_t)id * RUN_TOKENS * heads * dim,
                    s->attn + (int64_t)t * heads * dim + g * group * dim, (int64_t)heads * dim,
                    &ahead);
     }
-    profile_phase(PHASE_ATTEND, attend_start);
 }
 
 static void add_norm(float *x, const float *delta, const float *weight, const Model *m,
@@ -1462,9 +1478,12 @@ int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
     for (int l = 0; l < m->layers && !status; l++) {
         status |= linear(m, &m->qkv[l], s.h, t_rows, &s, s.qkv);
         clock = profile_phase(PHASE_QKV, clock);
-        attention(m, &m->kv[l], t_rows, lanes, positions, lane_rows, masks, key_pools[l],
-                  value_pools[l], lane_tokens, &s);  /* profiles its two phases */
-        clock = profile_clock();
+        write_kv(m, &m->kv[l], t_rows, lanes, positions, lane_rows, key_pools[l],
+                 value_pools[l], lane_tokens, &s);
+        clock = profile_phase(PHASE_KV_WRITE, clock);
+        attend(m, &m->kv[l], t_rows, lanes, lane_rows, masks, key_pools[l], value_pools[l],
+               lane_tokens, &s);
+        clock = profile_phase(PHASE_ATTEND, clock);
         status |= linear(m, &m->o[l], s.attn, t_rows, &s, s.proj);
         clock = profile_phase(PHASE_O, clock);
         add_norm(s.x, s.proj, m->mlp_norm[l], m, t_rows, s.h);

@@ -78,6 +78,20 @@ def kernels() -> ctypes.CDLL | None:
     return lib
 
 
+def profile_phases(lib: ctypes.CDLL) -> list[str]:
+    """The phases kernels.c's step profile times (llmopt_native_profile), in its order."""
+    names: list[str] = []
+    while (name := lib.llmopt_native_profile_name(len(names))) is not None:
+        names.append(name.decode())
+    return names
+
+
+def profile_seconds(lib: ctypes.CDLL) -> dict[str, float]:
+    """Seconds each phase gathered since the profile was last turned on."""
+    return {name: lib.llmopt_native_profile_seconds(i)
+            for i, name in enumerate(profile_phases(lib))}
+
+
 AMX_VARIABLE = "LLMOPT_NATIVE_AMX"  # "0": the native step never uses AMX tiles
 
 

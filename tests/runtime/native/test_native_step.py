@@ -30,7 +30,7 @@ from llmopt.compiler.recipe import Recipe
 from llmopt.runtime import LLM, SamplingParams
 from llmopt.runtime.lane_executor import LaneExecutor
 from llmopt.runtime.native.executor import NativeLaneExecutor
-from llmopt.runtime.native.library import AMX_VARIABLE, kernels, use_amx
+from llmopt.runtime.native.library import AMX_VARIABLE, kernels, profile_phases, use_amx
 from llmopt.runtime.native.weights import quantized_matrix
 
 lib = kernels()
@@ -323,9 +323,7 @@ def test_the_phase_profile_times_every_phase_and_changes_no_output(artifacts):
     """llmopt_native_profile (benchmarks/native_step_profile.py): with it on, a prefill and
     greedy decoding give the same log-probs and tokens, every phase gathers time, and the
     phases fit in the wall time; off, nothing more gathers."""
-    names = []
-    while (name := lib.llmopt_native_profile_name(len(names))) is not None:
-        names.append(name.decode())
+    names = profile_phases(lib)
     assert names == ["embed", "qkv", "kv_write", "attend", "o", "norms", "gate_up", "silu",
                      "down", "head"]
     llm = LLM(artifacts["llama-sym-h8"], kernels="native", speculative=False)
