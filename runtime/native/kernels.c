@@ -956,19 +956,25 @@ static inline __m512 row_strip(const uint8_t *row, int bits, int d) {
                                                _mm512_set1_epi32(8)));
 }
 
-/* The four sums of four vectors' lanes: lane j plus lane j + 8, then pairs, then the two
-   halves (a fixed tree per vector). */
-static inline __m128 sum_lanes4(const __m512 v[4]) {
-    __m256 r[4];
-    for (int i = 0; i < 4; i++)
-        r[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]), _mm512_extractf32x8_ps(v[i], 1));
-    __m256 all = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
-    return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
-}
-
-/* The eight sums of eight vectors' lanes, by sum_lanes4's tree. */
+/* The eight sums of eight vectors' lanes, each by one fixed tree: lane j plus lane j + 8,
+   then neighbours (0 + 1, 2 + 3, ...), then those pairs' pairs, then the two halves. The
+   vectors travel two to a register, so each step is one add per two or four vectors (24
+   operations for eight sums, where one vector at a time, 256-bit hadds, took 38). */
 static inline __m256 sum_lanes8(const __m512 v[8]) {
-    return _mm256_set_m128(sum_lanes4(v + 4), sum_lanes4(v));
+    __m512 halves[4], pairs[2];
+    for (int i = 0; i < 4; i++)  /* [v_2i's lanes j + (j + 8), v_2i+1's] */
+        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                                  _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)  /* per 128 bits: neighbours of halves[2i], of halves[2i+1] */
+        pairs[i] = _mm512_add_ps(_mm512_shuffle_ps(halves[2 * i], halves[2 * i + 1], 0x88),
+                                 _mm512_shuffle_ps(halves[2 * i], halves[2 * i + 1], 0xDD));
+    const __m512 quads = _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88),
+                                       _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD));
+    /* 128-bit lane 0 holds the first quads of v0, v2, v4, v6, lane 1 their second, lanes
+       2 and 3 the same of v1, v3, v5, v7 */
+    const __m512 sums = _mm512_add_ps(quads, _mm512_shuffle_f32x4(quads, quads, 0xB1));
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0), sums));
 }
 
 /* The next attend_run's key and value rows, prefetched into L2 a few lines at a time while
@@ -1026,33 +1032,37 @@ static inline __attribute__((always_inline)) void group_scores_as(
     }
 }
 
-/* group_scores_as for head size 64, the same operations in the same order: four keys at a
-   time decoded into registers once for every head (where group_scores_as writes eight out
-   to memory and reads them back per head). */
+/* group_scores_as for head size 64, the same operations in the same order, a block of
+   eight keys decoded once for every head (float32 keys are read where they lie). */
 static inline __attribute__((always_inline)) void group_scores_64_as(
         const float *q, int group, const uint8_t *keys, const int bits, int len, float scale,
         float *scores, Ahead *ahead) {
+    float decoded[8 * 64] __attribute__((aligned(64)));
     const int64_t stride = row_bytes(bits, 64);
-    const int lines = ahead_share(ahead, (len + 3) / 4);
-    for (int j0 = 0; j0 < len; j0 += 4) {
-        const int rows = len - j0 < 4 ? len - j0 : 4;
+    const int lines = ahead_share(ahead, (len + 7) / 8);
+    for (int j0 = 0; j0 < len; j0 += 8) {
+        const int rows = len - j0 < 8 ? len - j0 : 8;
         ahead_lines(ahead, lines);
-        __m512 key[4][4];
-        for (int u = 0; u < 4; u++)
-            for (int d = 0; d < 4; d++)
-                key[u][d] = u < rows ? row_strip(keys + (j0 + u) * stride, bits, 16 * d)
-                                     : _mm512_setzero_ps();
+        const float *block = (const float *)(keys + j0 * stride);
+        if (bits != 32 || rows < 8) {
+            for (int u = 0; u < 8; u++)
+                for (int d = 0; d < 4; d++)
+                    _mm512_store_ps(decoded + u * 64 + 16 * d,
+                                    u < rows ? row_strip(keys + (j0 + u) * stride, bits, 16 * d)
+                                             : _mm512_setzero_ps());
+            block = decoded;
+        }
         const __mmask8 shown = (__mmask8)((1u << rows) - 1);
         for (int h = 0; h < group; h++) {
-            __m512 dots[4];
-            for (int u = 0; u < 4; u++) {
+            __m512 dots[8];
+            for (int u = 0; u < 8; u++) {
                 dots[u] = _mm512_setzero_ps();
                 for (int d = 0; d < 4; d++)
-                    dots[u] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * 64 + 16 * d), key[u][d],
-                                              dots[u]);
+                    dots[u] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * 64 + 16 * d),
+                                              _mm512_loadu_ps(block + u * 64 + 16 * d), dots[u]);
             }
-            _mm_mask_storeu_ps(scores + (int64_t)h * len + j0, shown,
-                               _mm_mul_ps(sum_lanes4(dots), _mm_set1_ps(scale)));
+            _mm256_mask_storeu_ps(scores + (int64_t)h * len + j0, shown,
+                                  _mm256_mul_ps(sum_lanes8(dots), _mm256_set1_ps(scale)));
         }
     }
 }
