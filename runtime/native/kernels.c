@@ -207,6 +207,13 @@ int llmopt_native_amx(int want) {
                                than 64, a batch-16 step took 0.945x and 0.966x, a batch 4 x 8
                                step 0.894x and 0.966x, in two A/Bs of 31 rounds) */
 #define RUN_TOKENS 8        /* a lane's consecutive query tokens that attend together */
+#define LAYER_ROWS 128      /* a step's rows a layer runs at a time per thread (all of
+                               them, up to this): a chunk's projections, attention and MLP
+                               keep their activations in L2, where a 512-row prefill step
+                               streamed each phase's output through memory (SiLU's 9 MB a
+                               layer). A prefill step of 4 x 128 took 0.82-0.84x the time in
+                               slow memory phases, 0.96-0.97x in fast ones, at 1 thread;
+                               0.98x at 2 (256 rows; 128 there: 1.00-1.05x). Session 24. */
 #define ROW_CHUNK 64        /* activation rows a pass over the weights serves (their codes
                                stay in cache while it runs; a matrix's weights stay in L2/L3
                                between passes) */
@@ -1318,7 +1325,9 @@ static void embed_row(const Model *m, int64_t token, float *out) {
 }
 
 typedef struct {
-    float *x, *h, *qkv, *attn, *proj, *gate_up, *act;
+    float *x, *h;           /* [T][hidden] the residual stream, the normed input (the head's
+                               rows at the end) */
+    float *qkv, *attn, *proj, *gate_up, *act;  /* one chunk's rows' (chunk_rows) */
     float *scores;          /* [threads][RUN_TOKENS * group + 1][longest] attention scores
                                (and a row to pack a tree token's shown ones) */
     int64_t scores_stride;  /* one thread's share */
@@ -1334,14 +1343,32 @@ static void *lines_alloc(size_t bytes) {
     return aligned_alloc(64, (bytes + 63) / 64 * 64);
 }
 
+static int layer_rows = LAYER_ROWS;
+
+/* The rows of a step a layer runs at a time. */
+static inline int chunk_rows(const Model *m) {
+    return layer_rows * (m->num_threads > 1 ? m->num_threads : 1);
+}
+
+/* Sets how many rows per thread a layer runs at a time (rows > 0; LAYER_ROWS by default),
+   for the test that cuts steps into small chunks: every output stays the same, bit for
+   bit. Returns the previous value. */
+int llmopt_native_layer_rows(int rows) {
+    const int previous = layer_rows;
+    if (rows > 0) layer_rows = rows;
+    return previous;
+}
+
+/* Scratch for a step of t_rows rows (and as many logit rows at most), run in chunks of
+   chunk_rows. */
 static int scratch_alloc(const Model *m, int t_rows, int longest, Scratch *s) {
     int width = m->hidden > m->intermediate ? m->hidden : m->intermediate;
     int attn_width = m->heads * m->head_dim;
     if (attn_width > width) width = attn_width;
     int qkv_width = (m->heads + 2 * m->kv_heads) * m->head_dim;
-    int64_t t = t_rows;
-    s->x = lines_alloc(sizeof(float) * t * m->hidden);
-    s->h = lines_alloc(sizeof(float) * t * width);
+    s->x = lines_alloc(sizeof(float) * t_rows * m->hidden);
+    s->h = lines_alloc(sizeof(float) * t_rows * m->hidden);
+    const int64_t t = t_rows < chunk_rows(m) ? t_rows : chunk_rows(m);
     s->qkv = lines_alloc(sizeof(float) * t * qkv_width);
     s->attn = lines_alloc(sizeof(float) * t * attn_width);
     s->proj = lines_alloc(sizeof(float) * t * m->hidden);
@@ -1497,11 +1524,57 @@ int llmopt_linear(const QMatrix *w, const float *x, int32_t t_rows, float *y, in
     return ok ? 0 : -1;
 }
 
+/* A step's tokens as llmopt_forward has them (see there), and the layers' KV pools. */
+typedef struct {
+    const int32_t *lanes, *positions, *lane_rows;
+    const uint64_t *masks;
+    uint8_t *const *key_pools, *const *value_pools;
+    int32_t lane_tokens;
+} StepTokens;
+
+/* Layer l over the step's rows c .. c + rows - 1: their residual stream and normed input
+   at row c of s->x and s->h, everything else in the chunk's scratch. The rows before c have
+   written this layer's keys and values, so attention reads what it would with every row at
+   once (a run of query tokens cut at c computes the same per token: attend_run). */
+static int layer_chunk(const Model *m, int l, const StepTokens *step, int c, int rows,
+                       Scratch *s, double *clock) {
+    const int hidden = m->hidden, inter = m->intermediate;
+    float *x = s->x + (int64_t)c * hidden, *h = s->h + (int64_t)c * hidden;
+    const int32_t *lanes = step->lanes + c, *lane_rows = step->lane_rows + c;
+    int status = linear(m, &m->qkv[l], h, rows, s, s->qkv);
+    *clock = profile_phase(PHASE_QKV, *clock);
+    write_kv(m, &m->kv[l], rows, lanes, step->positions + c, lane_rows, step->key_pools[l],
+             step->value_pools[l], step->lane_tokens, s);
+    *clock = profile_phase(PHASE_KV_WRITE, *clock);
+    attend(m, &m->kv[l], rows, lanes, lane_rows, step->masks ? step->masks + c : NULL,
+           step->key_pools[l], step->value_pools[l], step->lane_tokens, s);
+    *clock = profile_phase(PHASE_ATTEND, *clock);
+    status |= linear(m, &m->o[l], s->attn, rows, s, s->proj);
+    *clock = profile_phase(PHASE_O, *clock);
+    add_norm(x, s->proj, m->mlp_norm[l], m, rows, h);
+    *clock = profile_phase(PHASE_NORMS, *clock);
+    status |= linear(m, &m->gate_up[l], h, rows, s, s->gate_up);
+    *clock = profile_phase(PHASE_GATE_UP, *clock);
+    #pragma omp parallel for num_threads(m->num_threads) \
+        if (m->num_threads > 1 && rows >= PARALLEL_ROWS)
+    for (int t = 0; t < rows; t++) {
+        const float *gate = s->gate_up + (int64_t)t * 2 * inter;
+        silu_times(gate, gate + inter, inter, s->act + (int64_t)t * inter);
+    }
+    *clock = profile_phase(PHASE_SILU, *clock);
+    status |= linear(m, &m->down[l], s->act, rows, s, s->proj);
+    *clock = profile_phase(PHASE_DOWN, *clock);
+    add_norm(x, s->proj, l + 1 < m->layers ? m->attn_norm[l + 1] : NULL, m, rows, h);
+    *clock = profile_phase(PHASE_NORMS, *clock);
+    return status;
+}
+
 /* One step. Token t (of T, packed) has id tokens[t] and position positions[t], sits in
    lane lanes[t] at row lane_rows[t] (its position but in a draft tree, whose siblings
    share positions), where its key and value are written in every layer; masks[t] (masks
    NULL: none) hides a tree's other branches from it (attend_run). Logit row r is the
-   head's output for token logit_rows[r]. Returns 0, or -1 when memory runs out. */
+   head's output for token logit_rows[r]. Each layer runs over the rows chunk_rows at a
+   time, in order. Returns 0, or -1 when memory runs out. */
 int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
                    const int32_t *lanes, const int32_t *positions, const int32_t *lane_rows,
                    const uint64_t *masks, uint8_t *const *key_pools,
@@ -1514,7 +1587,9 @@ int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
         scratch_free(&s);
         return -1;
     }
-    const int hidden = m->hidden, inter = m->intermediate;
+    const StepTokens step = {lanes, positions, lane_rows, masks, key_pools, value_pools,
+                             lane_tokens};
+    const int hidden = m->hidden;
     double clock = profile_clock();
     #pragma omp parallel for num_threads(m->num_threads) \
         if (m->num_threads > 1 && t_rows >= PARALLEL_ROWS)
@@ -1524,38 +1599,19 @@ int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
                  s.h + (int64_t)t * hidden);
     }
     clock = profile_phase(PHASE_EMBED, clock);
+    const int chunk = chunk_rows(m);
     int status = 0;  /* an AMX tile's unpacking buffer may fail to allocate */
-    for (int l = 0; l < m->layers && !status; l++) {
-        status |= linear(m, &m->qkv[l], s.h, t_rows, &s, s.qkv);
-        clock = profile_phase(PHASE_QKV, clock);
-        write_kv(m, &m->kv[l], t_rows, lanes, positions, lane_rows, key_pools[l],
-                 value_pools[l], lane_tokens, &s);
-        clock = profile_phase(PHASE_KV_WRITE, clock);
-        attend(m, &m->kv[l], t_rows, lanes, lane_rows, masks, key_pools[l], value_pools[l],
-               lane_tokens, &s);
-        clock = profile_phase(PHASE_ATTEND, clock);
-        status |= linear(m, &m->o[l], s.attn, t_rows, &s, s.proj);
-        clock = profile_phase(PHASE_O, clock);
-        add_norm(s.x, s.proj, m->mlp_norm[l], m, t_rows, s.h);
-        clock = profile_phase(PHASE_NORMS, clock);
-        status |= linear(m, &m->gate_up[l], s.h, t_rows, &s, s.gate_up);
-        clock = profile_phase(PHASE_GATE_UP, clock);
-        #pragma omp parallel for num_threads(m->num_threads) \
-            if (m->num_threads > 1 && t_rows >= PARALLEL_ROWS)
-        for (int t = 0; t < t_rows; t++) {
-            const float *gate = s.gate_up + (int64_t)t * 2 * inter;
-            silu_times(gate, gate + inter, inter, s.act + (int64_t)t * inter);
-        }
-        clock = profile_phase(PHASE_SILU, clock);
-        status |= linear(m, &m->down[l], s.act, t_rows, &s, s.proj);
-        clock = profile_phase(PHASE_DOWN, clock);
-        add_norm(s.x, s.proj, l + 1 < m->layers ? m->attn_norm[l + 1] : NULL, m, t_rows, s.h);
-        clock = profile_phase(PHASE_NORMS, clock);
-    }
+    for (int l = 0; l < m->layers && !status; l++)
+        for (int c = 0; c < t_rows && !status; c += chunk)
+            status |= layer_chunk(m, l, &step, c, t_rows - c < chunk ? t_rows - c : chunk,
+                                  &s, &clock);
     for (int r = 0; r < n_logits; r++)
         rms_norm(s.x + (int64_t)logit_rows[r] * hidden, m->final_norm, m->eps, hidden,
                  s.h + (int64_t)r * hidden);
-    if (n_logits > 0 && !status) status = linear(m, &m->head, s.h, n_logits, &s, logits);
+    for (int r = 0; r < n_logits && !status; r += chunk)
+        status = linear(m, &m->head, s.h + (int64_t)r * hidden,
+                        n_logits - r < chunk ? n_logits - r : chunk, &s,
+                        logits + (int64_t)r * m->head.n);
     profile_phase(PHASE_HEAD, clock);
     scratch_free(&s);
     return status ? -1 : 0;

@@ -65,6 +65,8 @@ def kernels() -> ctypes.CDLL | None:
     lib.llmopt_native_amx.argtypes = [ctypes.c_int]
     lib.llmopt_native_amx_min_rows.restype = ctypes.c_int
     lib.llmopt_native_amx_min_rows.argtypes = [ctypes.c_int]
+    lib.llmopt_native_layer_rows.restype = ctypes.c_int
+    lib.llmopt_native_layer_rows.argtypes = [ctypes.c_int]
     lib.llmopt_native_read.restype = ctypes.c_uint64
     lib.llmopt_native_read.argtypes = [c_ptr, ctypes.c_int64, ctypes.c_int]
     lib.llmopt_native_profile.restype = ctypes.c_int

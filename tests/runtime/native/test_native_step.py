@@ -345,6 +345,32 @@ def test_batching_preemption_and_speculation_change_nothing(name, artifacts):
     assert sum(o.metrics.speculation.num_spec_steps for o in outputs) > 0
 
 
+@pytest.mark.parametrize("name", ["llama-self-draft", "llama-d64-kv-int8-rotate"])
+def test_a_layer_run_in_row_chunks_computes_the_same(name, artifacts):
+    """llmopt_forward runs each layer over a step's rows a chunk at a time: chunks of 5 rows
+    (cutting query runs and draft trees mid-way, each under AMX's 16 rows) give the same
+    log-probs and tokens, bit for bit, as one chunk for every step."""
+    tokens, prompts = (requests()[1] * 4)[:100], requests()
+
+    def outputs() -> tuple[np.ndarray, list[list[int]]]:
+        llm = LLM(artifacts[name], kernels="native", adaptive_speculation=False,
+                  speculative_max_batch_size=16)
+        generated = llm.generate(prompts, GREEDY)
+        if name == "llama-self-draft":
+            assert sum(o.metrics.speculation.num_spec_steps for o in generated) > 0
+        return llm.score(tokens), [o.token_ids for o in generated]
+
+    default_rows = lib.llmopt_native_layer_rows(4096)
+    try:
+        whole = outputs()
+        lib.llmopt_native_layer_rows(5)
+        chunked = outputs()
+    finally:
+        lib.llmopt_native_layer_rows(default_rows)
+    np.testing.assert_array_equal(chunked[0], whole[0])
+    assert chunked[1] == whole[1]
+
+
 def test_the_phase_profile_times_every_phase_and_changes_no_output(artifacts):
     """llmopt_native_profile (benchmarks/native_step_profile.py): with it on, a prefill and
     greedy decoding give the same log-probs and tokens, every phase gathers time, and the
