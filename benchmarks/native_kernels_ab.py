@@ -34,18 +34,13 @@ from _common import RESULTS_DIR, machine_info, write_json
 from llmopt.runtime import LLM, SamplingParams
 from llmopt.runtime.bench import bench_prompts
 from llmopt.runtime.native import executor as native_executor
-from llmopt.runtime.native.library import amx_in_use, kernels, use_amx
+from llmopt.runtime.native.library import amx_in_use, declare_signatures, kernels, use_amx
 from llmopt.runtime.step_batch import SequenceStep, StepBatch, make_step_batch
-
-FUNCTIONS = ("llmopt_forward", "llmopt_native_supported", "llmopt_linear")
 
 
 def load_build(path: str) -> ctypes.CDLL:
-    """Another build of the kernels, with the installed build's ctypes signatures."""
-    installed, lib = kernels(), ctypes.CDLL(path)
-    for name in FUNCTIONS:
-        getattr(lib, name).restype = getattr(installed, name).restype
-        getattr(lib, name).argtypes = getattr(installed, name).argtypes
+    """Another build of the kernels, with the ctypes signatures of the functions it has."""
+    lib = declare_signatures(ctypes.CDLL(path))
     # Each library keeps its own AMX switch, off until asked: the other build's follows the
     # installed one's, or the A/B would time AMX against VNNI.
     if hasattr(lib, "llmopt_native_amx"):

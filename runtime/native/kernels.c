@@ -1004,12 +1004,13 @@ static inline void ahead_lines(Ahead *ahead, int lines) {
     }
 }
 
-/* scores[h][j] = scale * q_h . keys[j] for the group's heads, eight keys at a time (rows
-   of codes decoded to float32 first, eight at a time). */
+/* scores[h][j] = scale * q_h . keys[j] for the group's heads, a block of eight keys at a
+   time, decoded to float32 once for every head (float32 keys are read where they lie; the
+   last block zero-padded to eight). */
 static inline __attribute__((always_inline)) void group_scores_as(
-        const float *q, int group, const uint8_t *keys, int bits, int len, const int dim,
+        const float *q, int group, const uint8_t *keys, const int bits, int len, const int dim,
         float scale, float *scores, Ahead *ahead) {
-    float padded[8 * 256];  /* decoded keys, or the last ones zero-padded to eight */
+    float decoded[8 * 256] __attribute__((aligned(64)));
     const int64_t stride = row_bytes(bits, dim);
     const int lines = ahead_share(ahead, (len + 7) / 8);
     for (int j0 = 0; j0 < len; j0 += 8) {
@@ -1017,45 +1018,10 @@ static inline __attribute__((always_inline)) void group_scores_as(
         ahead_lines(ahead, lines);
         const float *block = (const float *)(keys + j0 * stride);
         if (bits != 32 || rows < 8) {
-            for (int u = 0; u < rows; u++)
-                for (int d = 0; d < dim; d += 16)
-                    _mm512_storeu_ps(padded + u * dim + d,
-                                     row_strip(keys + (j0 + u) * stride, bits, d));
-            memset(padded + rows * dim, 0, sizeof(float) * (8 - rows) * dim);
-            block = padded;
-        }
-        for (int h = 0; h < group; h++) {
-            __m512 dots[8];
-            for (int u = 0; u < 8; u++) {
-                dots[u] = _mm512_setzero_ps();
-                for (int d = 0; d < dim; d += 16)
-                    dots[u] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * dim + d),
-                                              _mm512_loadu_ps(block + u * dim + d), dots[u]);
-            }
-            __m256 sums = _mm256_mul_ps(sum_lanes8(dots), _mm256_set1_ps(scale));
-            __mmask8 m = len - j0 >= 8 ? 0xFF : (__mmask8)((1u << (len - j0)) - 1);
-            _mm256_mask_storeu_ps(scores + (int64_t)h * len + j0, m, sums);
-        }
-    }
-}
-
-/* group_scores_as for head size 64, the same operations in the same order, a block of
-   eight keys decoded once for every head (float32 keys are read where they lie). */
-static inline __attribute__((always_inline)) void group_scores_64_as(
-        const float *q, int group, const uint8_t *keys, const int bits, int len, float scale,
-        float *scores, Ahead *ahead) {
-    float decoded[8 * 64] __attribute__((aligned(64)));
-    const int64_t stride = row_bytes(bits, 64);
-    const int lines = ahead_share(ahead, (len + 7) / 8);
-    for (int j0 = 0; j0 < len; j0 += 8) {
-        const int rows = len - j0 < 8 ? len - j0 : 8;
-        ahead_lines(ahead, lines);
-        const float *block = (const float *)(keys + j0 * stride);
-        if (bits != 32 || rows < 8) {
             for (int u = 0; u < 8; u++)
-                for (int d = 0; d < 4; d++)
-                    _mm512_store_ps(decoded + u * 64 + 16 * d,
-                                    u < rows ? row_strip(keys + (j0 + u) * stride, bits, 16 * d)
+                for (int d = 0; d < dim; d += 16)
+                    _mm512_store_ps(decoded + u * dim + d,
+                                    u < rows ? row_strip(keys + (j0 + u) * stride, bits, d)
                                              : _mm512_setzero_ps());
             block = decoded;
         }
@@ -1064,9 +1030,9 @@ static inline __attribute__((always_inline)) void group_scores_64_as(
             __m512 dots[8];
             for (int u = 0; u < 8; u++) {
                 dots[u] = _mm512_setzero_ps();
-                for (int d = 0; d < 4; d++)
-                    dots[u] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * 64 + 16 * d),
-                                              _mm512_loadu_ps(block + u * 64 + 16 * d), dots[u]);
+                for (int d = 0; d < dim; d += 16)
+                    dots[u] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * dim + d),
+                                              _mm512_loadu_ps(block + u * dim + d), dots[u]);
             }
             _mm256_mask_storeu_ps(scores + (int64_t)h * len + j0, shown,
                                   _mm256_mul_ps(sum_lanes8(dots), _mm256_set1_ps(scale)));
@@ -1081,10 +1047,10 @@ static void group_scores(const float *q, int group, const uint8_t *keys, int bit
         return;
     }
     switch (bits) {  /* the common head size: one body per row format */
-    case 32: group_scores_64_as(q, group, keys, 32, len, scale, scores, ahead); return;
-    case 16: group_scores_64_as(q, group, keys, 16, len, scale, scores, ahead); return;
-    case 8: group_scores_64_as(q, group, keys, 8, len, scale, scores, ahead); return;
-    default: group_scores_64_as(q, group, keys, 4, len, scale, scores, ahead); return;
+    case 32: group_scores_as(q, group, keys, 32, len, 64, scale, scores, ahead); return;
+    case 16: group_scores_as(q, group, keys, 16, len, 64, scale, scores, ahead); return;
+    case 8: group_scores_as(q, group, keys, 8, len, 64, scale, scores, ahead); return;
+    default: group_scores_as(q, group, keys, 4, len, 64, scale, scores, ahead); return;
     }
 }
 

@@ -48,33 +48,39 @@ class Model(ctypes.Structure):
                 ("gate_up", c_ptr), ("down", c_ptr), ("head", QMatrix), ("kv", c_ptr)]
 
 
+# kernels.c's exported functions: (return type, argument types)
+_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
+    "llmopt_native_supported": (ctypes.c_int, []),
+    "llmopt_forward": (ctypes.c_int, [ctypes.POINTER(Model), c_i32, c_ptr, c_ptr, c_ptr, c_ptr,
+                                      c_ptr, c_ptr, c_ptr, c_i32, c_i32, c_ptr, c_ptr]),
+    "llmopt_linear": (ctypes.c_int, [ctypes.POINTER(QMatrix), c_ptr, c_i32, c_ptr, c_i32]),
+    "llmopt_native_amx": (ctypes.c_int, [ctypes.c_int]),
+    "llmopt_native_amx_min_rows": (ctypes.c_int, [ctypes.c_int]),
+    "llmopt_native_layer_rows": (ctypes.c_int, [ctypes.c_int]),
+    "llmopt_native_read": (ctypes.c_uint64, [c_ptr, ctypes.c_int64, ctypes.c_int]),
+    "llmopt_native_profile": (ctypes.c_int, [ctypes.c_int]),
+    "llmopt_native_profile_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "llmopt_native_profile_seconds": (ctypes.c_double, [ctypes.c_int]),
+}
+
+
+def declare_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` with ctypes signatures for each of kernels.c's functions it has (an older build,
+    loaded beside this one by benchmarks/native_kernels_ab.py, may lack newer ones)."""
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        if hasattr(lib, name):
+            function = getattr(lib, name)
+            function.restype, function.argtypes = restype, argtypes
+    return lib
+
+
 @functools.cache
 def kernels() -> ctypes.CDLL | None:
     """The kernels library, or None when this install has none (built without a compiler)."""
     spec = importlib.util.find_spec("llmopt.runtime.native._kernels")
     if spec is None or spec.origin is None:
         return None
-    lib = ctypes.CDLL(spec.origin)
-    lib.llmopt_native_supported.restype = ctypes.c_int
-    lib.llmopt_forward.restype = ctypes.c_int
-    lib.llmopt_forward.argtypes = [ctypes.POINTER(Model), c_i32, c_ptr, c_ptr, c_ptr, c_ptr,
-                                   c_ptr, c_ptr, c_ptr, c_i32, c_i32, c_ptr, c_ptr]
-    lib.llmopt_linear.restype = ctypes.c_int
-    lib.llmopt_linear.argtypes = [ctypes.POINTER(QMatrix), c_ptr, c_i32, c_ptr, c_i32]
-    lib.llmopt_native_amx.restype = ctypes.c_int
-    lib.llmopt_native_amx.argtypes = [ctypes.c_int]
-    lib.llmopt_native_amx_min_rows.restype = ctypes.c_int
-    lib.llmopt_native_amx_min_rows.argtypes = [ctypes.c_int]
-    lib.llmopt_native_layer_rows.restype = ctypes.c_int
-    lib.llmopt_native_layer_rows.argtypes = [ctypes.c_int]
-    lib.llmopt_native_read.restype = ctypes.c_uint64
-    lib.llmopt_native_read.argtypes = [c_ptr, ctypes.c_int64, ctypes.c_int]
-    lib.llmopt_native_profile.restype = ctypes.c_int
-    lib.llmopt_native_profile.argtypes = [ctypes.c_int]
-    lib.llmopt_native_profile_name.restype = ctypes.c_char_p
-    lib.llmopt_native_profile_name.argtypes = [ctypes.c_int]
-    lib.llmopt_native_profile_seconds.restype = ctypes.c_double
-    lib.llmopt_native_profile_seconds.argtypes = [ctypes.c_int]
+    lib = declare_signatures(ctypes.CDLL(spec.origin))
     if lib.llmopt_native_supported():
         lib.llmopt_native_amx(os.environ.get(AMX_VARIABLE, "1") != "0")
     return lib
