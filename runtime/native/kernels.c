@@ -26,7 +26,9 @@ intrinsics (gemm_tile).
 A sequence's consecutive tokens in one step (a prefill chunk, a token and its drafts)
 attend together, up to RUN_TOKENS at a time, reading each lane row once for all of them
 (attend_run). A draft tree's tokens take consecutive rows but their depth's position, and
-each sees only its ancestors among the step's rows (softmax_shown).
+each sees only its ancestors among the step's rows (softmax_shown). On int8 lanes attention
+runs in integers: int16 codes of the queries and of the attention weights against the
+lanes' codes, exact int32 sums (query_codes, weight_codes).
 
 Every token's result is computed by the same operations in the same order whatever else
 the step holds (a block's integer dot is exact; the float sum runs over blocks in order;
@@ -966,23 +968,33 @@ static inline __m512 row_strip(const uint8_t *row, int bits, int d) {
 /* The eight sums of eight vectors' lanes, each by one fixed tree: lane j plus lane j + 8,
    then neighbours (0 + 1, 2 + 3, ...), then those pairs' pairs, then the two halves. The
    vectors travel two to a register, so each step is one add per two or four vectors (24
-   operations for eight sums, where one vector at a time, 256-bit hadds, took 38). */
-static inline __m256 sum_lanes8(const __m512 v[8]) {
+   operations for eight sums, where one vector at a time, 256-bit hadds, took 38). `integer`:
+   the lanes hold int32s (added exactly, so in any order). */
+static inline __m512 add_lanes(__m512 a, __m512 b, const int integer) {
+    return integer ? _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a),
+                                                          _mm512_castps_si512(b)))
+                   : _mm512_add_ps(a, b);
+}
+
+static inline __attribute__((always_inline)) __m256 sum_lanes8_as(const __m512 v[8],
+                                                                  const int integer) {
     __m512 halves[4], pairs[2];
     for (int i = 0; i < 4; i++)  /* [v_2i's lanes j + (j + 8), v_2i+1's] */
-        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                                  _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+        halves[i] = add_lanes(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE), integer);
     for (int i = 0; i < 2; i++)  /* per 128 bits: neighbours of halves[2i], of halves[2i+1] */
-        pairs[i] = _mm512_add_ps(_mm512_shuffle_ps(halves[2 * i], halves[2 * i + 1], 0x88),
-                                 _mm512_shuffle_ps(halves[2 * i], halves[2 * i + 1], 0xDD));
-    const __m512 quads = _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88),
-                                       _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD));
+        pairs[i] = add_lanes(_mm512_shuffle_ps(halves[2 * i], halves[2 * i + 1], 0x88),
+                             _mm512_shuffle_ps(halves[2 * i], halves[2 * i + 1], 0xDD), integer);
+    const __m512 quads = add_lanes(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88),
+                                   _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD), integer);
     /* 128-bit lane 0 holds the first quads of v0, v2, v4, v6, lane 1 their second, lanes
        2 and 3 the same of v1, v3, v5, v7 */
-    const __m512 sums = _mm512_add_ps(quads, _mm512_shuffle_f32x4(quads, quads, 0xB1));
+    const __m512 sums = add_lanes(quads, _mm512_shuffle_f32x4(quads, quads, 0xB1), integer);
     return _mm512_castps512_ps256(_mm512_permutexvar_ps(
         _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0), sums));
 }
+
+static inline __m256 sum_lanes8(const __m512 v[8]) { return sum_lanes8_as(v, 0); }
 
 /* The next attend_run's key and value rows, prefetched into L2 a few lines at a time while
    this run computes: a run's own rows come from memory in a burst (touch_rows) that the
@@ -1100,6 +1112,221 @@ static void weigh_values(const float *p, int len, const uint8_t *values, int bit
     }
 }
 
+/* Attention on int8 lanes, in integers. A query row (its key scales applied) becomes int16
+   codes round(x / s) with s its absmax / 32767, and a head's attention weights int16 codes
+   of their own scale (weight_codes): a query's dot products with int8 keys and the
+   weighted sum of int8 value rows are then exact int32 sums (VPDPWSSD: two int16 products
+   a lane), in any order, where float arithmetic converts every key and value element and
+   adds in one fixed order. Rounding to 15 bits of each row's largest element sits far
+   below the lanes' own int8 rounding: WikiText-2 perplexity of SmolLM2's int8-KV artifacts
+   moved by less than its window-to-window noise (benchmarks/README, session 25). Rows are
+   widened 32 elements at a time, a last 16 padded with zeros (head sizes are multiples of
+   16). */
+
+static inline int padded_dim(int dim) { return (dim + 31) / 32 * 32; }
+
+/* x [dim] as int16 codes [padded_dim(dim)], zeros past dim; returns their scale s (0 for a
+   zero row). */
+static float query_codes(const float *x, int dim, int16_t *codes) {
+    __m512 peak = _mm512_setzero_ps();
+    for (int d = 0; d < dim; d += 16)
+        peak = _mm512_max_ps(peak, _mm512_abs_ps(_mm512_loadu_ps(x + d)));
+    const float top = _mm512_reduce_max_ps(peak);
+    const __m512 inverse = _mm512_set1_ps(top > 0.f ? 32767.f / top : 0.f);
+    for (int d = 0; d < padded_dim(dim); d += 16)
+        _mm256_storeu_si256((__m256i *)(codes + d), d < dim
+            ? _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + d),
+                                                                     inverse)))
+            : _mm256_setzero_si256());
+    return top / 32767.f;
+}
+
+/* Elements d .. d + 31 of an int8 row as int16 (where d + 16 == dim: its last 16, then
+   zeros). */
+static inline __m512i widen32(const uint8_t *row, int d, int dim) {
+    if (d + 32 <= dim)
+        return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(row + d)));
+    return _mm512_zextsi256_si512(
+        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + d))));
+}
+
+/* scores[h][j] = scales[h] * (q_h . keys[j]) for int8 keys and int16 query codes (rows
+   padded_dim apart): a block of eight keys widened once for every head. */
+static inline __attribute__((always_inline)) void group_scores_int8_as(
+        const int16_t *q, const float *scales, int group, const uint8_t *keys, int len,
+        const int dim, float *scores, Ahead *ahead) {
+    const int width = padded_dim(dim);
+    int16_t widened[8 * 256] __attribute__((aligned(64)));
+    const int lines = ahead_share(ahead, (len + 7) / 8);
+    for (int j0 = 0; j0 < len; j0 += 8) {
+        const int rows = len - j0 < 8 ? len - j0 : 8;
+        ahead_lines(ahead, lines);
+        for (int u = 0; u < 8; u++)
+            for (int d = 0; d < width; d += 32)
+                _mm512_store_si512(widened + u * width + d,
+                                   u < rows ? widen32(keys + (int64_t)(j0 + u) * dim, d, dim)
+                                            : _mm512_setzero_si512());
+        const __mmask8 shown = (__mmask8)((1u << rows) - 1);
+        for (int h = 0; h < group; h++) {
+            __m512 dots[8];
+            for (int u = 0; u < 8; u++) {
+                __m512i dot = _mm512_setzero_si512();
+                for (int d = 0; d < width; d += 32)
+                    dot = _mm512_dpwssd_epi32(dot, _mm512_loadu_si512(q + h * width + d),
+                                              _mm512_load_si512(widened + u * width + d));
+                dots[u] = _mm512_castsi512_ps(dot);
+            }
+            _mm256_mask_storeu_ps(scores + (int64_t)h * len + j0, shown, _mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_castps_si256(sum_lanes8_as(dots, 1))),
+                _mm256_set1_ps(scales[h])));
+        }
+    }
+}
+
+static void group_scores_int8(const int16_t *q, const float *scales, int group,
+                              const uint8_t *keys, int len, int dim, float *scores,
+                              Ahead *ahead) {
+    if (dim == 64)  /* the common head size, as a constant */
+        group_scores_int8_as(q, scales, group, keys, len, 64, scores, ahead);
+    else
+        group_scores_int8_as(q, scales, group, keys, len, dim, scores, ahead);
+}
+
+static inline __mmask16 rows_before(int c, int len) {  /* rows c .. c + 15 below len */
+    return len - c >= 16 ? 0xFFFF : (__mmask16)((1u << (len - c)) - 1);
+}
+
+/* Which of rows c .. c + 15 of 0 .. len - 1 a tree mask shows (softmax_shown's bits:
+   bit j of mask, row len - 1 - j; rows 64 or more back always show), as a lane mask. */
+static inline __mmask16 rows_shown(int c, int len, uint64_t mask) {
+    __mmask16 shown = rows_before(c, len);
+    if (!~mask || len - 1 - c >= 64 + 15) return shown;
+    for (int k = 0; k < 16 && c + k < len; k++) {
+        const int back = len - 1 - (c + k);
+        if (back < 64 && !(mask >> back & 1)) shown &= (__mmask16)~(1u << k);
+    }
+    return shown;
+}
+
+/* A head's scores [width] (of rows 0 .. len - 1; mask: a tree's, as softmax_shown's, or
+   all ones) as its softmax weights in int16 codes, in place (code j in the bytes of the
+   row's first half): e_j = exp(s_j - max) over the rows shown, code_j = round(32767 e_j f),
+   zero for every other row up to width (and one more zero code past an odd width), f = 1
+   unless the e_j sum past 508, then 508 / their sum: a sum of the codes' products with int8
+   values stays below 2^31 (508 * 32767 * 127, plus the roundings), and the largest weight
+   (e = 1) keeps 15 bits. Returns 1 / the codes' sum, the weighted sum's scale: the codes
+   are the weights, normalized exactly. A tree's token gets the codes of its chain's
+   (shown rows' codes do not depend on hidden rows' scores). */
+static float weight_codes(float *scores, int len, int width, uint64_t mask) {
+    __m512 peak = _mm512_set1_ps(-INFINITY);
+    for (int c = 0; c < len; c += 16)
+        peak = _mm512_max_ps(peak, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY),
+                                                        rows_shown(c, len, mask), scores + c));
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
+    const __m512 one = _mm512_set1_ps(32767.f);
+    int16_t *codes = (int16_t *)scores;
+    __m512 total = _mm512_setzero_ps();
+    __m512i sum = _mm512_setzero_si512();
+    for (int c = 0; c < len; c += 16) {  /* codes c.. overwrite scores[c / 2 ..], read already */
+        const __mmask16 shown = rows_shown(c, len, mask);
+        const __m512 e = _mm512_maskz_mov_ps(
+            shown, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(shown, scores + c), top)));
+        const __m512i code = _mm512_cvtps_epi32(_mm512_mul_ps(e, one));
+        total = _mm512_add_ps(total, e);
+        sum = _mm512_add_epi32(sum, code);
+        _mm256_mask_storeu_epi16(codes + c, rows_before(c, len), _mm512_cvtepi32_epi16(code));
+    }
+    int64_t codes_sum = _mm512_reduce_add_epi32(sum);
+    const float e_sum = _mm512_reduce_add_ps(total);
+    if (e_sum > 508.f) {  /* a long, flat row: the codes scaled down to fit */
+        const __m512 f = _mm512_set1_ps(508.f / e_sum);
+        sum = _mm512_setzero_si512();
+        for (int c = 0; c < len; c += 16) {
+            const __mmask16 rows = rows_before(c, len);
+            const __m512i code = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(
+                _mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(rows, codes + c))), f));
+            sum = _mm512_add_epi32(sum, code);
+            _mm256_mask_storeu_epi16(codes + c, rows, _mm512_cvtepi32_epi16(code));
+        }
+        codes_sum = _mm512_reduce_add_epi32(sum);
+    }
+    memset(codes + len, 0, sizeof(int16_t) * (width - len + (width % 2)));
+    return 1.f / (float)codes_sum;
+}
+
+/* out [group][dim] = scales[h] * (weights_h . values) for int8 value rows and int16 weight
+   codes (weight_codes; rows `stride` codes apart, each with a zero code past an odd len):
+   value rows two at a time, interleaved element by element into the int16 pairs one
+   VPDPWSSD lane multiplies by the two weights. */
+static inline __attribute__((always_inline)) void weigh_values_int8_as(
+        const int16_t *weights, int64_t stride, const float *scales, int len,
+        const uint8_t *values, const int group, const int dim, float *out) {
+    const int vectors = dim / 16;  /* sums per head: one vector per 16 elements */
+    __m512i acc[24];  /* group * vectors <= 24 (attend_run's heads at a time) */
+    for (int i = 0; i < group * vectors; i++) acc[i] = _mm512_setzero_si512();
+    for (int j = 0; j < len; j += 2) {
+        const uint8_t *first = values + (int64_t)j * dim, *second = first + dim;
+        const int both = j + 1 < len;
+        for (int d = 0; d < dim; d += 32) {
+            __m512i low, high = _mm512_setzero_si512();
+            if (d + 32 <= dim) {  /* low: elements d + 0..7, d + 16..23; high: the rest */
+                const __m256i a = _mm256_loadu_si256((const __m256i *)(first + d));
+                const __m256i b = both ? _mm256_loadu_si256((const __m256i *)(second + d))
+                                       : _mm256_setzero_si256();
+                low = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(a, b));
+                high = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(a, b));
+            } else {  /* the last 16 elements, in order */
+                const __m128i a = _mm_loadu_si128((const __m128i *)(first + d));
+                const __m128i b = both ? _mm_loadu_si128((const __m128i *)(second + d))
+                                       : _mm_setzero_si128();
+                low = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, b))),
+                    _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(a, b)), 1);
+            }
+            for (int h = 0; h < group; h++) {
+                int32_t pair;  /* the weights of rows j and j + 1 */
+                memcpy(&pair, weights + h * stride + j, sizeof pair);
+                const __m512i w = _mm512_set1_epi32(pair);
+                __m512i *sums = acc + h * vectors + d / 16;
+                sums[0] = _mm512_dpwssd_epi32(sums[0], w, low);
+                if (d + 32 <= dim) sums[1] = _mm512_dpwssd_epi32(sums[1], w, high);
+            }
+        }
+    }
+    for (int h = 0; h < group; h++) {
+        const __m512 scale = _mm512_set1_ps(scales[h]);
+        for (int d = 0; d < dim; d += 32) {
+            const __m512i *sums = acc + h * vectors + d / 16;
+            float *to = out + (int64_t)h * dim + d;
+            const __m512 low = _mm512_mul_ps(_mm512_cvtepi32_ps(sums[0]), scale);
+            if (d + 32 > dim) {
+                _mm512_storeu_ps(to, low);
+                continue;
+            }
+            const __m512 high = _mm512_mul_ps(_mm512_cvtepi32_ps(sums[1]), scale);
+            _mm256_storeu_ps(to, _mm512_castps512_ps256(low));
+            _mm256_storeu_ps(to + 16, _mm512_extractf32x8_ps(low, 1));
+            _mm256_storeu_ps(to + 8, _mm512_castps512_ps256(high));
+            _mm256_storeu_ps(to + 24, _mm512_extractf32x8_ps(high, 1));
+        }
+    }
+}
+
+static void weigh_values_int8(const int16_t *weights, int64_t stride, const float *scales,
+                              int len, const uint8_t *values, int group, int dim, float *out) {
+    if (dim == 64) {  /* the common head size: one body per group size */
+        switch (group) {
+        case 1: weigh_values_int8_as(weights, stride, scales, len, values, 1, 64, out); return;
+        case 2: weigh_values_int8_as(weights, stride, scales, len, values, 2, 64, out); return;
+        case 3: weigh_values_int8_as(weights, stride, scales, len, values, 3, 64, out); return;
+        case 4: weigh_values_int8_as(weights, stride, scales, len, values, 4, 64, out); return;
+        case 5: weigh_values_int8_as(weights, stride, scales, len, values, 5, 64, out); return;
+        case 6: weigh_values_int8_as(weights, stride, scales, len, values, 6, 64, out); return;
+        }
+    }
+    weigh_values_int8_as(weights, stride, scales, len, values, group, dim, out);
+}
+
 /* out[h][d] = x[h][d] * scale[d] for the group's heads (out may be x). */
 static void scale_channels(const float *x, int group, int dim, const float *scale,
                            float *out) {
@@ -1168,6 +1395,14 @@ static void softmax_shown(float *row, int len, int width, uint64_t mask, float *
     memset(row + len, 0, sizeof(float) * (width - len));
 }
 
+/* What a run on int8 lanes computes in integers: its queries as int16 codes with their
+   scales (query_codes), and the scales of its attention weights' codes (weight_codes). */
+typedef struct {
+    int16_t *codes;        /* [RUN_TOKENS * heads][padded_dim(head_dim)] */
+    float *scales;         /* [RUN_TOKENS * heads], times the attention scale */
+    float *weight_scales;  /* [RUN_TOKENS * heads] */
+} RunCodes;
+
 /* A run of n query tokens of one lane at consecutive positions (a prefill chunk, or a
    token and its drafts), the heads of one query group each: token i (queries q + i *
    q_stride, [group][dim]) attends to the lane's rows 0 .. first_len + i - 1 (rows of the
@@ -1186,10 +1421,11 @@ static void softmax_shown(float *row, int len, int width, uint64_t mask, float *
 static void attend_run(const float *q, int64_t q_stride, int n, int group,
                        const uint8_t *keys, const uint8_t *values, const KVLayout *kv,
                        int64_t scale_at, int first_len, int dim, float scale,
-                       const uint64_t *masks, float *scores, float *rows, float *out,
-                       int64_t out_stride, Ahead *ahead) {
+                       const uint64_t *masks, float *scores, float *rows,
+                       RunCodes *codes, float *out, int64_t out_stride, Ahead *ahead) {
     const int heads = n * group, longest = first_len + n - 1, strips = dim / 16;
     const int quantized = kv->bits == 8 || kv->bits == 4, half = kv->bits == 16;
+    const int integer = kv->bits == 8;
     touch_rows(keys, values, longest * row_bytes(kv->bits, dim));
     for (int i = 0; i < n; i++) {  /* the run's queries side by side */
         float *to = rows + (int64_t)i * group * dim;
@@ -1199,8 +1435,16 @@ static void attend_run(const float *q, int64_t q_stride, int n, int group,
             memcpy(to, q + i * q_stride, sizeof(float) * group * dim);
         if (half) round_to_half(to, (int64_t)group * dim);
     }
-    group_scores(rows, heads, keys, kv->bits, longest, dim, scale, scores, ahead);
-    for (int h = 0; h < heads; h++) {
+    if (integer) {
+        for (int h = 0; h < heads; h++)
+            codes->scales[h] = scale * query_codes(rows + (int64_t)h * dim, dim,
+                                                   codes->codes + (int64_t)h * padded_dim(dim));
+        group_scores_int8(codes->codes, codes->scales, heads, keys, longest, dim, scores,
+                          ahead);
+    } else {
+        group_scores(rows, heads, keys, kv->bits, longest, dim, scale, scores, ahead);
+    }
+    for (int h = 0; h < heads && !integer; h++) {
         const int i = h / group;
         if (masks && ~masks[i])
             softmax_shown(scores + (int64_t)h * longest, first_len + i, longest, masks[i],
@@ -1210,9 +1454,22 @@ static void attend_run(const float *q, int64_t q_stride, int n, int group,
     }
     /* the weighted sums, a few heads at a time so that their sums stay in registers */
     const int at_once = strips <= 24 ? 24 / strips : 1;
-    for (int h = 0; h < heads; h += at_once)
-        weigh_values(scores + (int64_t)h * longest, longest, values, kv->bits,
-                     heads - h < at_once ? heads - h : at_once, strips, rows + (int64_t)h * dim);
+    if (integer) {
+        for (int h = 0; h < heads; h++)
+            codes->weight_scales[h] = weight_codes(scores + (int64_t)h * longest,
+                                                   first_len + h / group, longest,
+                                                   masks ? masks[h / group] : ~0ull);
+        for (int h = 0; h < heads; h += at_once)
+            weigh_values_int8((const int16_t *)(scores + (int64_t)h * longest), 2 * longest,
+                              codes->weight_scales + h, longest, values,
+                              heads - h < at_once ? heads - h : at_once, dim,
+                              rows + (int64_t)h * dim);
+    } else {
+        for (int h = 0; h < heads; h += at_once)
+            weigh_values(scores + (int64_t)h * longest, longest, values, kv->bits,
+                         heads - h < at_once ? heads - h : at_once, strips,
+                         rows + (int64_t)h * dim);
+    }
     if (quantized) scale_channels(rows, heads, dim, kv->value_scale + scale_at, rows);
     if (half) round_to_half(rows, (int64_t)heads * dim);
     for (int i = 0; i < n; i++)
@@ -1260,6 +1517,8 @@ typedef struct {
                                (and a row to pack a tree token's shown ones) */
     int64_t scores_stride;  /* one thread's share */
     float *rows;            /* [threads][RUN_TOKENS * heads][head_dim] a run's queries, sums */
+    RunCodes *codes;        /* [threads] a run's codes on int8 lanes */
+    int threads;
     int32_t *runs;          /* [T + 1] where each run of query tokens starts (query_runs) */
     QActivations q;
     int8_t *amx_rows;       /* QActivations.rows for the matrices that take AMX tiles */
@@ -1316,15 +1575,31 @@ static int scratch_alloc(const Model *m, int t_rows, int longest, Scratch *s) {
     s->scores = lines_alloc(sizeof(float) * s->scores_stride * threads);
     s->rows = lines_alloc(sizeof(float) * RUN_TOKENS * attn_width * threads);
     s->runs = lines_alloc(sizeof(int32_t) * (t + 1));
-    return s->x && s->h && s->qkv && s->attn && s->proj && s->gate_up && s->act && s->q.codes
-        && s->q.inputs && s->q.scales && s->q.zero_term && s->scores && s->rows && s->runs
-        && (s->amx_rows || !amx_enabled);
+    s->threads = threads;
+    s->codes = calloc(threads, sizeof(RunCodes));
+    int codes_ok = s->codes != NULL;
+    for (int i = 0; codes_ok && i < threads; i++) {
+        s->codes[i].codes = lines_alloc(sizeof(int16_t) * RUN_TOKENS * m->heads
+                                        * padded_dim(m->head_dim));
+        s->codes[i].scales = lines_alloc(sizeof(float) * RUN_TOKENS * m->heads);
+        s->codes[i].weight_scales = lines_alloc(sizeof(float) * RUN_TOKENS * m->heads);
+        codes_ok = s->codes[i].codes && s->codes[i].scales && s->codes[i].weight_scales;
+    }
+    return codes_ok && s->x && s->h && s->qkv && s->attn && s->proj && s->gate_up && s->act
+        && s->q.codes && s->q.inputs && s->q.scales && s->q.zero_term && s->scores && s->rows
+        && s->runs && (s->amx_rows || !amx_enabled);
 }
 
 static void scratch_free(Scratch *s) {
     free(s->x); free(s->h); free(s->qkv); free(s->attn); free(s->proj); free(s->gate_up);
     free(s->act); free(s->q.codes); free(s->q.scales); free(s->q.zero_term); free(s->q.inputs);
     free(s->scores); free(s->rows); free(s->runs); free(s->amx_rows);
+    for (int i = 0; s->codes && i < s->threads; i++) {
+        free(s->codes[i].codes);
+        free(s->codes[i].scales);
+        free(s->codes[i].weight_scales);
+    }
+    free(s->codes);
 }
 
 static int linear(const Model *m, const QMatrix *w, const float *x, int t_rows, Scratch *s,
@@ -1415,7 +1690,7 @@ static void attend(const Model *m, const KVLayout *kv, int t_rows, const int32_t
                    key_pool + lane, value_pool + lane, kv, (int64_t)g * dim, lane_rows[t] + 1,
                    dim, m->attn_scale, masks ? masks + t : NULL,
                    s->scores + id * s->scores_stride,
-                   s->rows + (int64_t)id * RUN_TOKENS * heads * dim,
+                   s->rows + (int64_t)id * RUN_TOKENS * heads * dim, s->codes + id,
                    s->attn + (int64_t)t * heads * dim + g * group * dim, (int64_t)heads * dim,
                    &ahead);
     }
@@ -1447,6 +1722,29 @@ int llmopt_linear(const QMatrix *w, const float *x, int32_t t_rows, float *y, in
         ok = gemm(w, &q, t_rows, y, threads) == 0;
     }
     free(q.codes); free(q.scales); free(q.zero_term); free(q.inputs); free(q.rows);
+    return ok ? 0 : -1;
+}
+
+/* One run of attention (attend_run) on the caller's rows, for tests against an exact
+   reference: n query tokens of `group` heads (q [n][group][dim], rotated already) at
+   positions first_len - 1 .. first_len + n - 2 of one lane whose first first_len + n - 1
+   rows `keys` and `values` hold, in kv's format (its scales: this group's channels); masks
+   as llmopt_forward's (NULL: none). out [n][group][dim]. Returns 0, or -1 when memory runs
+   out. */
+int llmopt_attention(const KVLayout *kv, const float *q, int32_t n, int32_t group,
+                     const uint8_t *keys, const uint8_t *values, int32_t first_len,
+                     int32_t dim, float scale, const uint64_t *masks, float *out) {
+    const int longest = first_len + n - 1, heads = n * group;
+    float *scores = lines_alloc(sizeof(float) * (heads + 1) * longest);
+    float *rows = lines_alloc(sizeof(float) * heads * dim);
+    RunCodes codes = {lines_alloc(sizeof(int16_t) * heads * padded_dim(dim)),
+                        lines_alloc(sizeof(float) * heads), lines_alloc(sizeof(float) * heads)};
+    const int ok = scores && rows && codes.codes && codes.scales && codes.weight_scales;
+    Ahead ahead = {0};
+    if (ok)
+        attend_run(q, (int64_t)group * dim, n, group, keys, values, kv, 0, first_len, dim,
+                   scale, masks, scores, rows, &codes, out, (int64_t)group * dim, &ahead);
+    free(scores); free(rows); free(codes.codes); free(codes.scales); free(codes.weight_scales);
     return ok ? 0 : -1;
 }
 

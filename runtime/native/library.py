@@ -54,6 +54,8 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "llmopt_forward": (ctypes.c_int, [ctypes.POINTER(Model), c_i32, c_ptr, c_ptr, c_ptr, c_ptr,
                                       c_ptr, c_ptr, c_ptr, c_i32, c_i32, c_ptr, c_ptr]),
     "llmopt_linear": (ctypes.c_int, [ctypes.POINTER(QMatrix), c_ptr, c_i32, c_ptr, c_i32]),
+    "llmopt_attention": (ctypes.c_int, [ctypes.POINTER(KVLayout), c_ptr, c_i32, c_i32, c_ptr,
+                                        c_ptr, c_i32, c_i32, c_f32, c_ptr, c_ptr]),
     "llmopt_native_amx": (ctypes.c_int, [ctypes.c_int]),
     "llmopt_native_amx_min_rows": (ctypes.c_int, [ctypes.c_int]),
     "llmopt_native_layer_rows": (ctypes.c_int, [ctypes.c_int]),

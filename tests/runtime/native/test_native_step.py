@@ -171,6 +171,58 @@ def test_a_projection_equals_matmul_nbits(bits, symmetric, block, k):
             assert np.array_equal(one_row[0], got[row])
 
 
+@pytest.mark.parametrize("bits", [8, 32])
+@pytest.mark.parametrize("dim", [16, 64, 80, 128])
+def test_attention_over_a_lane_matches_exact_arithmetic(bits, dim):
+    """One run of attention (llmopt_attention: 5 query tokens of a group of 3 heads, the
+    first after 60 rows) against float64 on the same lane rows. float32 lanes: within float
+    rounding. int8 lanes, whose dot products run on int16 codes of the queries and of the
+    attention weights: within what 15 bits of each row's largest element allow. And a long
+    flat row (a zero query: 700 equal weights, whose codes are scaled down to keep the sums
+    in int32) gives the values' mean."""
+    rng = np.random.default_rng(dim + bits)
+    n, group, first_len, scale = 5, 3, 61, dim ** -0.5
+    length = first_len + n - 1
+    q = (3 * rng.standard_normal((n, group, dim))).astype(np.float32)
+    keys, values = (rng.standard_normal((length, dim)).astype(np.float32) for _ in range(2))
+    kv, scales, (key_rows, value_rows), (keys, values) = _lane_rows(bits, keys, values)
+
+    def attend(q, key_rows, value_rows, first_len, n):
+        out = np.empty((n, group, dim), np.float32)
+        assert lib.llmopt_attention(ctypes.byref(kv), q.ctypes.data, n, group,
+                                    key_rows.ctypes.data, value_rows.ctypes.data, first_len,
+                                    dim, scale, None, out.ctypes.data) == 0
+        return out
+
+    got = attend(q, key_rows, value_rows, first_len, n)
+    for i in range(n):
+        seen = first_len + i
+        scores = scale * q[i].astype(np.float64) @ keys[:seen].T.astype(np.float64)
+        weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+        want = (weights / weights.sum(axis=1, keepdims=True)) @ values[:seen]
+        np.testing.assert_allclose(got[i], want, rtol=0,
+                                   atol=(3e-4 if bits == 8 else 1e-5) * np.abs(values).max())
+    flat = rng.standard_normal((700, dim)).astype(np.float32)
+    kv, scales, (key_rows, value_rows), (_, values) = _lane_rows(bits, flat, flat)
+    got = attend(np.zeros((1, group, dim), np.float32), key_rows, value_rows, 700, 1)
+    np.testing.assert_allclose(got[0], np.broadcast_to(values.mean(axis=0), (group, dim)),
+                               rtol=0, atol=1e-5 * np.abs(values).max())
+
+
+def _lane_rows(bits: int, keys: np.ndarray, values: np.ndarray):
+    """A lane's keys and values in `bits` (8: codes of static per-channel scales): their
+    KVLayout, the scales it points to (keep them), the rows, and the floats they stand for."""
+    from llmopt.runtime.native.library import KVLayout
+
+    if bits == 32:
+        return KVLayout(32, None, None, None), [], (keys, values), (keys, values)
+    scales = [np.abs(x).max(axis=0) / 127 for x in (keys, values)]
+    codes = [np.clip(np.round(x / s), -127, 127).astype(np.int8)
+             for x, s in zip((keys, values), scales, strict=True)]
+    kv = KVLayout(8, scales[0].ctypes.data, scales[1].ctypes.data, None)
+    return kv, scales, codes, tuple(c * s for c, s in zip(codes, scales, strict=True))
+
+
 @needs_amx
 @pytest.mark.parametrize("bits,symmetric,block,k", [
     (4, True, 32, 192), (4, False, 32, 160), (8, True, 32, 96), (8, False, 32, 96),
@@ -275,11 +327,15 @@ def test_the_step_matches_onnx_runtime(name, artifacts):
     # 0.014, 12 % of key codes off, by up to 4, measured; one head left unrotated: max 12,
     # mean 3.6). int8 keys and values: one code flipped by a rounding tie in layer 1 at
     # position 33 (measured, kv-int8-rotate) moves every later token's layer-1 attention a
-    # little, and layer 2's codes from there on (9-11 % of them, by up to 4; log-probs max
-    # 0.08, mean 0.012-0.017 on these checkpoints)
-    int8_kv = (0.1, 0.03, 0.15, 4)
+    # little, and layer 2's codes from there on. Attention on int8 lanes runs on int16 codes
+    # of the queries and weights (kernels.c), ~1e-4 of the values' range from exact
+    # arithmetic (test_attention_over_a_lane_matches_exact_arithmetic), where ONNX Runtime's
+    # float attention is ~1e-7 from it: on these random checkpoints that flips activation
+    # codes in every layer, so 40-49 % of layer 2's codes differ, by up to 6 (log-probs max
+    # 0.12-0.30, mean 0.024-0.064; measured). Layer 0's codes come before any attention.
+    int8_kv = (0.25, 0.055, 0.6, 5)
     largest, mean, flipped, off_by = {"llama-kv-float16": (0.1, 0.025, 0.05, 2),
-                                      "llama-d64-kv-int8-rotate": (0.5, 0.1, 0.15, 4),
+                                      "llama-d64-kv-int8-rotate": (0.5, 0.1, 0.7, 8),
                                       "llama-kv-int8-rotate": int8_kv,
                                       "llama-g128-kv-int8": int8_kv,
                                       }.get(name, (0.1, 0.01, 0.05, 2))
@@ -290,12 +346,13 @@ def test_the_step_matches_onnx_runtime(name, artifacts):
     for name in native.engine.executor.pools:
         got, expected = (llm.engine.executor.pools[name][0, :, : len(tokens)]
                          for llm in (native, reference))
+        first_layer = name.startswith("past.0.")
         assert got.dtype == expected.dtype
         if got.dtype in (np.float32, np.float16):
             np.testing.assert_allclose(got, expected, atol=0.05 * np.abs(expected).max())
         else:
             codes = [_codes(array) for array in (got, expected)]
-            assert np.mean(codes[0] != codes[1]) < flipped
+            assert np.mean(codes[0] != codes[1]) < (0.01 if first_layer else flipped)
             assert np.abs(codes[0] - codes[1]).max() <= off_by
 
 
@@ -417,7 +474,7 @@ def test_a_lanes_run_of_tokens_attends_as_each_token_would_alone(name, artifacts
         assert np.array_equal(row[0], got[position]), f"token {i}"
 
 
-@pytest.mark.parametrize("name", ["llama-sym-h8", "llama-kv-int4-mixed"])
+@pytest.mark.parametrize("name", ["llama-sym-h8", "llama-kv-int4-mixed", "llama-g128-kv-int8"])
 def test_a_draft_tree_attends_as_each_branch_would_as_a_chain(name, artifacts):
     """A tree step (two branches under the last known token, a third under the first
     branch's first node) gives each node, bit for bit, the logits the same tokens give
