@@ -90,6 +90,8 @@ typedef struct {  /* how one layer's lanes hold keys and values */
     const float *value_scale;
     const float *rotation;      /* [head_dim][head_dim]: queries and keys times it after
                                    rotary (the lane stores rotated keys), or NULL */
+    int32_t hadamard;           /* 1: rotation is the normalized Sylvester Hadamard matrix
+                                   (the kv_cache pass's), applied by the fast transform */
 } KVLayout;
 
 typedef struct {
@@ -915,6 +917,42 @@ static void rotate_heads(float *x, int heads, int dim, const float *r) {
     }
 }
 
+/* Lanes j and j + h of v (h = 1, 2, 4, 8: `swapped` is v with them exchanged, `upper` the
+   lanes j + h) as their sum and difference, v_j + v_j+h and v_j - v_j+h. */
+static inline __m512 butterfly(__m512 v, __m512 swapped, __mmask16 upper) {
+    return _mm512_mask_sub_ps(_mm512_add_ps(v, swapped), upper, swapped, v);
+}
+
+/* Each head of x [heads][dim] times the normalized Sylvester Hadamard matrix, in place (dim a
+   power of two, 16 to 256; norm its entry 1/sqrt(dim)): log2(dim) stages of sums and
+   differences of elements h apart (the fast Walsh-Hadamard transform), then one multiply by
+   norm. dim log2(dim) additions where the matrix takes dim^2 multiply-adds (64: 6 stages
+   of 4 vectors against 256 multiply-adds of a vector); exact in real arithmetic, it rounds
+   differently from rotate_heads' sums in order (fewer roundings: log2(dim) per element). */
+static void hadamard_heads(float *x, int heads, int dim, float norm) {
+    const int vectors = dim / 16;
+    for (int head = 0; head < heads; head++) {
+        float *row = x + (int64_t)head * dim;
+        __m512 v[16];
+        for (int k = 0; k < vectors; k++) v[k] = _mm512_loadu_ps(row + 16 * k);
+        for (int h = 1; h < vectors; h *= 2)  /* elements 16h apart: whole vectors */
+            for (int k = 0; k < vectors; k++)
+                if (!(k & h)) {
+                    const __m512 a = v[k], b = v[k + h];
+                    v[k] = _mm512_add_ps(a, b);
+                    v[k + h] = _mm512_sub_ps(a, b);
+                }
+        for (int k = 0; k < vectors; k++) {
+            __m512 u = v[k];
+            u = butterfly(u, _mm512_shuffle_f32x4(u, u, 0x4E), 0xFF00);  /* 8 apart */
+            u = butterfly(u, _mm512_shuffle_f32x4(u, u, 0xB1), 0xF0F0);  /* 4 */
+            u = butterfly(u, _mm512_permute_ps(u, 0x4E), 0xCCCC);        /* 2 */
+            u = butterfly(u, _mm512_permute_ps(u, 0xB1), 0xAAAA);        /* 1 */
+            _mm512_storeu_ps(row + 16 * k, _mm512_mul_ps(u, _mm512_set1_ps(norm)));
+        }
+    }
+}
+
 /* A lane row's bytes: dim float32s or float16s, or dim codes of `bits`. */
 static inline int64_t row_bytes(int bits, int dim) { return (int64_t)dim * bits / 8; }
 
@@ -1632,7 +1670,9 @@ static void write_kv(const Model *m, const KVLayout *kv, int t_rows, const int32
         const float *sin = m->rope_sin + (int64_t)positions[t] * half;
         rotary(q, heads, dim, cos, sin);
         rotary(k, kv_heads, dim, cos, sin);
-        if (kv->rotation)  /* the keys follow the queries in the row: one pass for both */
+        if (kv->hadamard)  /* the keys follow the queries in the row: one pass for both */
+            hadamard_heads(q, heads + kv_heads, dim, kv->rotation[0]);
+        else if (kv->rotation)
             rotate_heads(q, heads + kv_heads, dim, kv->rotation);
         for (int g = 0; g < kv_heads; g++) {
             const int64_t at = lane_start(lanes[t], g, kv_heads, lane_tokens, stride)

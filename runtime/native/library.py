@@ -30,10 +30,10 @@ class QRows(ctypes.Structure):
 class KVLayout(ctypes.Structure):
     """kernels.c's KVLayout: how one layer's lanes hold keys and values (32: float32; 16:
     float16; 8/4: codes with static per-channel scales), and the rotation of queries and
-    keys, if any."""
+    keys, if any (hadamard: it is the Sylvester Hadamard matrix, run as the fast transform)."""
 
     _fields_ = [("bits", c_i32), ("key_scale", c_ptr), ("value_scale", c_ptr),
-                ("rotation", c_ptr)]
+                ("rotation", c_ptr), ("hadamard", c_i32)]
 
 
 class Model(ctypes.Structure):

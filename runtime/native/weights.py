@@ -49,7 +49,8 @@ class NativeWeights:
             return KVLayout(bits=32)
         pointers = {key: self._pointer(kv[key]) if kv[key] else None
                     for key in ("key_scale", "value_scale", "rotation")}
-        return KVLayout(bits=kv["bits"], **pointers)
+        hadamard = bool(kv["rotation"]) and is_sylvester_hadamard(self._array(kv["rotation"]))
+        return KVLayout(bits=kv["bits"], hadamard=hadamard, **pointers)
 
     def _array(self, tensor: dict[str, Any]) -> np.ndarray:
         dtype = np.dtype(tensor["dtype"])
@@ -137,3 +138,18 @@ def _zero_points(zeros: np.ndarray, n: int, bits: int, blocks: int) -> np.ndarra
     if bits == 4:  # two per byte, low nibble first
         zeros = np.stack([zeros & 15, zeros >> 4], axis=-1).reshape(n, -1)
     return np.ascontiguousarray(zeros[:, :blocks], dtype=np.uint8)
+
+
+def is_sylvester_hadamard(rotation: np.ndarray) -> bool:
+    """Whether `rotation` is the normalized Sylvester Hadamard matrix of a power-of-two size
+    from 16 to 256 (the kv_cache pass's rotation): entry (i, j) is 1/sqrt(size) times
+    (-1)^popcount(i & j). kernels.c then rotates by the fast transform."""
+    size = rotation.shape[0]
+    if rotation.shape != (size, size) or size & (size - 1) or not 16 <= size <= 256:
+        return False
+    index = np.arange(size)
+    both, parity = index[:, None] & index[None, :], np.zeros((size, size), np.int64)
+    for bit in range(size.bit_length()):
+        parity ^= (both >> bit) & 1
+    norm = rotation[0, 0]
+    return bool(norm > 0 and np.array_equal(rotation, np.where(parity == 1, -norm, norm)))

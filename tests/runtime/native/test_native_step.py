@@ -24,14 +24,21 @@ from onnx import TensorProto, helper, numpy_helper
 from tiny_checkpoints import build_tiny_checkpoint
 from tiny_quantized_gguf import write_tiny_gguf
 
+from llmopt.compiler.kv_cache_format import hadamard
 from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.quant_format import QuantizedLinear, pack_matmul_nbits
 from llmopt.compiler.recipe import Recipe
 from llmopt.runtime import LLM, SamplingParams
 from llmopt.runtime.lane_executor import LaneExecutor
 from llmopt.runtime.native.executor import NativeLaneExecutor
-from llmopt.runtime.native.library import AMX_VARIABLE, kernels, profile_phases, use_amx
-from llmopt.runtime.native.weights import quantized_matrix
+from llmopt.runtime.native.library import (
+    AMX_VARIABLE,
+    KVLayout,
+    kernels,
+    profile_phases,
+    use_amx,
+)
+from llmopt.runtime.native.weights import is_sylvester_hadamard, quantized_matrix
 
 lib = kernels()
 pytestmark = pytest.mark.skipif(lib is None or not lib.llmopt_native_supported(),
@@ -290,6 +297,25 @@ def _random_matrix(rng: np.random.Generator, n: int, k: int, bits: int, symmetri
         zeros=_torch(zeros), symmetric=symmetric))
 
 
+def test_the_kv_cache_pass_rotation_runs_as_the_fast_transform(artifacts):
+    """Its matrix is recognised (and nothing else is): kernels.c then rotates by the fast
+    Walsh-Hadamard transform (test_the_step_matches_onnx_runtime checks what it computes:
+    a wrong sign in any stage moves every key code)."""
+    for size in (16, 32, 64, 128, 256):
+        assert is_sylvester_hadamard(hadamard(size))
+    flipped = hadamard(64)
+    flipped[3, 5] *= -1
+    rng = np.random.default_rng(0)
+    orthogonal = np.linalg.qr(rng.standard_normal((64, 64)))[0].astype(np.float32)
+    for other in (hadamard(8), hadamard(512), flipped, -hadamard(64), orthogonal):
+        assert not is_sylvester_hadamard(other)
+    for name, rotated in (("llama-kv-int8-rotate", 1), ("llama-kv-float16", 0)):
+        executor = LLM(artifacts[name], kernels="native", speculative=False).engine.executor
+        model = executor.weights.model
+        layouts = ctypes.cast(model.kv, ctypes.POINTER(KVLayout))
+        assert [layouts[i].hadamard for i in range(model.layers)] == [rotated] * model.layers
+
+
 def _codes(lane: np.ndarray) -> np.ndarray:
     """A lane's int codes: int8 as they are, int4 unpacked (two a byte, low nibble first)."""
     if lane.dtype == np.int8:
@@ -322,17 +348,18 @@ def test_the_step_matches_onnx_runtime(name, artifacts):
     got, expected = native.score(tokens), reference.score(tokens)
     # log-probs: int8-activation rounding noise. float16: one activation code flipped at
     # position 5 in layer 1 (measured) changes layer 2's key there, which every later token
-    # reads. Head size 64, rotated int8 keys: the rotation's 64-term sums, added in another
-    # order by ONNX Runtime's MatMul, flip key codes from position 1 on (max 0.12, mean
-    # 0.014, 12 % of key codes off, by up to 4, measured; one head left unrotated: max 12,
-    # mean 3.6). int8 keys and values: one code flipped by a rounding tie in layer 1 at
-    # position 33 (measured, kv-int8-rotate) moves every later token's layer-1 attention a
-    # little, and layer 2's codes from there on. Attention on int8 lanes runs on int16 codes
-    # of the queries and weights (kernels.c), ~1e-4 of the values' range from exact
-    # arithmetic (test_attention_over_a_lane_matches_exact_arithmetic), where ONNX Runtime's
-    # float attention is ~1e-7 from it: on these random checkpoints that flips activation
-    # codes in every layer, so 40-49 % of layer 2's codes differ, by up to 6 (log-probs max
-    # 0.12-0.30, mean 0.024-0.064; measured). Layer 0's codes come before any attention.
+    # reads. Head size 64, rotated int8 keys: the rotation's 64-term sums, added by the fast
+    # transform here and in another order by ONNX Runtime's MatMul, flip key codes from
+    # position 1 on (max 0.125, mean 0.014, 12 % of key codes off, by up to 4, measured; one
+    # head left unrotated: max 12, mean 3.6). int8 keys and values: one code flipped by a
+    # rounding tie in layer 1 at position 33 (measured, kv-int8-rotate) moves every later
+    # token's layer-1 attention a little, and layer 2's codes from there on. Attention on
+    # int8 lanes runs on int16 codes of the queries and weights (kernels.c), ~1e-4 of the
+    # values' range from exact arithmetic (test_attention_over_a_lane_matches_exact_
+    # arithmetic), where ONNX Runtime's float attention is ~1e-7 from it: on these random
+    # checkpoints that flips activation codes in every layer, so 40-49 % of layer 2's codes
+    # differ, by up to 6 (log-probs max 0.12-0.30, mean 0.024-0.064; measured). Layer 0's
+    # codes come before any attention.
     int8_kv = (0.25, 0.055, 0.6, 5)
     largest, mean, flipped, off_by = {"llama-kv-float16": (0.1, 0.025, 0.05, 2),
                                       "llama-d64-kv-int8-rotate": (0.5, 0.1, 0.7, 8),
