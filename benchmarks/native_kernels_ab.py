@@ -39,7 +39,9 @@ from llmopt.runtime.step_batch import SequenceStep, StepBatch, make_step_batch
 
 
 def load_build(path: str) -> ctypes.CDLL:
-    """Another build of the kernels, with the ctypes signatures of the functions it has."""
+    """Another build of the kernels, with the ctypes signatures of the functions it has. Its
+    structs must be this build's (runtime/native/library.py): KVLayout gained `hadamard` in
+    session 25, so an older kernels.c needs that field added at the end of its KVLayout."""
     lib = declare_signatures(ctypes.CDLL(path))
     # Each library keeps its own AMX switch, off until asked: the other build's follows the
     # installed one's, or the A/B would time AMX against VNNI.
