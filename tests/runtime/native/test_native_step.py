@@ -219,8 +219,6 @@ def test_attention_over_a_lane_matches_exact_arithmetic(bits, dim):
 def _lane_rows(bits: int, keys: np.ndarray, values: np.ndarray):
     """A lane's keys and values in `bits` (8: codes of static per-channel scales): their
     KVLayout, the scales it points to (keep them), the rows, and the floats they stand for."""
-    from llmopt.runtime.native.library import KVLayout
-
     if bits == 32:
         return KVLayout(32, None, None, None), [], (keys, values), (keys, values)
     scales = [np.abs(x).max(axis=0) / 127 for x in (keys, values)]
