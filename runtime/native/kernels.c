@@ -1433,6 +1433,12 @@ static void softmax_shown(float *row, int len, int width, uint64_t mask, float *
     memset(row + len, 0, sizeof(float) * (width - len));
 }
 
+/* A run's scales of one kind (RunCodes), rounded up to whole cache lines: the threads'
+   sets lie side by side in Scratch.code_scales. */
+static inline int64_t run_scales(int heads) {
+    return ((int64_t)RUN_TOKENS * heads + 15) / 16 * 16;
+}
+
 /* What a run on int8 lanes computes in integers: its queries as int16 codes with their
    scales (query_codes), and the scales of its attention weights' codes (weight_codes). */
 typedef struct {
@@ -1482,7 +1488,7 @@ static void attend_run(const float *q, int64_t q_stride, int n, int group,
     } else {
         group_scores(rows, heads, keys, kv->bits, longest, dim, scale, scores, ahead);
     }
-    for (int h = 0; h < heads && !integer; h++) {
+    for (int h = 0; h < heads && !integer; h++) {  /* int8 lanes: weight_codes, below */
         const int i = h / group;
         if (masks && ~masks[i])
             softmax_shown(scores + (int64_t)h * longest, first_len + i, longest, masks[i],
@@ -1555,8 +1561,8 @@ typedef struct {
                                (and a row to pack a tree token's shown ones) */
     int64_t scores_stride;  /* one thread's share */
     float *rows;            /* [threads][RUN_TOKENS * heads][head_dim] a run's queries, sums */
-    RunCodes *codes;        /* [threads] a run's codes on int8 lanes */
-    int threads;
+    int16_t *query_codes;   /* [threads][RUN_TOKENS * heads][padded_dim(head_dim)] and */
+    float *code_scales;     /* [threads][2][run_scales(heads)]: a run's RunCodes */
     int32_t *runs;          /* [T + 1] where each run of query tokens starts (query_runs) */
     QActivations q;
     int8_t *amx_rows;       /* QActivations.rows for the matrices that take AMX tiles */
@@ -1613,17 +1619,10 @@ static int scratch_alloc(const Model *m, int t_rows, int longest, Scratch *s) {
     s->scores = lines_alloc(sizeof(float) * s->scores_stride * threads);
     s->rows = lines_alloc(sizeof(float) * RUN_TOKENS * attn_width * threads);
     s->runs = lines_alloc(sizeof(int32_t) * (t + 1));
-    s->threads = threads;
-    s->codes = calloc(threads, sizeof(RunCodes));
-    int codes_ok = s->codes != NULL;
-    for (int i = 0; codes_ok && i < threads; i++) {
-        s->codes[i].codes = lines_alloc(sizeof(int16_t) * RUN_TOKENS * m->heads
-                                        * padded_dim(m->head_dim));
-        s->codes[i].scales = lines_alloc(sizeof(float) * RUN_TOKENS * m->heads);
-        s->codes[i].weight_scales = lines_alloc(sizeof(float) * RUN_TOKENS * m->heads);
-        codes_ok = s->codes[i].codes && s->codes[i].scales && s->codes[i].weight_scales;
-    }
-    return codes_ok && s->x && s->h && s->qkv && s->attn && s->proj && s->gate_up && s->act
+    s->query_codes = lines_alloc(sizeof(int16_t) * RUN_TOKENS * m->heads
+                                 * padded_dim(m->head_dim) * threads);
+    s->code_scales = lines_alloc(sizeof(float) * 2 * run_scales(m->heads) * threads);
+    return s->query_codes && s->code_scales && s->x && s->h && s->qkv && s->attn && s->proj && s->gate_up && s->act
         && s->q.codes && s->q.inputs && s->q.scales && s->q.zero_term && s->scores && s->rows
         && s->runs && (s->amx_rows || !amx_enabled);
 }
@@ -1631,13 +1630,8 @@ static int scratch_alloc(const Model *m, int t_rows, int longest, Scratch *s) {
 static void scratch_free(Scratch *s) {
     free(s->x); free(s->h); free(s->qkv); free(s->attn); free(s->proj); free(s->gate_up);
     free(s->act); free(s->q.codes); free(s->q.scales); free(s->q.zero_term); free(s->q.inputs);
-    free(s->scores); free(s->rows); free(s->runs); free(s->amx_rows);
-    for (int i = 0; s->codes && i < s->threads; i++) {
-        free(s->codes[i].codes);
-        free(s->codes[i].scales);
-        free(s->codes[i].weight_scales);
-    }
-    free(s->codes);
+    free(s->scores); free(s->rows); free(s->runs); free(s->amx_rows); free(s->query_codes);
+    free(s->code_scales);
 }
 
 static int linear(const Model *m, const QMatrix *w, const float *x, int t_rows, Scratch *s,
@@ -1725,12 +1719,15 @@ static void attend(const Model *m, const KVLayout *kv, int t_rows, const int32_t
 #else
         int id = 0;
 #endif
+        RunCodes codes = {s->query_codes + (int64_t)id * RUN_TOKENS * heads * padded_dim(dim),
+                          s->code_scales + 2 * id * run_scales(heads),
+                          s->code_scales + (2 * id + 1) * run_scales(heads)};
         const int64_t lane = lane_start(lanes[t], g, kv_heads, lane_tokens, stride);
         attend_run(s->qkv + (int64_t)t * qkv_width + g * group * dim, qkv_width, n, group,
                    key_pool + lane, value_pool + lane, kv, (int64_t)g * dim, lane_rows[t] + 1,
                    dim, m->attn_scale, masks ? masks + t : NULL,
                    s->scores + id * s->scores_stride,
-                   s->rows + (int64_t)id * RUN_TOKENS * heads * dim, s->codes + id,
+                   s->rows + (int64_t)id * RUN_TOKENS * heads * dim, &codes,
                    s->attn + (int64_t)t * heads * dim + g * group * dim, (int64_t)heads * dim,
                    &ahead);
     }
