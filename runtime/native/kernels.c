@@ -216,6 +216,8 @@ int llmopt_native_amx(int want) {
                                layer). A prefill step of 4 x 128 took 0.82-0.84x the time in
                                slow memory phases, 0.96-0.97x in fast ones, at 1 thread;
                                0.98x at 2 (256 rows; 128 there: 1.00-1.05x). Session 24. */
+#define SPLIT_ROWS 64       /* rows per thread from which a layer's rows are split between
+                               threads rather than each phase's work (layer_split) */
 #define ROW_CHUNK 64        /* activation rows a pass over the weights serves (their codes
                                stay in cache while it runs; a matrix's weights stay in L2/L3
                                between passes) */
@@ -521,6 +523,9 @@ static void amx_configure(int wide) {
         config.rows[tile] = tile < 6 || wide ? AMX_ROWS : 8;
         config.bytes_per_row[tile] = (tile == 4 || tile == 5) && !wide ? 32 : 64;
     }
+    /* GCC does not see LDTILECFG read its operand: inlined, the stores above would be
+       dropped as dead and the tiles left unconfigured (SIGILL at the first tile load) */
+    __asm__ volatile("" : : "r"(&config) : "memory");
     _tile_loadconfig(&config);
 }
 
@@ -1590,12 +1595,16 @@ int llmopt_native_layer_rows(int rows) {
     return previous;
 }
 
+/* The widest activation a projection quantizes (its K). */
+static inline int scratch_width(const Model *m) {
+    const int width = m->hidden > m->intermediate ? m->hidden : m->intermediate;
+    return m->heads * m->head_dim > width ? m->heads * m->head_dim : width;
+}
+
 /* Scratch for a step of t_rows rows (and as many logit rows at most), run in chunks of
    chunk_rows. */
 static int scratch_alloc(const Model *m, int t_rows, int longest, Scratch *s) {
-    int width = m->hidden > m->intermediate ? m->hidden : m->intermediate;
-    int attn_width = m->heads * m->head_dim;
-    if (attn_width > width) width = attn_width;
+    const int width = scratch_width(m), attn_width = m->heads * m->head_dim;
     int qkv_width = (m->heads + 2 * m->kv_heads) * m->head_dim;
     s->x = lines_alloc(sizeof(float) * t_rows * m->hidden);
     s->h = lines_alloc(sizeof(float) * t_rows * m->hidden);
@@ -1605,7 +1614,9 @@ static int scratch_alloc(const Model *m, int t_rows, int longest, Scratch *s) {
     s->proj = lines_alloc(sizeof(float) * t * m->hidden);
     s->gate_up = lines_alloc(sizeof(float) * t * 2 * m->intermediate);
     s->act = lines_alloc(sizeof(float) * t * m->intermediate);
-    const int64_t padded = (t + TOKEN_TILE - 1) / TOKEN_TILE * TOKEN_TILE;
+    /* whole tiles of AMX_ROWS: layer_split's threads each lay out their rows from a
+       multiple of AMX_ROWS */
+    const int64_t padded = (t + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
     s->q.codes = lines_alloc(padded * width);
     s->q.scales = lines_alloc(sizeof(float) * padded * (width / 32));
     s->q.zero_term = lines_alloc(sizeof(int32_t) * padded * (width / 32));
@@ -1618,7 +1629,7 @@ static int scratch_alloc(const Model *m, int t_rows, int longest, Scratch *s) {
     int threads = m->num_threads > 1 ? m->num_threads : 1;
     s->scores = lines_alloc(sizeof(float) * s->scores_stride * threads);
     s->rows = lines_alloc(sizeof(float) * RUN_TOKENS * attn_width * threads);
-    s->runs = lines_alloc(sizeof(int32_t) * (t + 1));
+    s->runs = lines_alloc(sizeof(int32_t) * (t + threads));  /* a run list per thread */
     s->query_codes = lines_alloc(sizeof(int16_t) * RUN_TOKENS * m->heads
                                  * padded_dim(m->head_dim) * threads);
     s->code_scales = lines_alloc(sizeof(float) * 2 * run_scales(m->heads) * threads);
@@ -1793,41 +1804,134 @@ typedef struct {
     int32_t lane_tokens;
 } StepTokens;
 
-/* Layer l over the step's rows c .. c + rows - 1: their residual stream and normed input
-   at row c of s->x and s->h, everything else in the chunk's scratch. The rows before c have
-   written this layer's keys and values, so attention reads what it would with every row at
-   once (a run of query tokens cut at c computes the same per token: attend_run). */
-static int layer_chunk(const Model *m, int l, const StepTokens *step, int c, int rows,
-                       Scratch *s, double *clock) {
+/* Adds the time since *clock to `phase` (no clock: a thread that keeps no profile). */
+static inline void mark(double *clock, int phase) {
+    if (clock) *clock = profile_phase(phase, *clock);
+}
+
+/* Layer l's first part over the step's rows c .. c + rows - 1 (their residual stream and
+   normed input at row c of s->x and s->h, everything else in the chunk's scratch): the
+   q/k/v projection and the KV write. */
+static int layer_qkv(const Model *m, int l, const StepTokens *step, int c, int rows,
+                     Scratch *s, double *clock) {
+    const int status = linear(m, &m->qkv[l], s->h + (int64_t)c * m->hidden, rows, s, s->qkv);
+    mark(clock, PHASE_QKV);
+    write_kv(m, &m->kv[l], rows, step->lanes + c, step->positions + c, step->lane_rows + c,
+             step->key_pools[l], step->value_pools[l], step->lane_tokens, s);
+    mark(clock, PHASE_KV_WRITE);
+    return status;
+}
+
+/* The rest of layer l over the same rows, once the rows before c and every row of the chunk
+   have written this layer's keys and values: attention reads what it would with every row
+   at once (a run of query tokens cut at c computes the same per token: attend_run), then
+   o, the MLP and both residual adds. */
+static int layer_rest(const Model *m, int l, const StepTokens *step, int c, int rows,
+                      Scratch *s, double *clock) {
     const int hidden = m->hidden, inter = m->intermediate;
     float *x = s->x + (int64_t)c * hidden, *h = s->h + (int64_t)c * hidden;
-    const int32_t *lanes = step->lanes + c, *lane_rows = step->lane_rows + c;
-    int status = linear(m, &m->qkv[l], h, rows, s, s->qkv);
-    *clock = profile_phase(PHASE_QKV, *clock);
-    write_kv(m, &m->kv[l], rows, lanes, step->positions + c, lane_rows, step->key_pools[l],
-             step->value_pools[l], step->lane_tokens, s);
-    *clock = profile_phase(PHASE_KV_WRITE, *clock);
-    attend(m, &m->kv[l], rows, lanes, lane_rows, step->masks ? step->masks + c : NULL,
-           step->key_pools[l], step->value_pools[l], step->lane_tokens, s);
-    *clock = profile_phase(PHASE_ATTEND, *clock);
-    status |= linear(m, &m->o[l], s->attn, rows, s, s->proj);
-    *clock = profile_phase(PHASE_O, *clock);
+    attend(m, &m->kv[l], rows, step->lanes + c, step->lane_rows + c,
+           step->masks ? step->masks + c : NULL, step->key_pools[l], step->value_pools[l],
+           step->lane_tokens, s);
+    mark(clock, PHASE_ATTEND);
+    int status = linear(m, &m->o[l], s->attn, rows, s, s->proj);
+    mark(clock, PHASE_O);
     add_norm(x, s->proj, m->mlp_norm[l], m, rows, h);
-    *clock = profile_phase(PHASE_NORMS, *clock);
+    mark(clock, PHASE_NORMS);
     status |= linear(m, &m->gate_up[l], h, rows, s, s->gate_up);
-    *clock = profile_phase(PHASE_GATE_UP, *clock);
+    mark(clock, PHASE_GATE_UP);
     #pragma omp parallel for num_threads(m->num_threads) \
         if (m->num_threads > 1 && rows >= PARALLEL_ROWS)
     for (int t = 0; t < rows; t++) {
         const float *gate = s->gate_up + (int64_t)t * 2 * inter;
         silu_times(gate, gate + inter, inter, s->act + (int64_t)t * inter);
     }
-    *clock = profile_phase(PHASE_SILU, *clock);
+    mark(clock, PHASE_SILU);
     status |= linear(m, &m->down[l], s->act, rows, s, s->proj);
-    *clock = profile_phase(PHASE_DOWN, *clock);
+    mark(clock, PHASE_DOWN);
     add_norm(x, s->proj, l + 1 < m->layers ? m->attn_norm[l + 1] : NULL, m, rows, h);
-    *clock = profile_phase(PHASE_NORMS, *clock);
+    mark(clock, PHASE_NORMS);
     return status;
+}
+
+/* Thread `id`'s part of the chunk's scratch for its rows lo .. of the chunk (lo a multiple
+   of AMX_ROWS): its rows of the chunk-wide arrays and its own share of the per-thread
+   ones, seen from its first row as a one-thread step sees them. */
+static Scratch thread_scratch(const Model *m, const Scratch *s, int id, int lo) {
+    const int attn_width = m->heads * m->head_dim, width = scratch_width(m);
+    Scratch v = *s;
+    v.qkv += (int64_t)lo * (m->heads + 2 * m->kv_heads) * m->head_dim;
+    v.attn += (int64_t)lo * attn_width;
+    v.proj += (int64_t)lo * m->hidden;
+    v.gate_up += (int64_t)lo * 2 * m->intermediate;
+    v.act += (int64_t)lo * m->intermediate;
+    /* activation codes are laid out per matrix (QActivations): a thread's own layout of
+       its rows starts where its rows would in the widest one */
+    v.q.codes += (int64_t)lo * width / 4;
+    v.q.scales += (int64_t)lo * (width / 32);
+    v.q.zero_term += (int64_t)lo * (width / 32);
+    v.q.inputs += (int64_t)lo * (width / 32);
+    if (v.amx_rows) v.amx_rows += (int64_t)lo * width;
+    v.scores += id * s->scores_stride;
+    v.rows += (int64_t)id * RUN_TOKENS * attn_width;
+    v.query_codes += (int64_t)id * RUN_TOKENS * m->heads * padded_dim(m->head_dim);
+    v.code_scales += 2 * id * run_scales(m->heads);
+    v.runs += lo + id;
+    return v;
+}
+
+/* Layer l over rows c .. c + rows - 1 split between threads by rows: each thread runs the
+   whole layer on its own rows, one thread at a time as a one-thread step would, meeting the
+   others only once, after the KV write (attention may read keys a row of another thread
+   wrote). A chunk of many rows otherwise splits every projection by columns and every
+   per-row phase by rows, and each phase reads what the other core wrote in the last: in
+   prefill, each thread then fetched half its activations from the other core's cache. (The
+   phase profile follows thread 0: its waits for the others land in attend and in the next
+   layer's qkv.) */
+static int layer_split(const Model *m, int l, const StepTokens *step, int c, int rows,
+                       Scratch *s, double *clock) {
+    const int threads = m->num_threads;
+    Model one = *m;
+    one.num_threads = 1;
+    int status = 0;
+    (void)threads;
+    #pragma omp parallel num_threads(threads) reduction(|: status)
+    {
+#ifdef _OPENMP
+        const int id = omp_get_thread_num(), count = omp_get_num_threads();
+#else
+        const int id = 0, count = 1;
+#endif
+        const int per = ((rows + count - 1) / count + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+        const int lo = id * per < rows ? id * per : rows;
+        const int hi = lo + per < rows ? lo + per : rows;
+        Scratch own = thread_scratch(m, s, id, lo);
+        double *own_clock = id == 0 ? clock : NULL;
+        if (lo < hi) status |= layer_qkv(&one, l, step, c + lo, hi - lo, &own, own_clock);
+        #pragma omp barrier
+        if (lo < hi) status |= layer_rest(&one, l, step, c + lo, hi - lo, &own, own_clock);
+    }
+    return status;
+}
+
+static int split_rows = SPLIT_ROWS;
+
+/* Sets from how many rows per thread a layer's rows are split between threads (rows > 0;
+   SPLIT_ROWS by default), for the test that splits small steps: every output stays the
+   same, bit for bit. Returns the previous value. */
+int llmopt_native_split_rows(int rows) {
+    const int previous = split_rows;
+    if (rows > 0) split_rows = rows;
+    return previous;
+}
+
+/* Layer l over the step's rows c .. c + rows - 1: by rows between threads where each has
+   split_rows of them (layer_split), else every phase split between the threads. */
+static int layer_chunk(const Model *m, int l, const StepTokens *step, int c, int rows,
+                       Scratch *s, double *clock) {
+    if (m->num_threads > 1 && rows >= m->num_threads * split_rows)
+        return layer_split(m, l, step, c, rows, s, clock);
+    return layer_qkv(m, l, step, c, rows, s, clock) | layer_rest(m, l, step, c, rows, s, clock);
 }
 
 /* One step. Token t (of T, packed) has id tokens[t] and position positions[t], sits in

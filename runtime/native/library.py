@@ -59,6 +59,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "llmopt_native_amx": (ctypes.c_int, [ctypes.c_int]),
     "llmopt_native_amx_min_rows": (ctypes.c_int, [ctypes.c_int]),
     "llmopt_native_layer_rows": (ctypes.c_int, [ctypes.c_int]),
+    "llmopt_native_split_rows": (ctypes.c_int, [ctypes.c_int]),
     "llmopt_native_read": (ctypes.c_uint64, [c_ptr, ctypes.c_int64, ctypes.c_int]),
     "llmopt_native_profile": (ctypes.c_int, [ctypes.c_int]),
     "llmopt_native_profile_name": (ctypes.c_char_p, [ctypes.c_int]),

@@ -427,6 +427,32 @@ def test_a_layer_run_in_row_chunks_computes_the_same(name, artifacts):
     assert chunked[1] == whole[1]
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_layer_split_by_rows_between_threads_computes_the_same(threads, artifacts):
+    """With many rows a step, each thread runs a layer on its own rows (layer_split), meeting
+    the others once, after the KV write: splitting from 3 rows a thread (a scored sequence's
+    rows cut between threads, so attention reads keys another thread wrote; draft trees and
+    batches alike) gives the same log-probs and tokens, bit for bit, as never splitting."""
+    tokens, prompts = (requests()[1] * 4)[:100], requests()
+
+    def outputs() -> tuple[np.ndarray, list[list[int]]]:
+        llm = LLM(artifacts["llama-self-draft"], kernels="native", num_threads=threads,
+                  adaptive_speculation=False, speculative_max_batch_size=16)
+        generated = llm.generate(prompts, GREEDY)
+        assert sum(o.metrics.speculation.num_spec_steps for o in generated) > 0
+        return llm.score(tokens), [o.token_ids for o in generated]
+
+    default_rows = lib.llmopt_native_split_rows(1 << 20)
+    try:
+        whole = outputs()
+        lib.llmopt_native_split_rows(3)
+        split = outputs()
+    finally:
+        lib.llmopt_native_split_rows(default_rows)
+    np.testing.assert_array_equal(split[0], whole[0])
+    assert split[1] == whole[1]
+
+
 def test_the_phase_profile_times_every_phase_and_changes_no_output(artifacts):
     """llmopt_native_profile (benchmarks/native_step_profile.py): with it on, a prefill and
     greedy decoding give the same log-probs and tokens, every phase gathers time, and the
