@@ -1614,9 +1614,7 @@ static int scratch_alloc(const Model *m, int t_rows, int longest, Scratch *s) {
     s->proj = lines_alloc(sizeof(float) * t * m->hidden);
     s->gate_up = lines_alloc(sizeof(float) * t * 2 * m->intermediate);
     s->act = lines_alloc(sizeof(float) * t * m->intermediate);
-    /* whole tiles of AMX_ROWS: layer_split's threads each lay out their rows from a
-       multiple of AMX_ROWS */
-    const int64_t padded = (t + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    const int64_t padded = (t + TOKEN_TILE - 1) / TOKEN_TILE * TOKEN_TILE;
     s->q.codes = lines_alloc(padded * width);
     s->q.scales = lines_alloc(sizeof(float) * padded * (width / 32));
     s->q.zero_term = lines_alloc(sizeof(int32_t) * padded * (width / 32));
@@ -1856,7 +1854,9 @@ static int layer_rest(const Model *m, int l, const StepTokens *step, int c, int 
 
 /* Thread `id`'s part of the chunk's scratch for its rows lo .. of the chunk (lo a multiple
    of AMX_ROWS): its rows of the chunk-wide arrays and its own share of the per-thread
-   ones, seen from its first row as a one-thread step sees them. */
+   ones, seen from its first row as a one-thread step sees them. (Every thread but the last
+   has a multiple of AMX_ROWS rows, so each one's layout of its rows ends where the next
+   one's starts, and the last one's where a one-thread layout of all the rows would.) */
 static Scratch thread_scratch(const Model *m, const Scratch *s, int id, int lo) {
     const int attn_width = m->heads * m->head_dim, width = scratch_width(m);
     Scratch v = *s;
