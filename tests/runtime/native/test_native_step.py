@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -401,30 +402,37 @@ def test_batching_preemption_and_speculation_change_nothing(name, artifacts):
     assert sum(o.metrics.speculation.num_spec_steps for o in outputs) > 0
 
 
+def _same_outputs_at(setting: Any, small: int, artifact: Path, **options: Any) -> None:
+    """100 tokens' log-probs and requests()' greedy tokens (speculating, trees where the
+    artifact drafts) are the same, bit for bit, with kernels.c's `setting` at `small` as
+    with it out of reach."""
+    tokens, prompts = (requests()[1] * 4)[:100], requests()
+
+    def outputs() -> tuple[np.ndarray, list[list[int]]]:
+        llm = LLM(artifact, kernels="native", adaptive_speculation=False,
+                  speculative_max_batch_size=16, **options)
+        generated = llm.generate(prompts, GREEDY)
+        if "self-draft" in artifact.name:
+            assert sum(o.metrics.speculation.num_spec_steps for o in generated) > 0
+        return llm.score(tokens), [o.token_ids for o in generated]
+
+    default = setting(1 << 20)
+    try:
+        whole = outputs()
+        setting(small)
+        changed = outputs()
+    finally:
+        setting(default)
+    np.testing.assert_array_equal(changed[0], whole[0])
+    assert changed[1] == whole[1]
+
+
 @pytest.mark.parametrize("name", ["llama-self-draft", "llama-d64-kv-int8-rotate"])
 def test_a_layer_run_in_row_chunks_computes_the_same(name, artifacts):
     """llmopt_forward runs each layer over a step's rows a chunk at a time: chunks of 5 rows
     (cutting query runs and draft trees mid-way, each under AMX's 16 rows) give the same
     log-probs and tokens, bit for bit, as one chunk for every step."""
-    tokens, prompts = (requests()[1] * 4)[:100], requests()
-
-    def outputs() -> tuple[np.ndarray, list[list[int]]]:
-        llm = LLM(artifacts[name], kernels="native", adaptive_speculation=False,
-                  speculative_max_batch_size=16)
-        generated = llm.generate(prompts, GREEDY)
-        if name == "llama-self-draft":
-            assert sum(o.metrics.speculation.num_spec_steps for o in generated) > 0
-        return llm.score(tokens), [o.token_ids for o in generated]
-
-    default_rows = lib.llmopt_native_layer_rows(4096)
-    try:
-        whole = outputs()
-        lib.llmopt_native_layer_rows(5)
-        chunked = outputs()
-    finally:
-        lib.llmopt_native_layer_rows(default_rows)
-    np.testing.assert_array_equal(chunked[0], whole[0])
-    assert chunked[1] == whole[1]
+    _same_outputs_at(lib.llmopt_native_layer_rows, 5, artifacts[name])
 
 
 @pytest.mark.parametrize("threads", [2, 3])
@@ -433,24 +441,8 @@ def test_a_layer_split_by_rows_between_threads_computes_the_same(threads, artifa
     the others once, after the KV write: splitting from 3 rows a thread (a scored sequence's
     rows cut between threads, so attention reads keys another thread wrote; draft trees and
     batches alike) gives the same log-probs and tokens, bit for bit, as never splitting."""
-    tokens, prompts = (requests()[1] * 4)[:100], requests()
-
-    def outputs() -> tuple[np.ndarray, list[list[int]]]:
-        llm = LLM(artifacts["llama-self-draft"], kernels="native", num_threads=threads,
-                  adaptive_speculation=False, speculative_max_batch_size=16)
-        generated = llm.generate(prompts, GREEDY)
-        assert sum(o.metrics.speculation.num_spec_steps for o in generated) > 0
-        return llm.score(tokens), [o.token_ids for o in generated]
-
-    default_rows = lib.llmopt_native_split_rows(1 << 20)
-    try:
-        whole = outputs()
-        lib.llmopt_native_split_rows(3)
-        split = outputs()
-    finally:
-        lib.llmopt_native_split_rows(default_rows)
-    np.testing.assert_array_equal(split[0], whole[0])
-    assert split[1] == whole[1]
+    _same_outputs_at(lib.llmopt_native_split_rows, 3, artifacts["llama-self-draft"],
+                     num_threads=threads)
 
 
 def test_the_phase_profile_times_every_phase_and_changes_no_output(artifacts):
