@@ -1881,13 +1881,12 @@ static Scratch thread_scratch(const Model *m, const Scratch *s, int id, int lo) 
 }
 
 /* Layer l over rows c .. c + rows - 1 split between threads by rows: each thread runs the
-   whole layer on its own rows, one thread at a time as a one-thread step would, meeting the
-   others only once, after the KV write (attention may read keys a row of another thread
-   wrote). A chunk of many rows otherwise splits every projection by columns and every
-   per-row phase by rows, and each phase reads what the other core wrote in the last: in
-   prefill, each thread then fetched half its activations from the other core's cache. (The
-   phase profile follows thread 0: its waits for the others land in attend and in the next
-   layer's qkv.) */
+   whole layer on its own rows as a one-thread step would, meeting the others only once,
+   after the KV write (attention may read keys that another thread's rows wrote). Split
+   phase by phase instead (every projection by columns, every per-row phase by rows), each
+   phase reads what the other core wrote in the last: in prefill, about half of every
+   phase's input came from the other core's cache. (The phase profile follows thread 0: its
+   waits for the others land in attend and in the next layer's qkv.) */
 static int layer_split(const Model *m, int l, const StepTokens *step, int c, int rows,
                        Scratch *s, double *clock) {
     const int threads = m->num_threads;
@@ -1931,7 +1930,8 @@ static int layer_chunk(const Model *m, int l, const StepTokens *step, int c, int
                        Scratch *s, double *clock) {
     if (m->num_threads > 1 && rows >= m->num_threads * split_rows)
         return layer_split(m, l, step, c, rows, s, clock);
-    return layer_qkv(m, l, step, c, rows, s, clock) | layer_rest(m, l, step, c, rows, s, clock);
+    const int status = layer_qkv(m, l, step, c, rows, s, clock);  /* (| orders no calls) */
+    return status | layer_rest(m, l, step, c, rows, s, clock);
 }
 
 /* One step. Token t (of T, packed) has id tokens[t] and position positions[t], sits in
