@@ -1631,9 +1631,9 @@ static int scratch_alloc(const Model *m, int t_rows, int longest, Scratch *s) {
     s->query_codes = lines_alloc(sizeof(int16_t) * RUN_TOKENS * m->heads
                                  * padded_dim(m->head_dim) * threads);
     s->code_scales = lines_alloc(sizeof(float) * 2 * run_scales(m->heads) * threads);
-    return s->query_codes && s->code_scales && s->x && s->h && s->qkv && s->attn && s->proj && s->gate_up && s->act
-        && s->q.codes && s->q.inputs && s->q.scales && s->q.zero_term && s->scores && s->rows
-        && s->runs && (s->amx_rows || !amx_enabled);
+    return s->x && s->h && s->qkv && s->attn && s->proj && s->gate_up && s->act && s->q.codes
+        && s->q.inputs && s->q.scales && s->q.zero_term && s->scores && s->rows && s->runs
+        && s->query_codes && s->code_scales && (s->amx_rows || !amx_enabled);
 }
 
 static void scratch_free(Scratch *s) {
@@ -1641,6 +1641,21 @@ static void scratch_free(Scratch *s) {
     free(s->act); free(s->q.codes); free(s->q.scales); free(s->q.zero_term); free(s->q.inputs);
     free(s->scores); free(s->rows); free(s->runs); free(s->amx_rows); free(s->query_codes);
     free(s->code_scales);
+}
+
+/* Thread id's share of the scratch one attend_run uses: its scores, query rows and codes. */
+typedef struct {
+    float *scores, *rows;
+    RunCodes codes;
+} RunScratch;
+
+static RunScratch run_scratch(const Model *m, const Scratch *s, int id) {
+    const int64_t heads = m->heads;
+    float *scales = s->code_scales + 2 * id * run_scales(m->heads);
+    return (RunScratch){s->scores + id * s->scores_stride,
+                        s->rows + id * RUN_TOKENS * heads * m->head_dim,
+                        {s->query_codes + id * RUN_TOKENS * heads * padded_dim(m->head_dim),
+                         scales, scales + run_scales(m->heads)}};
 }
 
 static int linear(const Model *m, const QMatrix *w, const float *x, int t_rows, Scratch *s,
@@ -1728,15 +1743,12 @@ static void attend(const Model *m, const KVLayout *kv, int t_rows, const int32_t
 #else
         int id = 0;
 #endif
-        RunCodes codes = {s->query_codes + (int64_t)id * RUN_TOKENS * heads * padded_dim(dim),
-                          s->code_scales + 2 * id * run_scales(heads),
-                          s->code_scales + (2 * id + 1) * run_scales(heads)};
+        RunScratch run = run_scratch(m, s, id);
         const int64_t lane = lane_start(lanes[t], g, kv_heads, lane_tokens, stride);
         attend_run(s->qkv + (int64_t)t * qkv_width + g * group * dim, qkv_width, n, group,
                    key_pool + lane, value_pool + lane, kv, (int64_t)g * dim, lane_rows[t] + 1,
                    dim, m->attn_scale, masks ? masks + t : NULL,
-                   s->scores + id * s->scores_stride,
-                   s->rows + (int64_t)id * RUN_TOKENS * heads * dim, &codes,
+                   run.scores, run.rows, &run.codes,
                    s->attn + (int64_t)t * heads * dim + g * group * dim, (int64_t)heads * dim,
                    &ahead);
     }
@@ -1784,7 +1796,7 @@ int llmopt_attention(const KVLayout *kv, const float *q, int32_t n, int32_t grou
     float *scores = lines_alloc(sizeof(float) * (heads + 1) * longest);
     float *rows = lines_alloc(sizeof(float) * heads * dim);
     RunCodes codes = {lines_alloc(sizeof(int16_t) * heads * padded_dim(dim)),
-                        lines_alloc(sizeof(float) * heads), lines_alloc(sizeof(float) * heads)};
+                      lines_alloc(sizeof(float) * heads), lines_alloc(sizeof(float) * heads)};
     const int ok = scores && rows && codes.codes && codes.scales && codes.weight_scales;
     Ahead ahead = {0};
     if (ok)
@@ -1872,10 +1884,11 @@ static Scratch thread_scratch(const Model *m, const Scratch *s, int id, int lo) 
     v.q.zero_term += (int64_t)lo * (width / 32);
     v.q.inputs += (int64_t)lo * (width / 32);
     if (v.amx_rows) v.amx_rows += (int64_t)lo * width;
-    v.scores += id * s->scores_stride;
-    v.rows += (int64_t)id * RUN_TOKENS * attn_width;
-    v.query_codes += (int64_t)id * RUN_TOKENS * m->heads * padded_dim(m->head_dim);
-    v.code_scales += 2 * id * run_scales(m->heads);
+    const RunScratch run = run_scratch(m, s, id);  /* the view's thread 0 */
+    v.scores = run.scores;
+    v.rows = run.rows;
+    v.query_codes = run.codes.codes;
+    v.code_scales = run.codes.scales;
     v.runs += lo + id;
     return v;
 }

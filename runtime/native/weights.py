@@ -142,14 +142,13 @@ def _zero_points(zeros: np.ndarray, n: int, bits: int, blocks: int) -> np.ndarra
 
 def is_sylvester_hadamard(rotation: np.ndarray) -> bool:
     """Whether `rotation` is the normalized Sylvester Hadamard matrix of a power-of-two size
-    from 16 to 256 (the kv_cache pass's rotation): entry (i, j) is 1/sqrt(size) times
-    (-1)^popcount(i & j). kernels.c then rotates by the fast transform."""
+    from 16 to 256 (the kv_cache pass's rotation; compiler/kv_cache_format.hadamard builds it,
+    but the runtime imports no torch). kernels.c then rotates by the fast transform."""
     size = rotation.shape[0]
     if rotation.shape != (size, size) or size & (size - 1) or not 16 <= size <= 256:
         return False
-    index = np.arange(size)
-    both, parity = index[:, None] & index[None, :], np.zeros((size, size), np.int64)
-    for bit in range(size.bit_length()):
-        parity ^= (both >> bit) & 1
+    signs = np.ones((1, 1))
+    while signs.shape[0] < size:  # Sylvester's construction
+        signs = np.block([[signs, signs], [signs, -signs]])
     norm = rotation[0, 0]
-    return bool(norm > 0 and np.array_equal(rotation, np.where(parity == 1, -norm, norm)))
+    return bool(norm > 0 and np.array_equal(rotation, signs * norm))
