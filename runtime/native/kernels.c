@@ -196,19 +196,20 @@ int llmopt_native_amx(int want) {
 #include <immintrin.h>
 
 #define PREFETCH_SLICES 16  /* how far ahead of the weight stream to prefetch (slices of 32
-                               columns), every 64-byte line of it, into L1, where tiles of 8
-                               activation rows or more multiply: prefetching every other line
-                               and leaving its pair to the adjacent-line prefetcher made a
-                               batch-1 step of 4 tokens cost 1.5x where it now costs 1.1x
-                               (the pair's demand misses stalled the dots; measured with
-                               benchmarks/native_kernels_ab.py, session 17, Intel Xeon, where
-                               8 to 32 slices ahead timed the same) */
-#define STREAM_PREFETCH_SLICES 32  /* the same for fewer rows (a batch-1 decode step, bound by
-                               the weight stream), into L2 instead: on the 2-core AMD EPYC
-                               (Zen 4) a batch-1 step took 0.64-0.80x the time, whose few L1
-                               fill buffers held the stream to ~15 GB/s (16 slices into L2:
-                               0.78x, 24: 0.68x, 40: 0.64x; tiles of 8 rows prefetching into
-                               L2 instead of L1: 1.04x; session 27) */
+                               columns), every 64-byte line of it, into L1: prefetching every
+                               other line and leaving its pair to the adjacent-line
+                               prefetcher made a batch-1 step of 4 tokens cost 1.5x where it
+                               now costs 1.1x (the pair's demand misses stalled the dots;
+                               measured with benchmarks/native_kernels_ab.py, session 17,
+                               Intel Xeon, where 8 to 32 slices ahead timed the same) */
+#define STREAM_PREFETCH_SLICES 32  /* fewer rows (a batch-1 decode step, bound by the weight
+                               stream) also prefetch this far ahead into L2: on the 2-core
+                               AMD EPYC (Zen 4) a batch-1 step took 0.72-0.89x the time
+                               (GPTQ g128 artifact), where the L1 prefetch alone held the
+                               stream to ~15 GB/s, and 0.79-0.93x on the Q4_1 artifact
+                               (blocks of 32 with fractional zero points). Into L2 alone:
+                               0.64-0.80x and 0.97-1.16x; tiles of 8 rows into L2 instead of
+                               L1: 1.04x (session 27) */
 #define TOKEN_TILE 8        /* activation rows that share each unpacked weight slice */
 #define PARALLEL_ROWS 16    /* rows from which per-row work (quantizing, norms, rotary, SiLU)
                                is split between threads: below, a parallel region costs more
@@ -431,12 +432,11 @@ static inline __attribute__((always_inline)) void gemm_tile(
         for (int s = b * per_block; s < b * per_block + block_slices(w, b); s++) {
             const uint8_t *at = group + (int64_t)s * slice_bytes;
             for (int line = 0; line < slice_bytes; line += 64) {  /* see PREFETCH_SLICES */
+                _mm_prefetch((const char *)at + PREFETCH_SLICES * slice_bytes + line,
+                             _MM_HINT_T0);
                 if (tile < TOKEN_TILE)
                     _mm_prefetch((const char *)at + STREAM_PREFETCH_SLICES * slice_bytes + line,
                                  _MM_HINT_T1);
-                else
-                    _mm_prefetch((const char *)at + PREFETCH_SLICES * slice_bytes + line,
-                                 _MM_HINT_T0);
             }
             __m512i codes[8];
             if (bits == 8) {
@@ -815,8 +815,8 @@ static int gemm(const QMatrix *w, const QActivations *a, int t_rows, float *y, i
 }
 
 /* Reads `bytes` of `data` (a multiple of 256) as gemm reads a weight stream: 64-byte loads,
-   every line prefetched STREAM_PREFETCH_SLICES * 256 bytes ahead into L2, as a batch-1 step
-   does, the range split between threads.
+   every line prefetched into L1 and, further ahead, into L2, as a batch-1 step does, the range
+   split between threads.
    Returns the OR of every word, so no load can be dropped. For
    benchmarks/_bandwidth_bound.py: the read bandwidth a loop like gemm's draws, which numpy's
    reductions (one dependent stream, no prefetching) understate on some machines (session
@@ -832,6 +832,7 @@ uint64_t llmopt_native_read(const uint8_t *data, int64_t bytes, int threads) {
                            _mm512_setzero_si512(), _mm512_setzero_si512()};
         for (const uint8_t *at = data + lo * 256; at < data + hi * 256; at += 256)
             for (int line = 0; line < 4; line++) {
+                _mm_prefetch((const char *)at + PREFETCH_SLICES * 256 + 64 * line, _MM_HINT_T0);
                 _mm_prefetch((const char *)at + STREAM_PREFETCH_SLICES * 256 + 64 * line,
                              _MM_HINT_T1);
                 seen[line] = _mm512_or_si512(seen[line], _mm512_loadu_si512(at + 64 * line));
