@@ -9,6 +9,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
@@ -155,3 +156,25 @@ def _git(*args: str) -> str:
     except OSError:
         return ""
     return out.stdout.strip()
+
+
+def run_c_probe(source: Path, flags: list[str], reps: int, rounds: int,
+                refusal: str) -> list[dict[str, float]]:
+    """`source` built with the system C compiler and `flags`, then run `rounds` times with
+    `reps` as its argument; each run's "name value" pairs. A run that fails, or prints one
+    word instead (the CPU lacks what the probe needs), ends the script with `refusal`."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise SystemExit("no C compiler (cc or gcc) on PATH")
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = Path(tmp) / source.stem
+        subprocess.run([compiler, *flags, "-o", str(binary), str(source)], check=True)
+        for _ in range(rounds):
+            result = subprocess.run([str(binary), str(reps)], capture_output=True, text=True)
+            words = result.stdout.split()
+            if result.returncode or len(words) < 2:
+                raise SystemExit(refusal)
+            runs.append({name: float(v) for name, v in zip(words[0::2], words[1::2],
+                                                          strict=True)})
+    return runs

@@ -19,13 +19,10 @@ CPU (or kernel) without AMX int8 tiles.
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
-import subprocess
-import tempfile
 from pathlib import Path
 
-from _common import RESULTS_DIR, machine_info, write_json
+from _common import RESULTS_DIR, machine_info, run_c_probe, write_json
 
 SOURCE = Path(__file__).with_name("probe_amx_overlap.c")
 FLAGS = ["-O2", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mgfni",
@@ -34,32 +31,14 @@ MACS = 16 * 16 * 32
 WIDE_MACS = 16 * 16 * 128  # the wide- variants' block tile: a block of 128 columns
 
 
-def build(directory: Path) -> Path:
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise SystemExit("no C compiler (cc or gcc) on PATH")
-    binary = directory / "probe_amx_overlap"
-    subprocess.run([compiler, *FLAGS, "-o", str(binary), str(SOURCE)], check=True)
-    return binary
-
-
-def run_once(binary: Path, reps: int) -> dict[str, float]:
-    output = subprocess.run([str(binary), str(reps)], check=True, capture_output=True,
-                            text=True).stdout.split()
-    if output == ["no-amx"]:
-        raise SystemExit("this CPU (or kernel) grants no AMX int8 tiles: nothing to probe")
-    return {name: float(ns) for name, ns in zip(output[0::2], output[1::2], strict=True)}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=20000,
                         help="passes over the 18 blocks per variant and round")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        binary = build(Path(tmp))
-        rounds = [run_once(binary, args.reps) for _ in range(args.rounds)]
+    rounds = run_c_probe(SOURCE, FLAGS, args.reps, args.rounds,
+                         "this CPU (or kernel) grants no AMX int8 tiles: nothing to probe")
     ns = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
     print(f"{'variant':<14} {'ns / block tile':>16} {'GMAC/s':>8}   (median of {args.rounds})")
     for name, value in ns.items():
