@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts: machine description, worker subprocesses, JSON."""
+"""Helpers shared by the benchmark scripts: machine description, worker subprocesses, C probes,
+JSON."""
 
 from __future__ import annotations
 
