@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from llmopt.runtime.native.arena import HugePageArena
 from llmopt.runtime.native.library import KVLayout, Model, QMatrix, QRows
 from llmopt.runtime.paging import cdiv
+
+LAYER_MATRICES = ("qkv", "o", "gate_up", "down")  # in the order a layer runs them
 
 
 class NativeWeights:
@@ -19,10 +23,13 @@ class NativeWeights:
                  max_position: int):
         self._data = np.memmap(data_file, dtype=np.uint8, mode="r")
         self._keep: list[np.ndarray] = []
+        self._arena = HugePageArena()  # the repacked matrices, in the order a step reads them
         layers = plan["layers"]
         count = len(layers)
-        per_layer = {key: (QMatrix * count)(*(self._matrix(layer[key]) for layer in layers))
-                     for key in ("qkv", "o", "gate_up", "down")}
+        matrices = [{key: self._matrix(layer[key]) for key in LAYER_MATRICES}
+                    for layer in layers]
+        per_layer = {key: (QMatrix * count)(*(layer[key] for layer in matrices))
+                     for key in LAYER_MATRICES}
         norms = {key: (ctypes.c_void_p * count)(*(self._pointer(layer[key]) for layer in layers))
                  for key in ("attn_norm", "mlp_norm")}
         kv = (KVLayout * count)(*(self._kv_layout(layer.get("kv")) for layer in layers))
@@ -70,7 +77,8 @@ class NativeWeights:
     def _matrix(self, spec: dict[str, Any]) -> QMatrix:
         offsets = self._array(spec["offsets"]) if spec.get("offsets") else None
         arrays, matrix = quantized_matrix(*self._quantized(spec), spec["n"], spec["k"],
-                                          spec["bits"], offsets, _block(spec))
+                                          spec["bits"], offsets, _block(spec),
+                                          place=self._arena.place)
         self._keep += arrays
         return matrix
 
@@ -96,14 +104,16 @@ def _block(spec: dict[str, Any]) -> int:
 
 
 def quantized_matrix(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, n: int,
-                     k: int, bits: int, offsets: np.ndarray | None = None, block: int = 32
+                     k: int, bits: int, offsets: np.ndarray | None = None, block: int = 32,
+                     place: Callable[[np.ndarray], np.ndarray] = np.ascontiguousarray
                      ) -> tuple[list[np.ndarray], QMatrix]:
     """A QMatrix over MatMulNBits' inputs in blocks of `block` columns (B, scales, packed
     zero points; `offsets` [K/32, N] the graph's group offsets of fractional zero points),
     with the arrays it points at: rows padded to a multiple of 16 (scale 0), and per group
     of 16 rows and slice of 32 columns, vector m (0..7) holds in lane i row i's codes
     4m .. 4m+3 (4-bit: vector j's low nibbles are vector 2j, its high nibbles vector
-    2j + 1); per-row block values (scales, zero points, offsets) as [group, block, 16]."""
+    2j + 1); per-row block values (scales, zero points, offsets) as [group, block, 16];
+    `place` puts each of them where the matrix keeps it (a HugePageArena's place)."""
     if offsets is not None and block != 32:
         raise ValueError(f"fractional zero points come in blocks of 32, not {block}")
     groups, slices, blocks = cdiv(n, 16), k // 32, cdiv(k, block)
@@ -122,12 +132,12 @@ def quantized_matrix(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | 
         padded[:n] = rows[:, :blocks]
         return np.ascontiguousarray(padded.reshape(groups, 16, blocks).transpose(0, 2, 1))
 
-    arrays = {"codes": np.ascontiguousarray(values),
-              "scales": per_block(scales.reshape(n, -1), np.float32)}
+    arrays = {"codes": place(values), "scales": place(per_block(scales.reshape(n, -1),
+                                                                  np.float32))}
     if zeros is not None:
-        arrays["zeros"] = per_block(_zero_points(zeros, n, bits, blocks), np.uint8)
+        arrays["zeros"] = place(per_block(_zero_points(zeros, n, bits, blocks), np.uint8))
     if offsets is not None:
-        arrays["offsets"] = per_block(offsets.reshape(-1, n).T, np.float32)
+        arrays["offsets"] = place(per_block(offsets.reshape(-1, n).T, np.float32))
     return list(arrays.values()), QMatrix(n=n, k=k, bits=bits, block=block,
                                           **{key: a.ctypes.data for key, a in arrays.items()})
 
