@@ -61,6 +61,8 @@ typedef struct {  /* a projection, sixteen rows interleaved (see above); B: bloc
                                or NULL (blocks of 32 only) */
     int32_t n, k, bits;
     int32_t block;          /* columns per quantization block: 32, 64 or 128 */
+    const uint16_t *half_scales;  /* the scales as float16 where every one is exactly one
+                                     (GGUF's are), else NULL: a lone row streams these */
 } QMatrix;
 
 typedef struct {  /* embedding rows: MatMulNBits' layout, row after row */
@@ -407,6 +409,7 @@ typedef struct {
     const uint8_t *group, *zeros;
     const float *scales, *offsets, *act_scales, *inputs;
     const int32_t *act, *zero_term;
+    const uint16_t *half_scales;  /* where the tile reads them (halves) */
 } TileOperands;
 
 /* gemm_tile for a lone activation row (a batch-1 step, or a step's last tile of one row):
@@ -417,7 +420,7 @@ typedef struct {
    batch-1 step 0.95x the time; its loop alone 0.97x, the second chain the rest: session
    28, AMD Zen 4, 1 thread). */
 static inline __attribute__((always_inline)) void lone_row(
-        const QMatrix *w, TileOperands o, const int bits, const int has_zeros,
+        const QMatrix *w, TileOperands o, const int bits, const int has_zeros, const int halves,
         __mmask16 rows, float *out) {
     const int slice_bytes = bits * 64, per_block = w->block / 32;
     const int blocks = block_count(w->k, w->block);
@@ -457,8 +460,11 @@ static inline __attribute__((always_inline)) void lone_row(
             }
         }
         const __m512i dot = _mm512_add_epi32(even, odd);
+        const __m512 row_scales = halves  /* float16 to float32 is exact */
+            ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o.half_scales + b * 16)))
+            : _mm512_loadu_ps(o.scales + b * 16);
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(
-            _mm512_loadu_ps(o.scales + b * 16), _mm512_set1_ps(o.act_scales[bt])), acc);
+            row_scales, _mm512_set1_ps(o.act_scales[bt])), acc);
         if (o.offsets)
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(o.offsets + b * 16),
                                   _mm512_set1_ps(o.inputs[bt]), acc);
@@ -472,7 +478,7 @@ static inline __attribute__((always_inline)) void lone_row(
    `zeros` are constants in each instance. */
 static inline __attribute__((always_inline)) void gemm_tile(
         const QMatrix *w, const QActivations *a, int t0, const int tile, const int bits,
-        const int has_zeros, float *y, int64_t g) {
+        const int has_zeros, const int halves, float *y, int64_t g) {
     const int slices = w->k / 32, slice_bytes = bits * 64, per_block = w->block / 32;
     const int blocks = block_count(w->k, w->block);
     const uint8_t *group = w->codes + g * slices * slice_bytes;
@@ -484,9 +490,10 @@ static inline __attribute__((always_inline)) void gemm_tile(
     const int32_t *act = a->codes + tile_at(t0, slices, 0) * 8;
     const int32_t *zero_term = a->zero_term + first;
     const float *act_scales = a->scales + first, *inputs = a->inputs + first;
+    const uint16_t *half = halves ? w->half_scales + g * blocks * 16 : NULL;
     if (tile == 1) {
         lone_row(w, (TileOperands){group, zeros, scales, offsets, act_scales, inputs, act,
-                                   zero_term}, bits, has_zeros, rows,
+                                   zero_term, half}, bits, has_zeros, halves, rows,
                  y + (int64_t)t0 * w->n + 16 * g);
         return;
     }
@@ -550,7 +557,9 @@ static inline __attribute__((always_inline)) void gemm_tile(
                     dot[i] = _mm512_dpbusd_epi32(dot[i], codes[m], _mm512_set1_epi32(
                         slice_act[m * TOKEN_TILE + i]));
         }
-        const __m512 row_scales = _mm512_loadu_ps(scales + b * 16);
+        const __m512 row_scales = halves  /* float16 to float32 is exact */
+            ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(half + b * 16)))
+            : _mm512_loadu_ps(scales + b * 16);
         for (int i = 0; i < tile; i++) {
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(
                 row_scales, _mm512_set1_ps(act_scales[bt + i])), acc[i]);
@@ -565,20 +574,22 @@ static inline __attribute__((always_inline)) void gemm_tile(
 
 #define TILE_CASES(bits, zeros) \
     switch (t1 - t0 < TOKEN_TILE ? t1 - t0 : TOKEN_TILE) { \
-    case 1: gemm_tile(w, a, t0, 1, bits, zeros, y, g); break; \
-    case 2: gemm_tile(w, a, t0, 2, bits, zeros, y, g); break; \
-    case 3: gemm_tile(w, a, t0, 3, bits, zeros, y, g); break; \
-    case 4: gemm_tile(w, a, t0, 4, bits, zeros, y, g); break; \
-    case 5: gemm_tile(w, a, t0, 5, bits, zeros, y, g); break; \
-    case 6: gemm_tile(w, a, t0, 6, bits, zeros, y, g); break; \
-    case 7: gemm_tile(w, a, t0, 7, bits, zeros, y, g); break; \
-    default: gemm_tile(w, a, t0, 8, bits, zeros, y, g); break; \
+    case 1: gemm_tile(w, a, t0, 1, bits, zeros, halves, y, g); break; \
+    case 2: gemm_tile(w, a, t0, 2, bits, zeros, halves, y, g); break; \
+    case 3: gemm_tile(w, a, t0, 3, bits, zeros, halves, y, g); break; \
+    case 4: gemm_tile(w, a, t0, 4, bits, zeros, halves, y, g); break; \
+    case 5: gemm_tile(w, a, t0, 5, bits, zeros, halves, y, g); break; \
+    case 6: gemm_tile(w, a, t0, 6, bits, zeros, halves, y, g); break; \
+    case 7: gemm_tile(w, a, t0, 7, bits, zeros, halves, y, g); break; \
+    default: gemm_tile(w, a, t0, 8, bits, zeros, 0, y, g); break; \
     }
 
 /* y[t][16g .. 16g+15] for row groups lo..hi-1 and every activation row t, ROW_CHUNK rows
-   at a time. */
-static void gemm_groups(const QMatrix *w, const QActivations *a, int t_rows, float *y,
-                        int64_t lo, int64_t hi) {
+   at a time; `halves`: from the float16 scales (a step of fewer than 8 rows, bound by the
+   weight stream: half their bytes). */
+static inline __attribute__((always_inline)) void gemm_groups_as(
+        const QMatrix *w, const QActivations *a, int t_rows, float *y, int64_t lo, int64_t hi,
+        const int halves) {
     for (int c0 = 0; c0 < t_rows; c0 += ROW_CHUNK) {
         const int t1 = t_rows - c0 < ROW_CHUNK ? t_rows : c0 + ROW_CHUNK;
         for (int64_t g = lo; g < hi; g++)
@@ -589,6 +600,12 @@ static void gemm_groups(const QMatrix *w, const QActivations *a, int t_rows, flo
                 else TILE_CASES(8, 1)
             }
     }
+}
+
+static void gemm_groups(const QMatrix *w, const QActivations *a, int t_rows, float *y,
+                        int64_t lo, int64_t hi) {
+    if (w->half_scales && t_rows < TOKEN_TILE) gemm_groups_as(w, a, t_rows, y, lo, hi, 1);
+    else gemm_groups_as(w, a, t_rows, y, lo, hi, 0);
 }
 
 /* AMX: where the CPU has int8 tile multiplies (Intel's AMX-INT8), a tile of up to sixteen

@@ -18,13 +18,15 @@ class QMatrix(ctypes.Structure):
     `block` columns), sixteen rows interleaved (runtime/native/weights.py)."""
 
     _fields_ = [("codes", c_ptr), ("scales", c_ptr), ("zeros", c_ptr), ("offsets", c_ptr),
-                ("n", c_i32), ("k", c_i32), ("bits", c_i32), ("block", c_i32)]
+                ("n", c_i32), ("k", c_i32), ("bits", c_i32), ("block", c_i32),
+                ("half_scales", c_ptr)]
 
 
 class QRows(ctypes.Structure):
-    """kernels.c's QRows: the same fields, rows in MatMulNBits' layout (embedding rows)."""
+    """kernels.c's QRows: QMatrix's fields but the last, rows in MatMulNBits' layout
+    (embedding rows)."""
 
-    _fields_ = QMatrix._fields_
+    _fields_ = QMatrix._fields_[:-1]
 
 
 class KVLayout(ctypes.Structure):

@@ -113,7 +113,9 @@ def quantized_matrix(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | 
     of 16 rows and slice of 32 columns, vector m (0..7) holds in lane i row i's codes
     4m .. 4m+3 (4-bit: vector j's low nibbles are vector 2j, its high nibbles vector
     2j + 1); per-row block values (scales, zero points, offsets) as [group, block, 16];
-    `place` puts each of them where the matrix keeps it (a HugePageArena's place)."""
+    scales that are all exact float16 values (GGUF's) also as float16, which steps of fewer
+    than 8 rows stream instead (half the bytes, the same numbers); `place` puts each array
+    where the matrix keeps it (a HugePageArena's place)."""
     if offsets is not None and block != 32:
         raise ValueError(f"fractional zero points come in blocks of 32, not {block}")
     groups, slices, blocks = cdiv(n, 16), k // 32, cdiv(k, block)
@@ -132,8 +134,11 @@ def quantized_matrix(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | 
         padded[:n] = rows[:, :blocks]
         return np.ascontiguousarray(padded.reshape(groups, 16, blocks).transpose(0, 2, 1))
 
-    arrays = {"codes": place(values), "scales": place(per_block(scales.reshape(n, -1),
-                                                                  np.float32))}
+    blocked_scales = per_block(scales.reshape(n, -1), np.float32)
+    arrays = {"codes": place(values), "scales": place(blocked_scales)}
+    half = blocked_scales.astype(np.float16)
+    if np.array_equal(half.astype(np.float32), blocked_scales):  # GGUF's, for one
+        arrays["half_scales"] = place(half)
     if zeros is not None:
         arrays["zeros"] = place(per_block(_zero_points(zeros, n, bits, blocks), np.uint8))
     if offsets is not None:

@@ -179,6 +179,32 @@ def test_a_projection_equals_matmul_nbits(bits, symmetric, block, k):
             assert np.array_equal(one_row[0], got[row])
 
 
+@pytest.mark.parametrize("bits,symmetric,block", [(4, True, 128), (4, False, 32), (8, True, 32)])
+def test_float16_scales_give_the_float32_scales_numbers(bits, symmetric, block):
+    """Scales that are all exact float16 values (GGUF's) get a float16 copy, which steps of
+    fewer than 8 rows stream instead: every row count computes what the float32 scales do,
+    bit for bit; other scales get no copy."""
+    rng = np.random.default_rng(bits + block)
+    n, k, rows = 40, 256, 11
+    packed = _random_matrix(rng, n, k, bits, symmetric, block)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    _, plain = quantized_matrix(packed["B"], packed["scales"], packed.get("zero_points"),
+                                n, k, bits, block=block)
+    assert not plain.half_scales
+    halves = packed["scales"].astype(np.float16).astype(np.float32)
+    arrays, exact = quantized_matrix(packed["B"], halves, packed.get("zero_points"), n, k,
+                                     bits, block=block)  # (arrays: kept alive for the calls)
+    assert exact.half_scales
+    float_only = type(exact).from_buffer_copy(exact)
+    float_only.half_scales = None
+    for count in (1, 2, 5, 8, 11):
+        with_half, without = (np.empty((count, n), np.float32) for _ in range(2))
+        for matrix, y in ((exact, with_half), (float_only, without)):
+            assert lib.llmopt_linear(ctypes.byref(matrix), x.ctypes.data, count,
+                                     y.ctypes.data, 1) == 0
+        assert np.array_equal(with_half, without)
+
+
 @pytest.mark.parametrize("bits", [8, 32])
 @pytest.mark.parametrize("dim", [16, 64, 80, 128])
 def test_attention_over_a_lane_matches_exact_arithmetic(bits, dim):
