@@ -474,8 +474,9 @@ static inline __attribute__((always_inline)) void lone_row(
 
 /* Tile `tile` (rows t0 .., `tile` of them) times row group g: 16 outputs per row. Each
    block's integer dots start from the zero point's term and run as one chain per row over
-   the block's slices, the rows interleaved so that `tile` chains are in flight. `bits` and
-   `zeros` are constants in each instance. */
+   the block's slices, the rows interleaved so that `tile` chains are in flight (a lone row:
+   lone_row). `bits`, `zeros` and `halves` (scales read from w's float16 copy) are constants
+   in each instance. */
 static inline __attribute__((always_inline)) void gemm_tile(
         const QMatrix *w, const QActivations *a, int t0, const int tile, const int bits,
         const int has_zeros, const int halves, float *y, int64_t g) {
