@@ -404,6 +404,29 @@ static void tile8_q4(const uint8_t *codes, const float *row_scales, const int32_
 #undef SUM
 }
 
+/* One slice's weight lines prefetched into L1 PREFETCH_SLICES ahead and, in a step bound
+   by the weight stream (`stream`: fewer than 8 rows), into L2 STREAM_PREFETCH_SLICES
+   ahead (see both). */
+static inline __attribute__((always_inline)) void prefetch_slice(const uint8_t *at,
+                                                                 const int slice_bytes,
+                                                                 const int stream) {
+    for (int line = 0; line < slice_bytes; line += 64) {
+        _mm_prefetch((const char *)at + PREFETCH_SLICES * slice_bytes + line, _MM_HINT_T0);
+        if (stream)
+            _mm_prefetch((const char *)at + STREAM_PREFETCH_SLICES * slice_bytes + line,
+                         _MM_HINT_T1);
+    }
+}
+
+/* Block b's sixteen row scales, from the float16 copy where `halves` (float16 to float32
+   is exact: the same numbers). */
+static inline __attribute__((always_inline)) __m512 block_scales(const float *scales,
+                                                                 const uint16_t *half, int b,
+                                                                 const int halves) {
+    return halves ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(half + b * 16)))
+                  : _mm512_loadu_ps(scales + b * 16);
+}
+
 /* Where gemm_tile's operands start: row group g's weights, tile t0's activations. */
 typedef struct {
     const uint8_t *group, *zeros;
@@ -437,12 +460,7 @@ static inline __attribute__((always_inline)) void lone_row(
         const int32_t *slice_act = o.act + (int64_t)b * per_block * 8 * TOKEN_TILE;
         const int block_end = block_slices(w, b);
         for (int s = 0; s < block_end; s++, at += slice_bytes, slice_act += 8 * TOKEN_TILE) {
-            for (int line = 0; line < slice_bytes; line += 64) {  /* as gemm_tile's */
-                _mm_prefetch((const char *)at + PREFETCH_SLICES * slice_bytes + line,
-                             _MM_HINT_T0);
-                _mm_prefetch((const char *)at + STREAM_PREFETCH_SLICES * slice_bytes + line,
-                             _MM_HINT_T1);
-            }
+            prefetch_slice(at, slice_bytes, 1);
             for (int j = 0; j < 4; j++) {  /* code vectors 2j and 2j + 1 */
                 __m512i first_codes, second_codes;
                 if (bits == 8) {
@@ -460,11 +478,9 @@ static inline __attribute__((always_inline)) void lone_row(
             }
         }
         const __m512i dot = _mm512_add_epi32(even, odd);
-        const __m512 row_scales = halves  /* float16 to float32 is exact */
-            ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(o.half_scales + b * 16)))
-            : _mm512_loadu_ps(o.scales + b * 16);
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(
-            row_scales, _mm512_set1_ps(o.act_scales[bt])), acc);
+            block_scales(o.scales, o.half_scales, b, halves),
+            _mm512_set1_ps(o.act_scales[bt])), acc);
         if (o.offsets)
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(o.offsets + b * 16),
                                   _mm512_set1_ps(o.inputs[bt]), acc);
@@ -534,13 +550,7 @@ static inline __attribute__((always_inline)) void gemm_tile(
         }
         for (int s = b * per_block; s < b * per_block + block_slices(w, b); s++) {
             const uint8_t *at = group + (int64_t)s * slice_bytes;
-            for (int line = 0; line < slice_bytes; line += 64) {  /* see PREFETCH_SLICES */
-                _mm_prefetch((const char *)at + PREFETCH_SLICES * slice_bytes + line,
-                             _MM_HINT_T0);
-                if (tile < TOKEN_TILE)
-                    _mm_prefetch((const char *)at + STREAM_PREFETCH_SLICES * slice_bytes + line,
-                                 _MM_HINT_T1);
-            }
+            prefetch_slice(at, slice_bytes, tile < TOKEN_TILE);
             __m512i codes[8];
             if (bits == 8) {
                 for (int m = 0; m < 8; m++) codes[m] = _mm512_loadu_si512(at + 64 * m);
@@ -558,9 +568,7 @@ static inline __attribute__((always_inline)) void gemm_tile(
                     dot[i] = _mm512_dpbusd_epi32(dot[i], codes[m], _mm512_set1_epi32(
                         slice_act[m * TOKEN_TILE + i]));
         }
-        const __m512 row_scales = halves  /* float16 to float32 is exact */
-            ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(half + b * 16)))
-            : _mm512_loadu_ps(scales + b * 16);
+        const __m512 row_scales = block_scales(scales, half, b, halves);
         for (int i = 0; i < tile; i++) {
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(
                 row_scales, _mm512_set1_ps(act_scales[bt + i])), acc[i]);
