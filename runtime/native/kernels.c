@@ -297,16 +297,91 @@ static inline void quantize_block(const float *x, int64_t t, int first, int slic
     if (w->offsets) q->inputs[at] = _mm512_reduce_add_ps(input_v);
 }
 
-/* x [T][K] quantized as w's kernels read it (see QActivations). */
+/* Rows `at` .. `at` + 7 (a whole tile) of column block b of x quantized as quantize_block
+   quantizes each of them, the same codes, scales and zero terms: per slice, the eight rows'
+   quads transposed in registers into the tile's [quad][row] layout, eight vector stores
+   where row by row a slice takes 64 scalar ones (the stores were most of a batch-16 step's
+   quantizing). Not for AMX rows. */
+static void quantize_tile_block(const float *x, int64_t at, int b, const QMatrix *w,
+                                QActivations *q) {
+    const int k = w->k, row_slices = k / 32, blocks = block_count(k, w->block);
+    const int first = b * (w->block / 32), slices = block_slices(w, b);
+    __m512 inverse[TOKEN_TILE];
+    __m512i sums[TOKEN_TILE];
+    const int64_t block_at = tile_at(at, blocks, b);  /* row `at`'s entry: the tile's first */
+    for (int r = 0; r < TOKEN_TILE; r++) {
+        const float *row = x + (at + r) * k;
+        __m512 peak = _mm512_setzero_ps(), input = _mm512_setzero_ps();
+        for (int s = first; s < first + slices; s++) {
+            const __m512 lo = _mm512_loadu_ps(row + s * 32), hi = _mm512_loadu_ps(row + s * 32 + 16);
+            peak = _mm512_max_ps(peak, _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            if (w->offsets) input = _mm512_add_ps(input, _mm512_add_ps(lo, hi));
+        }
+        const float scale = _mm512_reduce_max_ps(peak) / 127.f;
+        inverse[r] = _mm512_set1_ps(scale != 0.f ? 1.f / scale : 0.f);
+        sums[r] = _mm512_setzero_si512();
+        q->scales[block_at + r] = scale;
+        if (w->offsets) q->inputs[block_at + r] = _mm512_reduce_add_ps(input);
+    }
+    for (int s = first; s < first + slices; s++) {
+        __m256i quads[TOKEN_TILE];  /* row r's eight quads of the slice */
+        for (int r = 0; r < TOKEN_TILE; r++) {
+            const float *xs = x + (at + r) * k + s * 32;
+            const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xs), inverse[r]));
+            const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xs + 16),
+                                                                 inverse[r]));
+            quads[r] = _mm256_set_m128i(_mm512_cvtsepi32_epi8(qhi), _mm512_cvtsepi32_epi8(qlo));
+            sums[r] = _mm512_add_epi32(sums[r], _mm512_add_epi32(qlo, qhi));
+        }
+        /* 8 x 8 int32 transpose: quad m of rows 0 .. 7 into one vector */
+        __m256i pairs[TOKEN_TILE], fours[TOKEN_TILE];
+        for (int r = 0; r < TOKEN_TILE; r += 2) {
+            pairs[r] = _mm256_unpacklo_epi32(quads[r], quads[r + 1]);
+            pairs[r + 1] = _mm256_unpackhi_epi32(quads[r], quads[r + 1]);
+        }
+        for (int r = 0; r < TOKEN_TILE; r += 4)
+            for (int h = 0; h < 2; h++) {
+                fours[r + h] = _mm256_unpacklo_epi64(pairs[r + h], pairs[r + 2 + h]);
+                fours[r + 2 + h] = _mm256_unpackhi_epi64(pairs[r + h], pairs[r + 2 + h]);
+            }
+        /* fours[i] holds quads (i, i + 4) of rows 0-3 and 4-7: i = 0 m 0/4, 1 m 2/6,
+           2 m 1/5, 3 m 3/7 for rows 0-3 (fours 0-3) and rows 4-7 (fours 4-7) */
+        int32_t *codes = q->codes + tile_at(at, row_slices, s) * 8;
+        static const int order[4] = {0, 2, 1, 3};  /* quad m (of 0 .. 3) in fours[order[m]] */
+        for (int m = 0; m < 4; m++) {
+            const __m256i low = fours[order[m]], high = fours[4 + order[m]];
+            _mm256_storeu_si256((__m256i *)(codes + m * TOKEN_TILE),
+                                _mm256_permute2x128_si256(low, high, 0x20));
+            _mm256_storeu_si256((__m256i *)(codes + (m + 4) * TOKEN_TILE),
+                                _mm256_permute2x128_si256(low, high, 0x31));
+        }
+    }
+    for (int r = 0; r < TOKEN_TILE; r++) {
+        const int32_t total = _mm512_reduce_add_epi32(sums[r]);
+        q->zero_term[block_at + r] = w->zeros ? -total : -(total << (w->bits - 1));
+    }
+}
+
+/* x [T][K] quantized as w's kernels read it (see QActivations): whole tiles block by block
+   (quantize_tile_block), the rows of a last part tile (and every row for AMX) one by one,
+   the items split between threads. */
 static void quantize_rows(const float *x, int t_rows, const QMatrix *w, int threads,
                           QActivations *q) {
     const int blocks = block_count(w->k, w->block);
+    const int64_t tiles = q->rows ? 0 : t_rows / TOKEN_TILE;
+    const int64_t first_row = tiles * TOKEN_TILE, items = tiles * blocks + t_rows - first_row;
     (void)threads;
     #pragma omp parallel for num_threads(threads) if (threads > 1 && t_rows >= PARALLEL_ROWS)
-    for (int64_t t = 0; t < t_rows; t++)
+    for (int64_t i = 0; i < items; i++) {
+        if (i < tiles * blocks) {
+            quantize_tile_block(x, i / blocks * TOKEN_TILE, (int)(i % blocks), w, q);
+            continue;
+        }
+        const int64_t t = first_row + i - tiles * blocks;
         for (int b = 0; b < blocks; b++)
             quantize_block(x, t, b * (w->block / 32), block_slices(w, b),
                            tile_at(t, blocks, b), w, q);
+    }
 }
 
 /* The common full tile as one loop of assembly: TOKEN_TILE (8) activation rows times a row
