@@ -2110,9 +2110,10 @@ static Scratch thread_scratch(const Model *m, const Scratch *s, int id, int lo) 
    phase by phase instead (every projection by columns, every per-row phase by rows), each
    phase reads what the other core wrote in the last: in prefill, about half of every
    phase's input came from the other core's cache. (The phase profile follows thread 0: its
-   waits for the others land in attend and in the next layer's qkv.) */
+   waits for the others land in attend and in the next layer's qkv.) whole 0: the q/k/v
+   projection and the KV write alone (layer_qkv's part). */
 static int layer_split(const Model *m, int l, const StepTokens *step, int c, int rows,
-                       Scratch *s, double *clock) {
+                       Scratch *s, double *clock, int whole) {
     const int threads = m->num_threads;
     Model one = *m;
     one.num_threads = 1;
@@ -2131,8 +2132,10 @@ static int layer_split(const Model *m, int l, const StepTokens *step, int c, int
         Scratch own = thread_scratch(m, s, id, lo);
         double *own_clock = id == 0 ? clock : NULL;
         if (lo < hi) status |= layer_qkv(&one, l, step, c + lo, hi - lo, &own, own_clock);
-        #pragma omp barrier
-        if (lo < hi) status |= layer_rest(&one, l, step, c + lo, hi - lo, &own, own_clock);
+        if (whole) {
+            #pragma omp barrier
+            if (lo < hi) status |= layer_rest(&one, l, step, c + lo, hi - lo, &own, own_clock);
+        }
     }
     return status;
 }
@@ -2150,12 +2153,79 @@ int llmopt_native_split_rows(int rows) {
 
 /* Layer l over the step's rows c .. c + rows - 1: by rows between threads where each has
    split_rows of them (layer_split), else every phase split between the threads. */
+static inline int splits(const Model *m, int rows) {
+    return m->num_threads > 1 && rows >= m->num_threads * split_rows;
+}
+
 static int layer_chunk(const Model *m, int l, const StepTokens *step, int c, int rows,
                        Scratch *s, double *clock) {
-    if (m->num_threads > 1 && rows >= m->num_threads * split_rows)
-        return layer_split(m, l, step, c, rows, s, clock);
+    if (splits(m, rows)) return layer_split(m, l, step, c, rows, s, clock, 1);
     const int status = layer_qkv(m, l, step, c, rows, s, clock);  /* (| orders no calls) */
     return status | layer_rest(m, l, step, c, rows, s, clock);
+}
+
+/* The rows of a step whose logits it returns, and where the last layer leaves them. */
+typedef struct {
+    uint8_t *wanted;       /* [T] 1: the step returns row t's logits */
+    int32_t *moved;        /* [T] row t's place in s->x after the last layer */
+    int32_t *lanes, *lane_rows;  /* [T] the kept rows' (compacted; StepTokens') */
+    uint64_t *masks;       /* [T], or NULL where the step has none */
+} KeptRows;
+
+/* The last layer over rows c .. c + rows - 1 where only some rows' logits are wanted (a
+   prefill returns its last token's): every row writes its keys and values, and only the
+   wanted rows, moved to the chunk's first rows (their q/k/v and residual rows, and their
+   lanes, rows and masks in `kept`), go on through attention, o and the MLP. Nothing reads
+   the others' outputs past this layer, and each kept row computes what it would among
+   all of them (attend_run: a token's attention does not depend on the run it is in): the
+   same logits, bit for bit, for about 1 / layers less work in a long prefill. */
+static int last_layer_chunk(const Model *m, int l, const StepTokens *step, int c, int rows,
+                            Scratch *s, double *clock, KeptRows *kept) {
+    int status = splits(m, rows) ? layer_split(m, l, step, c, rows, s, clock, 0)
+                                 : layer_qkv(m, l, step, c, rows, s, clock);
+    const int64_t qkv_width = (int64_t)(m->heads + 2 * m->kv_heads) * m->head_dim;
+    const int hidden = m->hidden;
+    int n = 0;
+    for (int i = 0; i < rows; i++) {
+        const int t = c + i, to = c + n;
+        if (!kept->wanted[t]) continue;
+        if (n != i) {  /* rows move down only: a row's new place holds nothing still needed */
+            memcpy(s->qkv + n * qkv_width, s->qkv + i * qkv_width, sizeof(float) * qkv_width);
+            memcpy(s->x + (int64_t)to * hidden, s->x + (int64_t)t * hidden,
+                   sizeof(float) * hidden);
+        }
+        kept->lanes[to] = step->lanes[t];
+        kept->lane_rows[to] = step->lane_rows[t];
+        if (kept->masks) kept->masks[to] = step->masks[t];
+        kept->moved[t] = to;
+        n++;
+    }
+    if (n == 0) return status;
+    StepTokens compact = *step;
+    compact.lanes = kept->lanes;
+    compact.lane_rows = kept->lane_rows;
+    compact.masks = kept->masks;
+    return status | layer_rest(m, l, &compact, c, n, s, clock);
+}
+
+static void kept_free(KeptRows *kept) {
+    free(kept->wanted); free(kept->moved); free(kept->lanes); free(kept->lane_rows);
+    free(kept->masks);
+}
+
+/* KeptRows for a step of t_rows rows returning logit_rows' logits; 0 when memory runs out. */
+static int kept_alloc(int t_rows, int n_logits, const int32_t *logit_rows, int masks,
+                      KeptRows *kept) {
+    kept->wanted = calloc(t_rows, 1);
+    kept->moved = malloc(sizeof(int32_t) * t_rows);
+    kept->lanes = malloc(sizeof(int32_t) * t_rows);
+    kept->lane_rows = malloc(sizeof(int32_t) * t_rows);
+    kept->masks = masks ? malloc(sizeof(uint64_t) * t_rows) : NULL;
+    if (!kept->wanted || !kept->moved || !kept->lanes || !kept->lane_rows
+            || (masks && !kept->masks))
+        return 0;
+    for (int r = 0; r < n_logits; r++) kept->wanted[logit_rows[r]] = 1;
+    return 1;
 }
 
 /* One step. Token t (of T, packed) has id tokens[t] and position positions[t], sits in
@@ -2189,20 +2259,27 @@ int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
     }
     clock = profile_phase(PHASE_EMBED, clock);
     const int chunk = chunk_rows(m);
-    int status = 0;  /* an AMX tile's unpacking buffer may fail to allocate */
+    KeptRows kept = {0};
+    const int trim = n_logits < t_rows;  /* some rows' logits unwanted: last_layer_chunk */
+    /* status: an AMX tile's unpacking buffer, or kept's arrays, may fail to allocate */
+    int status = trim && !kept_alloc(t_rows, n_logits, logit_rows, masks != NULL, &kept);
     for (int l = 0; l < m->layers && !status; l++)
-        for (int c = 0; c < t_rows && !status; c += chunk)
-            status |= layer_chunk(m, l, &step, c, t_rows - c < chunk ? t_rows - c : chunk,
-                                  &s, &clock);
-    for (int r = 0; r < n_logits; r++)
-        rms_norm(s.x + (int64_t)logit_rows[r] * hidden, m->final_norm, m->eps, hidden,
-                 s.h + (int64_t)r * hidden);
+        for (int c = 0; c < t_rows && !status; c += chunk) {
+            const int rows = t_rows - c < chunk ? t_rows - c : chunk;
+            status |= trim && l == m->layers - 1
+                ? last_layer_chunk(m, l, &step, c, rows, &s, &clock, &kept)
+                : layer_chunk(m, l, &step, c, rows, &s, &clock);
+        }
+    for (int r = 0; r < n_logits && !status; r++)
+        rms_norm(s.x + (int64_t)(trim ? kept.moved[logit_rows[r]] : logit_rows[r]) * hidden,
+                 m->final_norm, m->eps, hidden, s.h + (int64_t)r * hidden);
     for (int r = 0; r < n_logits && !status; r += chunk)
         status = linear(m, &m->head, s.h + (int64_t)r * hidden,
                         n_logits - r < chunk ? n_logits - r : chunk, &s,
                         logits + (int64_t)r * m->head.n);
     profile_phase(PHASE_HEAD, clock);
     scratch_free(&s);
+    kept_free(&kept);
     return status ? -1 : 0;
 }
 #pragma GCC pop_options

@@ -543,6 +543,45 @@ def test_a_lanes_run_of_tokens_attends_as_each_token_would_alone(name, artifacts
         assert np.array_equal(row[0], got[position]), f"token {i}"
 
 
+@pytest.mark.parametrize("name,threads,layer_rows", [
+    ("llama-sym-h8", 1, None), ("llama-kv-int4-mixed", 2, None), ("llama-g128-kv-int8", 2, 5),
+    ("llama-d64-kv-int8-rotate", 3, None)])
+def test_the_last_layer_runs_only_the_rows_whose_logits_a_step_returns(name, threads,
+                                                                      layer_rows, artifacts):
+    """Where a step returns some rows' logits (a prefill, its last token's), the last layer
+    takes only those rows past the KV write (kernels.c's last_layer_chunk): their logits
+    equal, bit for bit, the same rows' of the same step returning every row's, and so do
+    the lanes it writes; also with the rows cut into chunks of 5 (the kept rows of several
+    chunks) and split between threads."""
+    from llmopt.runtime.step_batch import SequenceStep, make_step_batch
+
+    def run(wanted: list[list[int]]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        llm = LLM(artifacts[name], kernels="native", speculative=False, num_threads=threads)
+        size = llm.engine.config.block_size
+        lane_blocks = llm.engine.config.max_context // size
+        steps = [SequenceStep(prompt, 0, list(range(1 + i * lane_blocks,
+                                                   1 + (i + 1) * lane_blocks)), rows)
+                 for i, (prompt, rows) in enumerate(zip(prompts, wanted, strict=True))]
+        executor = llm.engine.executor
+        return executor.execute(make_step_batch(steps, size)), dict(executor.pools)
+
+    prompts = [requests()[i] for i in (13, 4, 9)]  # 29, 35 and 21 tokens
+    some = [[len(prompts[0]) - 1], [], [0, 7, 8, len(prompts[2]) - 1]]
+    previous = lib.llmopt_native_layer_rows(layer_rows or 0)
+    split = lib.llmopt_native_split_rows(3)  # two or three threads split the layer's rows
+    try:
+        every, every_lanes = run([range(len(p)) for p in prompts])
+        got, lanes = run(some)
+    finally:
+        lib.llmopt_native_layer_rows(previous)
+        lib.llmopt_native_split_rows(split)
+    starts = np.cumsum([0] + [len(p) for p in prompts])
+    rows = [start + r for start, wanted in zip(starts, some, strict=False) for r in wanted]
+    assert np.array_equal(got, every[rows])
+    for pool, values in every_lanes.items():
+        np.testing.assert_array_equal(lanes[pool], values)
+
+
 @pytest.mark.parametrize("name", ["llama-sym-h8", "llama-kv-int4-mixed", "llama-g128-kv-int8"])
 def test_a_draft_tree_attends_as_each_branch_would_as_a_chain(name, artifacts):
     """A tree step (two branches under the last known token, a third under the first
