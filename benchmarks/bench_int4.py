@@ -9,7 +9,9 @@ Bandwidth is read over --bandwidth-mib (DRAM) and over an array the size of the 
 weights per token (a decode step re-reads that working set every token; the bounds use it),
 each by numpy and by the native kernels' prefetching read loop, the best counting (on
 session 18's Xeon, 1 thread: 16.7 GB/s from DRAM, 27.1 over 84 MiB, both the native loop's;
-numpy's single stream read 9.2 and 13.9).
+numpy's single stream read 9.2 and 13.9). Batched runs of native artifacts get their
+arithmetic floor beside it: the run's int8 multiply-adds over the cores' measured dot rate
+(_arithmetic_bound.py), and the batch-16 / own batch-1 ratio that floor would allow.
 
 Systems (each worker a fresh subprocess, greedy, EOS ignored, same random prompts):
   llmopt-fp32          recipes/smollm2-135m-instruct.yaml as is (the same-run baseline)
@@ -50,6 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _arithmetic_bound import dot_rate_g_macs, native_plan, run_macs
 from _bandwidth_bound import (
     gguf_kv_bytes_per_position,
     gguf_weight_bytes,
@@ -183,7 +186,7 @@ def bandwidth_probes(threads: int, args: argparse.Namespace) -> dict[str, Any]:
     best = {size: max(max(probes[f"{reader}_{size}"] or [0.0]) for reader in ("numpy", "native"))
             for size in ("working_set", "dram")}
     return {"gb_s": best["dram"], "working_set_gb_s": best["working_set"],
-            "samples_gb_s": probes}
+            "samples_gb_s": probes, "dot_g_macs": dot_rate_g_macs(threads)}
 
 
 def mode_cases(mode: str, args: argparse.Namespace) -> list[Case]:
@@ -501,10 +504,15 @@ def bandwidth_by_threads(records: list[dict[str, Any]]) -> dict[int, dict[str, A
             probes = per.setdefault(rec["threads"], {"gb_s": [], "working_set_gb_s": []})
             for key, values in probes.items():
                 values.append(rec["results"][0][key])
+    dots: dict[int, list[float]] = {}
+    for rec in records:
+        if rec["mode"] == "bandwidth" and rec["results"][0].get("dot_g_macs"):
+            dots.setdefault(rec["threads"], []).append(rec["results"][0]["dot_g_macs"])
     return {t: {key: statistics.median(v) for key, v in probes.items()}
             | {"range": [min(probes["gb_s"]), max(probes["gb_s"])],
                "working_set_range": [min(probes["working_set_gb_s"]),
-                                     max(probes["working_set_gb_s"])]}
+                                     max(probes["working_set_gb_s"])],
+               "dot_g_macs": statistics.median(dots[t]) if t in dots else None}
             for t, probes in per.items()}
 
 
@@ -541,6 +549,38 @@ def add_context_bounds(rows: list[dict[str, Any]], sizes: dict[str, dict[str, An
         row["bound_tok_s"] = bw["working_set_gb_s"] * 1e9 / step_bytes if bw else None
         row["fraction_of_bound"] = (row["decode_tok_s_per_stream"] / row["bound_tok_s"]
                                     if bw else None)
+
+
+# ---- the arithmetic floor of a batched run: its int8 multiply-adds / the dot rate -------
+
+
+def arithmetic_rows(batch_rows: list[dict[str, Any]], targets: dict[str, str],
+                    bandwidth: dict[int, dict[str, Any]], prompt_len: int, gen_len: int
+                    ) -> list[dict[str, Any]]:
+    """Per native llmopt system, threads and batch: the run's multiply-adds, its floor at
+    the measured dot rate (_arithmetic_bound.py), the measured run as a fraction of that
+    floor, and the highest aggregate over the system's own measured batch 1 that the floor
+    leaves (the batch-16 target asks 4x; batch 1 itself is bound by reading, not
+    multiplying: the bound table)."""
+    own_b1 = {(r["system"], r["threads"]): r["aggregate_tok_s"]
+              for r in batch_rows if r["batch"] == 1}
+    rows = []
+    for r in batch_rows:
+        plan = (native_plan(Path(targets[r["system"]]))
+                if r["system"].endswith("-native") else None)
+        rate = bandwidth.get(r["threads"], {}).get("dot_g_macs")
+        if plan is None or not rate:
+            continue
+        macs = run_macs(plan, r["batch"], prompt_len, gen_len)
+        floor_s = macs / (rate * 1e9)
+        wall_s = r["batch"] * gen_len / r["aggregate_tok_s"]
+        b1 = own_b1.get((r["system"], r["threads"]))
+        rows.append({"system": r["system"], "threads": r["threads"], "batch": r["batch"],
+                     "g_macs": macs / 1e9, "dot_g_macs_per_s": rate, "floor_s": floor_s,
+                     "wall_s": wall_s, "fraction_of_rate": floor_s / wall_s,
+                     "best_aggregate_vs_own_b1": (r["batch"] * gen_len / floor_s / b1
+                                                  if b1 and r["batch"] > 1 else None)})
+    return rows
 
 
 # ---- acceptance: the issue's targets, checked on the medians ---------------------------
@@ -631,6 +671,16 @@ def bound_table(rows: list[dict[str, Any]], prompt_len: int) -> str:
          f"{r['bandwidth_gb_s']:.1f} / {r['working_set_gb_s']:.1f}",
          f"{r['dram_bound_tok_s']:.0f} / {r['bound_tok_s']:.0f}", number(r["decode_tok_s"]),
          percent(r["fraction_of_bound"])]
+        for r in rows])
+
+
+def arithmetic_table(rows: list[dict[str, Any]]) -> str:
+    header = ["system", "threads", "batch", "G multiply-adds", "dot rate G/s",
+              "floor s", "measured s", "of rate", "agg vs own b1 at the floor"]
+    return markdown(header, [
+        [r["system"], str(r["threads"]), str(r["batch"]), f"{r['g_macs']:.1f}",
+         f"{r['dot_g_macs_per_s']:.0f}", f"{r['floor_s']:.3f}", f"{r['wall_s']:.3f}",
+         percent(r["fraction_of_rate"]), ratio(r["best_aggregate_vs_own_b1"])]
         for r in rows])
 
 
@@ -731,7 +781,7 @@ def main() -> None:
     started = time.perf_counter()
     records = run_rounds(args, targets)
     machine["uptime_at_end"], machine["loadavg_at_end"] = uptime(), list(os.getloadavg())
-    report = build_report(args, records, sizes)
+    report = build_report(args, records, sizes, targets)
     print_report(args, machine, report)
     write_json(args.json, {
         "benchmark": "bench_int4", "machine": machine,
@@ -748,7 +798,7 @@ def main() -> None:
 
 
 def build_report(args: argparse.Namespace, records: list[dict[str, Any]],
-                 sizes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+                 sizes: dict[str, dict[str, Any]], targets: dict[str, str]) -> dict[str, Any]:
     """Medians, ratios, bounds and the acceptance checks of every worker record."""
     bandwidth = bandwidth_by_threads(records)
     batch_rows = summarize([r for r in records if r["mode"] == "batch"], "batch")
@@ -757,6 +807,8 @@ def build_report(args: argparse.Namespace, records: list[dict[str, Any]],
     return {"bandwidth_gb_s": bandwidth, "batch_summary": batch_rows,
             "context_summary": context_rows,
             "bound": bound_rows(sizes, bandwidth, batch_rows),
+            "arithmetic": arithmetic_rows(batch_rows, targets, bandwidth, args.prompt_len,
+                                          args.gen_len),
             "targets": acceptance(batch_rows, context_rows)}
 
 
@@ -778,6 +830,11 @@ def print_report(args: argparse.Namespace, machine: dict[str, Any],
           f"{4 * BANDWIDTH_REPEATS} of {args.working_set_mib} MiB, the weights' size, by numpy "
           "or the native read loop)\n")
     print(bound_table(report["bound"], args.prompt_len))
+    if report["arithmetic"]:
+        print("\nbatched runs against the int8 dot rate (native artifacts: the run's "
+              "multiply-adds / probe_dot_rate.c's zmm rate, one probe per thread at once; the "
+              "last column: the aggregate the floor would give over the measured batch 1's)\n")
+        print(arithmetic_table(report["arithmetic"]))
     print()
     for check in report["targets"]:
         print(f"{check['target']} >= {check['goal']}x at {check['threads']} thread(s): "
