@@ -3,7 +3,8 @@
 The runtime's native decoder step (one C call per step, see runtime/native/kernels.c)
 computes what a lanes graph computes, for the graphs it knows: a llama-style decoder
 (RMS norms, fused QKV and gate/up projections, SiLU, GroupQueryAttention with rotary, no
-biases, softcap or sliding window) whose projections are MatMulNBits at accuracy level 4
+softcap or sliding window; biases added to projections, as Qwen2's q/k/v, are taken) whose
+projections are MatMulNBits at accuracy level 4
 with 4- or 8-bit codes in blocks of 32, 64 or 128, and KV lanes of float32 or, per layer,
 the KV-cache pass's float16 or int8/int4 codes with static per-channel scales (rotary and
 an optional rotation of queries and keys run before the node then, and the step's keys
@@ -55,6 +56,7 @@ class _Planner:
             for name in n.input:
                 self.consumers.setdefault(name, []).append(n)
         self.offsets = {n.input[1]: self._group_offsets(n) for n in self.by_weight.values()}
+        self.biases = {n.input[1]: self._bias(n) for n in self.by_weight.values()}
 
     def plan(self) -> dict[str, Any]:
         attention = [n for n in self.nodes if n.op_type == "GroupQueryAttention"]
@@ -93,10 +95,11 @@ class _Planner:
 
     def _check_node_counts(self, layers: int, quantized: list[dict[str, Any]]) -> None:
         offset = sum(o is not None for o in self.offsets.values())  # two MatMuls and an Add
+        biases = sum(b is not None for b in self.biases.values())  # an Add each
         expected = Counter({
             "MatMulNBits": 4 * layers + 1, "GroupQueryAttention": layers,
             "SimplifiedLayerNormalization": 2, "SkipSimplifiedLayerNormalization": 2 * layers - 1,
-            "Split": layers, "Sigmoid": layers, "Mul": 2 * layers, "Add": 1 + offset,
+            "Split": layers, "Sigmoid": layers, "Mul": 2 * layers, "Add": 1 + offset + biases,
             "Reshape": 1, "Identity": 1, "MatMul": 2 * offset})
         for kv in quantized:  # the chain `_quantized_kv` or `_float16_kv` read
             expected.update({"Split": 1, "RotaryEmbedding": 2})
@@ -294,12 +297,28 @@ class _Planner:
             raise Unsupported("fractional zero points")
         if len(node.input) > 4 and any(node.input[4:]):
             raise Unsupported("MatMulNBits with g_idx or bias")
-        offsets = self.offsets.get(node.input[1])
+        offsets, bias = self.offsets.get(node.input[1]), self.biases.get(node.input[1])
         return {"codes": self._tensor(node.input[1]), "scales": self._tensor(node.input[2]),
                 "zeros": self._tensor(zeros) if zeros else None,
                 "offsets": self._tensor(offsets) if offsets else None,
+                "bias": self._tensor(bias) if bias else None,
                 "bits": attrs["bits"], "block": attrs["block_size"], "n": attrs["N"],
                 "k": attrs["K"]}
+
+    def _bias(self, node: onnx.NodeProto) -> str | None:
+        """The float32 [N] initializer lower.py's `_linear` adds to the projection's output
+        (after its group offsets' Add, if any), or None."""
+        out = node.output[0]
+        if self._group_offsets(node):  # the bias is added to the offsets' sum
+            out = next(a.output[0] for a in self.consumers[out] if a.op_type == "Add")
+        for add in self.consumers.get(out, []):
+            other = [name for name in add.input if name != out]
+            if (add.op_type == "Add" and len(other) == 1 and other[0] in self.tensors
+                    and other[0].endswith(".bias")
+                    and self.tensors[other[0]].data_type == onnx.TensorProto.FLOAT
+                    and self._dims(other[0]) == [_attrs(node)["N"]]):
+                return other[0]
+        return None
 
     def _group_offsets(self, node: onnx.NodeProto) -> str | None:
         """The [K/32, N] offsets of fractional zero points (compiler/quant_format's

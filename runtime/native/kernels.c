@@ -63,6 +63,7 @@ typedef struct {  /* a projection, sixteen rows interleaved (see above); B: bloc
     int32_t block;          /* columns per quantization block: 32, 64 or 128 */
     const uint16_t *half_scales;  /* the scales as float16 where every one is exactly one
                                      (GGUF's are), else NULL: a lone row streams these */
+    const float *bias;      /* [N] added to every output row (Qwen2's q/k/v), or NULL */
 } QMatrix;
 
 typedef struct {  /* embedding rows: MatMulNBits' layout, row after row */
@@ -994,8 +995,21 @@ static inline void thread_share(int64_t items, int64_t *lo, int64_t *hi) {
     *hi = items * (id + 1) / count;
 }
 
-/* y [T][N] = a times w's transpose, the row groups split between threads. Returns 0, or -1
-   when memory runs out. */
+/* y[t][16 lo .. 16 hi - 1] += w's bias, for every row t (the graph's Add after the
+   projection: the same float sums). */
+static void add_bias(const QMatrix *w, int t_rows, float *y, int64_t lo, int64_t hi) {
+    const int64_t end = 16 * hi < w->n ? 16 * hi : w->n;
+    for (int t = 0; t < t_rows; t++)
+        for (int64_t c = 16 * lo; c < end; c += 16) {
+            const __mmask16 m = end - c >= 16 ? 0xFFFF : (__mmask16)((1u << (end - c)) - 1);
+            float *at = y + (int64_t)t * w->n + c;
+            _mm512_mask_storeu_ps(at, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, at),
+                                                       _mm512_maskz_loadu_ps(m, w->bias + c)));
+        }
+}
+
+/* y [T][N] = a times w's transpose (plus its bias), the row groups split between threads.
+   Returns 0, or -1 when memory runs out. */
 static int gemm(const QMatrix *w, const QActivations *a, int t_rows, float *y, int threads) {
     const int amx = a->rows != NULL && amx_takes(w, t_rows);
     int status = 0;
@@ -1006,6 +1020,7 @@ static int gemm(const QMatrix *w, const QActivations *a, int t_rows, float *y, i
         thread_share((w->n + 15) / 16, &lo, &hi);
         if (lo < hi && amx) status |= gemm_groups_amx(w, a, t_rows, y, lo, hi);
         else if (lo < hi) gemm_groups(w, a, t_rows, y, lo, hi);
+        if (lo < hi && w->bias) add_bias(w, t_rows, y, lo, hi);
     }
     return status;
 }

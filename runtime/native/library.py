@@ -19,14 +19,14 @@ class QMatrix(ctypes.Structure):
 
     _fields_ = [("codes", c_ptr), ("scales", c_ptr), ("zeros", c_ptr), ("offsets", c_ptr),
                 ("n", c_i32), ("k", c_i32), ("bits", c_i32), ("block", c_i32),
-                ("half_scales", c_ptr)]
+                ("half_scales", c_ptr), ("bias", c_ptr)]
 
 
 class QRows(ctypes.Structure):
-    """kernels.c's QRows: QMatrix's fields but the last, rows in MatMulNBits' layout
+    """kernels.c's QRows: QMatrix's fields up to `block`, rows in MatMulNBits' layout
     (embedding rows)."""
 
-    _fields_ = QMatrix._fields_[:-1]
+    _fields_ = QMatrix._fields_[:8]
 
 
 class KVLayout(ctypes.Structure):

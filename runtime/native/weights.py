@@ -80,6 +80,8 @@ class NativeWeights:
                                           spec["bits"], offsets, _block(spec),
                                           place=self._arena.place)
         self._keep += arrays
+        if spec.get("bias"):  # the graph adds it to the projection's output
+            matrix.bias = self._pointer(spec["bias"])
         return matrix
 
     def _rows(self, spec: dict[str, Any]) -> QRows:

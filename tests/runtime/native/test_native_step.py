@@ -101,7 +101,7 @@ ARTIFACTS = {  # name -> (architecture, passes, target options)
     "llama-float-activations": ("llama", [rtn(True, 8)], {}),
     "llama-blocks": ("llama", [rtn(True, 8)], {**A8, "kv_layout": "blocks"}),
     "mistral-window": ("mistral", [rtn(True, 8)], A8),
-    "qwen2-bias": ("qwen2", [rtn(True, 8)], A8),
+    "qwen2-bias": ("qwen2", [rtn(True, 8), SUFFIX], A8),  # q/k/v biases, after the projection
     "gguf-q4_1": ("gguf", [{"gguf_weights": {"include_lm_head": True}}], A8),
     # a distilled one-layer draft model, compiled with the target's options: both native
     "llama-self-draft": ("llama", [rtn(True, 8), {"draft": {
@@ -358,7 +358,7 @@ def _torch(array: np.ndarray):
                                   "llama-kv-int8-rotate", "llama-kv-int4-mixed",
                                   "llama-kv-float16", "llama-d64-kv-int4",
                                   "llama-d64-kv-int8-rotate", "llama-g128-kv-int8",
-                                  "llama-asym-g64-h8"])
+                                  "llama-asym-g64-h8", "qwen2-bias"])
 def test_the_step_matches_onnx_runtime(name, artifacts):
     native, reference = (LLM(artifacts[name], kernels=k, speculative=False)
                          for k in ("native", "onnxruntime"))
@@ -410,7 +410,7 @@ def test_the_step_matches_onnx_runtime(name, artifacts):
 
 @pytest.mark.parametrize("name", ["llama-sym-h8", "llama-self-draft", "llama-kv-int4-mixed",
                                   "llama-kv-float16", "llama-d64-kv-int4",
-                                  "llama-g128-kv-int8"])
+                                  "llama-g128-kv-int8", "qwen2-bias"])
 def test_batching_preemption_and_speculation_change_nothing(name, artifacts):
     prompts = requests()
     llm = LLM(artifacts[name], kernels="native", speculative=False)
@@ -653,7 +653,6 @@ def test_draft_trees_need_a_suffix_draft_and_the_native_step(artifacts):
     ("llama-float-activations", "float activations"),
     ("llama-blocks", "not a lanes graph"),
     ("mistral-window", "sliding windows"),
-    ("qwen2-bias", "a graph the native step does not know (Add)"),
 ])
 def test_what_it_cannot_run_it_says(name, reason, artifacts):
     with pytest.raises(ValueError, match=r"^kernels: native cannot run target\.onnx: .*"
