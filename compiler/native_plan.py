@@ -3,8 +3,9 @@
 The runtime's native decoder step (one C call per step, see runtime/native/kernels.c)
 computes what a lanes graph computes, for the graphs it knows: a llama-style decoder
 (RMS norms, fused QKV and gate/up projections, SiLU, GroupQueryAttention with rotary, no
-softcap or sliding window; biases added to projections, as Qwen2's q/k/v, are taken) whose
-projections are MatMulNBits at accuracy level 4
+softcap or sliding window; biases added to projections, as Qwen2's q/k/v, and RMS norms of
+each query and key head before rotary, as Qwen3's, are taken) whose projections are
+MatMulNBits at accuracy level 4
 with 4- or 8-bit codes in blocks of 32, 64 or 128, and KV lanes of float32 or, per layer,
 the KV-cache pass's float16 or int8/int4 codes with static per-channel scales (rotary and
 an optional rotation of queries and keys run before the node then, and the step's keys
@@ -57,6 +58,7 @@ class _Planner:
                 self.consumers.setdefault(name, []).append(n)
         self.offsets = {n.input[1]: self._group_offsets(n) for n in self.by_weight.values()}
         self.biases = {n.input[1]: self._bias(n) for n in self.by_weight.values()}
+        self.head_norms: dict[str, tuple[str, str]] = {}  # attention output -> q, k norms
 
     def plan(self) -> dict[str, Any]:
         attention = [n for n in self.nodes if n.op_type == "GroupQueryAttention"]
@@ -67,8 +69,8 @@ class _Planner:
             raise Unsupported("float activations (nbits_accuracy_level 0): the native step "
                               "multiplies int8 activations")
         kv = [self._lane_kv(n) for n in attention]
+        heads, kv_heads, scale, cos, sin = self._attention(attention, kv)  # (head_norms)
         self._check_node_counts(layers, [entry for entry in kv if entry])
-        heads, kv_heads, scale, cos, sin = self._attention(attention, kv)
         head_dim = self._dims(cos)[1] * 2
         norms = [n for n in self.nodes if "LayerNormalization" in n.op_type]
         eps = {round(_attrs(n)["epsilon"], 12) for n in norms}
@@ -78,7 +80,7 @@ class _Planner:
             "eps": eps.pop(), "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
             "attn_scale": scale, "rope": {"cos": self._tensor(cos), "sin": self._tensor(sin)},
             "embed": self._embedding(),
-            "layers": [self._layer(i, kv[i]) for i in range(layers)],
+            "layers": [self._layer(i, kv[i], attention[i]) for i in range(layers)],
             "final_norm": self._tensor("final_norm"),
             "head": self._matmul(self._node_of("lm_head.B")),
         }
@@ -109,6 +111,11 @@ class _Planner:
                 expected.update({"Div": 2, "Round": 2, "Clip": 2, "Mul": 2})
             if kv["rotation"]:
                 expected.update({"Reshape": 4, "MatMul": 2})
+        if self.head_norms:  # per layer: a Reshape, a norm and a Reshape for each side
+            expected.update({"Reshape": 4 * len(self.head_norms),
+                             "SimplifiedLayerNormalization": 2 * len(self.head_norms)})
+            # float32 lanes take queries, keys and values from a Split of their own
+            expected.update({"Split": layers - len(quantized)})
         if quantized:  # the step's positions, built once (lower.py's _lane_positions)
             expected.update({"Add": 2, "Sub": 1, "Cast": 1, "Unsqueeze": 1, "Gather": 1,
                              "Shape": 1, "Range": 1, "Min": 1})
@@ -135,9 +142,9 @@ class _Planner:
                 tables = tuple(self._rotated(queries)[0].input[2:4])
             elif attrs.get("do_rotary") != 1 or attrs.get("rotary_interleaved", 0):
                 raise Unsupported("attention without fused non-interleaved rotary")
-            elif any(n.input[1:3]):
-                raise Unsupported("keys and values not packed with the queries")
             else:
+                if any(n.input[1:3]):  # only head norms between the Split and the node
+                    self._split_sides(n, n.input[0], n.input[1], n.input[2])
                 tables = (n.input[7], n.input[8])
             shapes.add((attrs["num_heads"], attrs["kv_num_heads"], float(attrs["scale"]),
                         *tables))
@@ -200,13 +207,7 @@ class _Planner:
         attrs = _attrs(node)
         q_rope, q_rotation = self._rotated(queries)
         k_rope, k_rotation = self._rotated(keys)
-        split = self.producer.get(values)
-        sizes = self._scalars(split.input[1]) if split is not None else []
-        if (split is None or split.op_type != "Split" or list(split.output) != [
-                q_rope.input[0], k_rope.input[0], values] or len(sizes) != 3
-                or sizes[0] * attrs["kv_num_heads"] != sizes[1] * attrs["num_heads"]
-                or sizes[1] != sizes[2]):
-            raise Unsupported("KV lanes not fed by a Split of queries, keys, values")
+        sizes = self._split_sides(node, q_rope.input[0], k_rope.input[0], values)
         if q_rotation != k_rotation or q_rope.input[2:4] != k_rope.input[2:4]:
             raise Unsupported("queries and keys embedded or rotated differently")
         head_dim = sizes[1] // attrs["kv_num_heads"]
@@ -214,6 +215,43 @@ class _Planner:
                            or self.tensors[q_rotation].data_type != onnx.TensorProto.FLOAT):
             raise Unsupported(f"{q_rotation} is not a float32 [{head_dim}, {head_dim}] rotation")
         return self._tensor(q_rotation) if q_rotation else None
+
+    def _split_sides(self, node: onnx.NodeProto, queries: str, keys: str, values: str
+                     ) -> list[float]:
+        """Checks that a GroupQueryAttention node's queries, keys and values (before rotary)
+        come from one Split of the fused projection, the queries and keys through an RMS
+        norm of each head or neither (noted in head_norms); returns the Split's sizes."""
+        attrs = _attrs(node)
+        (q_source, q_norm), (k_source, k_norm) = self._head_normed(queries), self._head_normed(keys)
+        split = self.producer.get(values)
+        sizes = self._scalars(split.input[1]) if split is not None else []
+        if (split is None or split.op_type != "Split"
+                or list(split.output) != [q_source, k_source, values] or len(sizes) != 3
+                or sizes[0] * attrs["kv_num_heads"] != sizes[1] * attrs["num_heads"]
+                or sizes[1] != sizes[2]):
+            raise Unsupported("KV lanes not fed by a Split of queries, keys, values")
+        if (q_norm is None) != (k_norm is None):
+            raise Unsupported("a norm of the query heads or of the key heads, not both")
+        if q_norm is not None:
+            head_dim = sizes[1] // attrs["kv_num_heads"]
+            for norm in (q_norm, k_norm):
+                if (self._dims(norm) != [head_dim]
+                        or self.tensors[norm].data_type != onnx.TensorProto.FLOAT):
+                    raise Unsupported(f"{norm} is not a float32 [{head_dim}] head norm")
+            self.head_norms[node.output[0]] = (q_norm, k_norm)
+        return sizes
+
+    def _head_normed(self, name: str) -> tuple[str, str | None]:
+        """The tensor behind an RMS norm of each head (Reshape to heads, the norm, Reshape
+        back: lower.py's `_head_norm`) and the norm's weight; (`name`, None) if none."""
+        back = self.producer.get(name)
+        norm = self.producer.get(back.input[0]) if back and back.op_type == "Reshape" else None
+        if norm is None or norm.op_type != "SimplifiedLayerNormalization":
+            return name, None
+        heads = self.producer.get(norm.input[0])
+        if heads is None or heads.op_type != "Reshape" or norm.input[1] not in self.tensors:
+            raise Unsupported(f"{name}: a norm of something other than heads")
+        return heads.input[0], norm.input[1]
 
     def _rotated(self, name: str) -> tuple[onnx.NodeProto, str | None]:
         """The RotaryEmbedding node behind `name`, and the rotation matrix applied after it
@@ -268,8 +306,10 @@ class _Planner:
                           "bits": attrs["bits"], "block": attrs["block_size"], "n": codes[0],
                           "k": codes[1] * 8 // attrs["bits"]}}
 
-    def _layer(self, i: int, kv: dict[str, Any] | None) -> dict[str, Any]:
+    def _layer(self, i: int, kv: dict[str, Any] | None, attention: onnx.NodeProto
+               ) -> dict[str, Any]:
         p = f"layers.{i}."
+        norms = self.head_norms.get(attention.output[0])
         return {
             "attn_norm": self._tensor(p + "attn_norm"), "mlp_norm": self._tensor(p + "mlp_norm"),
             "qkv": self._matmul(self._node_of(p + "q_proj_k_proj_v_proj.B")),
@@ -277,6 +317,9 @@ class _Planner:
             "gate_up": self._matmul(self._node_of(p + "gate_proj_up_proj.B")),
             "down": self._matmul(self._node_of(p + "down_proj.B")),
             "kv": kv,  # None: float32 lanes
+            # RMS norms of each query and key head before rotary (Qwen3), or None
+            "q_norm": self._tensor(norms[0]) if norms else None,
+            "k_norm": self._tensor(norms[1]) if norms else None,
         }
 
     def _node_of(self, weight: str) -> onnx.NodeProto:

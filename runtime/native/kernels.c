@@ -109,6 +109,9 @@ typedef struct {
     const QMatrix *qkv, *o, *gate_up, *down;
     QMatrix head;
     const KVLayout *kv;                    /* [layers] */
+    const float *const *q_norm, *const *k_norm;  /* [layers] [head_dim]: an RMS norm of each
+                                                  query and key head before rotary (Qwen3),
+                                                  or NULL (a layer's entry too) */
 } Model;
 
 /* Scalar helpers (no instruction-set requirement). */
@@ -1897,9 +1900,11 @@ static inline int64_t lane_start(int lane, int g, int kv_heads, int lane_tokens,
     return ((int64_t)lane * kv_heads + g) * lane_tokens * stride;
 }
 
-/* One layer's KV write: rotary at each token's position (and the layer's rotation), then
-   the step's keys and values into their lanes' rows in the layer's format. */
-static void write_kv(const Model *m, const KVLayout *kv, int t_rows, const int32_t *lanes,
+/* One layer's KV write: the heads' norms where the layer has them (q_norm, k_norm: NULL
+   for none), rotary at each token's position (and the layer's rotation), then the step's
+   keys and values into their lanes' rows in the layer's format. */
+static void write_kv(const Model *m, const KVLayout *kv, const float *q_norm,
+                     const float *k_norm, int t_rows, const int32_t *lanes,
                      const int32_t *positions, const int32_t *lane_rows, uint8_t *key_pool,
                      uint8_t *value_pool, int lane_tokens, Scratch *s) {
     const int dim = m->head_dim, heads = m->heads, kv_heads = m->kv_heads, half = dim / 2;
@@ -1912,6 +1917,8 @@ static void write_kv(const Model *m, const KVLayout *kv, int t_rows, const int32
         float *q = s->qkv + (int64_t)t * qkv_width, *k = q + heads * dim, *v = k + kv_heads * dim;
         const float *cos = m->rope_cos + (int64_t)positions[t] * half;
         const float *sin = m->rope_sin + (int64_t)positions[t] * half;
+        for (int h = 0; q_norm && h < heads + kv_heads; h++)  /* keys follow the queries */
+            rms_norm(q + h * dim, h < heads ? q_norm : k_norm, m->eps, dim, q + h * dim);
         rotary(q, heads, dim, cos, sin);
         rotary(k, kv_heads, dim, cos, sin);
         if (kv->hadamard)  /* the keys follow the queries in the row: one pass for both */
@@ -2052,7 +2059,8 @@ static int layer_qkv(const Model *m, int l, const StepTokens *step, int c, int r
                      Scratch *s, double *clock) {
     const int status = linear(m, &m->qkv[l], s->h + (int64_t)c * m->hidden, rows, s, s->qkv);
     mark(clock, PHASE_QKV);
-    write_kv(m, &m->kv[l], rows, step->lanes + c, step->positions + c, step->lane_rows + c,
+    write_kv(m, &m->kv[l], m->q_norm ? m->q_norm[l] : NULL, m->k_norm ? m->k_norm[l] : NULL,
+             rows, step->lanes + c, step->positions + c, step->lane_rows + c,
              step->key_pools[l], step->value_pools[l], step->lane_tokens, s);
     mark(clock, PHASE_KV_WRITE);
     return status;

@@ -47,7 +47,8 @@ class Model(ctypes.Structure):
                 ("attn_scale", c_f32), ("rope_cos", c_ptr), ("rope_sin", c_ptr),
                 ("embed", c_ptr), ("embed_codes", QRows), ("attn_norm", c_ptr),
                 ("mlp_norm", c_ptr), ("final_norm", c_ptr), ("qkv", c_ptr), ("o", c_ptr),
-                ("gate_up", c_ptr), ("down", c_ptr), ("head", QMatrix), ("kv", c_ptr)]
+                ("gate_up", c_ptr), ("down", c_ptr), ("head", QMatrix), ("kv", c_ptr),
+                ("q_norm", c_ptr), ("k_norm", c_ptr)]
 
 
 # kernels.c's exported functions: (return type, argument types)

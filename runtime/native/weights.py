@@ -32,8 +32,12 @@ class NativeWeights:
                      for key in LAYER_MATRICES}
         norms = {key: (ctypes.c_void_p * count)(*(self._pointer(layer[key]) for layer in layers))
                  for key in ("attn_norm", "mlp_norm")}
+        head_norms = {  # Qwen3's norms of each query and key head (None: a layer has none)
+            key: (ctypes.c_void_p * count)(*(self._pointer(layer[key]) if layer.get(key)
+                                             else None for layer in layers))
+            for key in ("q_norm", "k_norm") if any(layer.get(key) for layer in layers)}
         kv = (KVLayout * count)(*(self._kv_layout(layer.get("kv")) for layer in layers))
-        self._tables = [*per_layer.values(), *norms.values(), kv]
+        self._tables = [*per_layer.values(), *norms.values(), *head_norms.values(), kv]
         embed = plan["embed"]
         cos = self._array(plan["rope"]["cos"])
         self.model = Model(
@@ -48,7 +52,8 @@ class NativeWeights:
             mlp_norm=ctypes.cast(norms["mlp_norm"], ctypes.c_void_p),
             final_norm=self._pointer(plan["final_norm"]),
             **{key: ctypes.cast(table, ctypes.c_void_p) for key, table in per_layer.items()},
-            head=self._matrix(plan["head"]), kv=ctypes.cast(kv, ctypes.c_void_p))
+            head=self._matrix(plan["head"]), kv=ctypes.cast(kv, ctypes.c_void_p),
+            **{key: ctypes.cast(table, ctypes.c_void_p) for key, table in head_norms.items()})
 
     def _kv_layout(self, kv: dict[str, Any] | None) -> KVLayout:
         """A layer's lanes: float32 (None), float16, or codes with static scales."""
