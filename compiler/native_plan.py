@@ -3,16 +3,17 @@
 The runtime's native decoder step (one C call per step, see runtime/native/kernels.c)
 computes what a lanes graph computes, for the graphs it knows: a llama-style decoder
 (RMS norms, fused QKV and gate/up projections, SiLU, GroupQueryAttention with rotary, no
-softcap or sliding window; biases added to projections, as Qwen2's q/k/v, and RMS norms of
-each query and key head before rotary, as Qwen3's, are taken) whose projections are
-MatMulNBits at accuracy level 4
-with 4- or 8-bit codes in blocks of 32, 64 or 128, and KV lanes of float32 or, per layer,
-the KV-cache pass's float16 or int8/int4 codes with static per-channel scales (rotary and
-an optional rotation of queries and keys run before the node then, and the step's keys
-and values are rounded to their codes, or the node's inputs cast to float16:
-`_quantized_kv` and `_float16_kv` read those chains). The plan is read off the saved graph
-itself, so it describes exactly what ONNX Runtime runs; a graph with anything else gets
-`{"unsupported": reason}` and the runtime keeps ONNX Runtime.
+softcap; biases added to projections, as Qwen2's q/k/v, and RMS norms of each query and key
+head before rotary, as Qwen3's, are taken; a sliding window, as Mistral's, is recorded:
+the runtime runs the step only where a lane holds no more tokens than the window, so that
+the window never hides a key) whose projections are
+MatMulNBits at accuracy level 4 with 4- or 8-bit codes in blocks of 32, 64 or 128, and KV
+lanes of float32 or, per layer, the KV-cache pass's float16 or int8/int4 codes with static
+per-channel scales (rotary and an optional rotation of queries and keys run before the node
+then, and the step's keys and values are rounded to their codes, or the node's inputs cast
+to float16: `_quantized_kv` and `_float16_kv` read those chains). The plan is read off the
+saved graph itself, so it describes exactly what ONNX Runtime runs; a graph with anything
+else gets `{"unsupported": reason}` and the runtime keeps ONNX Runtime.
 
 A tensor is `{"dtype", "shape", "offset", "length"}` in the graph's weights file, or
 `{"dtype", "shape", "values"}` for one small enough to stay inside the ONNX file.
@@ -69,7 +70,7 @@ class _Planner:
             raise Unsupported("float activations (nbits_accuracy_level 0): the native step "
                               "multiplies int8 activations")
         kv = [self._lane_kv(n) for n in attention]
-        heads, kv_heads, scale, cos, sin = self._attention(attention, kv)  # (head_norms)
+        heads, kv_heads, scale, cos, sin, window = self._attention(attention, kv)
         self._check_node_counts(layers, [entry for entry in kv if entry])
         head_dim = self._dims(cos)[1] * 2
         norms = [n for n in self.nodes if "LayerNormalization" in n.op_type]
@@ -84,6 +85,8 @@ class _Planner:
             "final_norm": self._tensor("final_norm"),
             "head": self._matmul(self._node_of("lm_head.B")),
         }
+        if window is not None:  # runtime/native/library.py's unavailable_reason checks it
+            plan["window"] = window
         hidden = plan["layers"][0]["o"]["n"]
         plan["hidden"] = hidden
         plan["intermediate"] = plan["layers"][0]["down"]["k"]
@@ -131,12 +134,14 @@ class _Planner:
             raise Unsupported(f"a graph the native step does not know ({', '.join(extra)})")
 
     def _attention(self, nodes: list[onnx.NodeProto], kv: list[dict[str, Any] | None]
-                   ) -> tuple[int, int, float, str, str]:
+                   ) -> tuple[int, int, float, str, str, int | None]:
+        """The attention nodes' shared shape, rotary tables and sliding window (None: none),
+        noting Qwen3's head norms (head_norms) on the way."""
         shapes = set()
         for n, quantized in zip(nodes, kv, strict=True):
             attrs = _attrs(n)
-            if {"softcap", "local_window_size"} & set(attrs):
-                raise Unsupported("softcap or sliding windows")
+            if "softcap" in attrs:
+                raise Unsupported("softcaps")
             if quantized:  # rotary before the node (see _quantized_kv)
                 queries = self._uncast(n.input[0], onnx.TensorProto.FLOAT16)
                 tables = tuple(self._rotated(queries)[0].input[2:4])
@@ -147,9 +152,9 @@ class _Planner:
                     self._split_sides(n, n.input[0], n.input[1], n.input[2])
                 tables = (n.input[7], n.input[8])
             shapes.add((attrs["num_heads"], attrs["kv_num_heads"], float(attrs["scale"]),
-                        *tables))
+                        *tables, attrs.get("local_window_size")))
         if len(shapes) != 1:
-            raise Unsupported("layers with different attention shapes")
+            raise Unsupported("layers with different attention shapes or sliding windows")
         return shapes.pop()
 
     def _lane_kv(self, node: onnx.NodeProto) -> dict[str, Any] | None:

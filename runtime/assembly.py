@@ -72,7 +72,8 @@ def graph_executor(artifact: Path, graph: GraphSpec, kv_cache: KVCacheSpec, *, k
                    optimization_level: str = "all") -> Executor:
     """The executor `kernels` puts a graph of the artifact on: the native step (see
     `runs_native`) or ONNX Runtime's executor for its KV layout."""
-    if runs_native(kernels, graph, kv_cache):
+    lane_tokens = lane_blocks * block_size if lane_blocks is not None else None
+    if runs_native(kernels, graph, kv_cache, lane_tokens):
         from llmopt.runtime.native.executor import NativeLaneExecutor
 
         return NativeLaneExecutor(artifact, graph, kv_cache, num_blocks=num_blocks,
@@ -92,15 +93,16 @@ def kernels_name(executor: Executor) -> str:
     return "native" if isinstance(executor, NativeLaneExecutor) else "onnxruntime"
 
 
-def runs_native(kernels: str, graph: GraphSpec, kv_cache: KVCacheSpec) -> bool:
-    """Whether `kernels` puts this graph on the native step; `native` where it cannot run
-    is a one-line error that says why."""
+def runs_native(kernels: str, graph: GraphSpec, kv_cache: KVCacheSpec,
+                lane_tokens: int | None = None) -> bool:
+    """Whether `kernels` puts this graph on the native step (its lanes `lane_tokens` long);
+    `native` where it cannot run is a one-line error that says why."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels: {kernels!r} is not one of {', '.join(KERNELS)}")
     if kernels == "native":
-        require_native(graph, kv_cache)
-    return kernels == "native" or (kernels == "auto"
-                                   and unavailable_reason(graph, kv_cache) is None)
+        require_native(graph, kv_cache, lane_tokens)
+    return kernels == "native" or (
+        kernels == "auto" and unavailable_reason(graph, kv_cache, lane_tokens) is None)
 
 
 def engine_config(manifest: Manifest, options: EngineOptions) -> EngineConfig:

@@ -317,7 +317,8 @@ static void quantize_tile_block(const float *x, int64_t at, int b, const QMatrix
         const float *row = x + (at + r) * k;
         __m512 peak = _mm512_setzero_ps(), input = _mm512_setzero_ps();
         for (int s = first; s < first + slices; s++) {
-            const __m512 lo = _mm512_loadu_ps(row + s * 32), hi = _mm512_loadu_ps(row + s * 32 + 16);
+            const __m512 lo = _mm512_loadu_ps(row + s * 32);
+            const __m512 hi = _mm512_loadu_ps(row + s * 32 + 16);
             peak = _mm512_max_ps(peak, _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
             if (w->offsets) input = _mm512_add_ps(input, _mm512_add_ps(lo, hi));
         }

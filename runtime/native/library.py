@@ -127,15 +127,18 @@ def _native_amx(want: int) -> bool:
     return bool(lib is not None and lib.llmopt_native_supported() and lib.llmopt_native_amx(want))
 
 
-def require_native(graph: GraphSpec, kv_cache: KVCacheSpec) -> None:
+def require_native(graph: GraphSpec, kv_cache: KVCacheSpec, lane_tokens: int | None = None
+                   ) -> None:
     """A one-line error naming why the native step cannot run this graph here, if it cannot."""
-    reason = unavailable_reason(graph, kv_cache)
+    reason = unavailable_reason(graph, kv_cache, lane_tokens)
     if reason is not None:
         raise ValueError(f"kernels: native cannot run {graph.file}: {reason}")
 
 
-def unavailable_reason(graph: GraphSpec, kv_cache: KVCacheSpec) -> str | None:
-    """Why the native step cannot run this graph here, or None when it can."""
+def unavailable_reason(graph: GraphSpec, kv_cache: KVCacheSpec,
+                       lane_tokens: int | None = None) -> str | None:
+    """Why the native step cannot run this graph here, with lanes of `lane_tokens` tokens
+    (None: any the graph allows), or None when it can."""
     lib = kernels()
     if lib is None:
         return "this install has no native kernels (built without a C compiler)"
@@ -148,6 +151,12 @@ def unavailable_reason(graph: GraphSpec, kv_cache: KVCacheSpec) -> str | None:
         return plan["unsupported"]
     if kv_cache.layout != "lanes":
         return "the native step reads KV lanes only"
+    window = plan.get("window")
+    if window is not None and (lane_tokens is None or lane_tokens > window):
+        # within its window a sliding window hides no key: the step attends to every row
+        return (f"sliding windows of {window} tokens, shorter than the "
+                f"{lane_tokens or 'max_context'} a lane holds (max_context <= {window} runs "
+                "natively)")
     for index, (layer, planned) in enumerate(zip(kv_cache.layers, plan["layers"], strict=True)):
         dtype = lane_dtype(planned.get("kv"))
         if any(t.dtype != dtype for t in layer.tensors):

@@ -572,7 +572,7 @@ def test_the_last_layer_runs_only_the_rows_whose_logits_a_step_returns(name, thr
         executor = llm.engine.executor
         return executor.execute(make_step_batch(steps, size)), dict(executor.pools)
 
-    prompts = [requests()[i] for i in (13, 4, 9)]  # 29, 35 and 21 tokens
+    prompts = [requests()[i] for i in (13, 4, 9)]  # 53, 11 and 45 tokens
     some = [[len(prompts[0]) - 1], [], [0, 7, 8, len(prompts[2]) - 1]]
     previous = lib.llmopt_native_layer_rows(layer_rows or 0)
     split = lib.llmopt_native_split_rows(3)  # two or three threads split the layer's rows
@@ -667,6 +667,21 @@ def test_what_it_cannot_run_it_says(name, reason, artifacts):
         LLM(artifacts[name], kernels="native")
     if name != "llama-blocks":  # auto: ONNX Runtime, as before
         assert isinstance(LLM(artifacts[name], kernels="auto").engine.executor, LaneExecutor)
+
+
+def test_a_sliding_window_no_lane_outgrows_runs_natively(artifacts):
+    """A sliding window hides no key from a lane no longer than itself: with max_context at
+    the tiny Mistral's window (12), the native step runs it and matches ONNX Runtime, which
+    applies the window; one token longer and it refuses, naming the window."""
+    native, reference = (LLM(artifacts["mistral-window"], kernels=k, max_context=12,
+                             speculative=False) for k in ("native", "onnxruntime"))
+    assert isinstance(native.engine.executor, NativeLaneExecutor)
+    assert native.manifest.graphs["target"].native["window"] == 12
+    tokens = requests()[4]  # 11 tokens
+    got, expected = native.score(tokens), reference.score(tokens)
+    assert np.abs(got - expected).max() < 0.1 and np.abs(got - expected).mean() < 0.01
+    with pytest.raises(ValueError, match=r"sliding windows of 12 tokens, shorter than the 16 "):
+        LLM(artifacts["mistral-window"], kernels="native", max_context=13)
 
 
 def test_auto_is_the_default_and_takes_the_native_step(artifacts):
