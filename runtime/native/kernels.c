@@ -230,8 +230,13 @@ int llmopt_native_amx(int want) {
                                layer). A prefill step of 4 x 128 took 0.82-0.84x the time in
                                slow memory phases, 0.96-0.97x in fast ones, at 1 thread;
                                0.98x at 2 (256 rows; 128 there: 1.00-1.05x). Session 24. */
-#define SPLIT_ROWS 64       /* rows per thread from which a layer's rows are split between
-                               threads rather than each phase's work (layer_split) */
+#define SPLIT_ROWS 16       /* rows per thread from which a layer's rows are split between
+                               threads rather than each phase's work (layer_split): two
+                               tiles a thread already beat splitting every projection by
+                               columns (2 threads, AMD Zen 4, session 29: steps of 32-48
+                               rows 0.76-0.85x from 64 in a slow phase of the machine,
+                               0.97x in a fast one; from 8, a batch of 16 took 1.70x: one
+                               tile a thread streams every weight for 8 rows) */
 #define ROW_CHUNK 64        /* activation rows a pass over the weights serves (their codes
                                stay in cache while it runs; a matrix's weights stay in L2/L3
                                between passes) */
@@ -2100,10 +2105,11 @@ static int layer_rest(const Model *m, int l, const StepTokens *step, int c, int 
 }
 
 /* Thread `id`'s part of the chunk's scratch for its rows lo .. of the chunk (lo a multiple
-   of AMX_ROWS): its rows of the chunk-wide arrays and its own share of the per-thread
-   ones, seen from its first row as a one-thread step sees them. (Every thread but the last
-   has a multiple of AMX_ROWS rows, so each one's layout of its rows ends where the next
-   one's starts, and the last one's where a one-thread layout of all the rows would.) */
+   of TOKEN_TILE, and of AMX_ROWS where AMX tiles run): its rows of the chunk-wide arrays
+   and its own share of the per-thread ones, seen from its first row as a one-thread step
+   sees them. (Every thread but the last has whole tiles of rows, so each one's layout of
+   its rows ends where the next one's starts, and the last one's where a one-thread layout
+   of all the rows would.) */
 static Scratch thread_scratch(const Model *m, const Scratch *s, int id, int lo) {
     const int attn_width = m->heads * m->head_dim, width = scratch_width(m);
     Scratch v = *s;
@@ -2150,7 +2156,9 @@ static int layer_split(const Model *m, int l, const StepTokens *step, int c, int
 #else
         const int id = 0, count = 1;
 #endif
-        const int per = ((rows + count - 1) / count + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+        /* whole tiles a thread (AMX tiles' 16 rows where they run: thread_scratch) */
+        const int align = amx_enabled ? AMX_ROWS : TOKEN_TILE;
+        const int per = ((rows + count - 1) / count + align - 1) / align * align;
         const int lo = id * per < rows ? id * per : rows;
         const int hi = lo + per < rows ? lo + per : rows;
         Scratch own = thread_scratch(m, s, id, lo);
