@@ -16,11 +16,12 @@ thread run at once, so a slower second core counts as it is.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from _common import build_c_probe, probe_values
 
 PROBE = Path(__file__).with_name("probe_dot_rate.c")
 MACS_PER_ZMM_DOT = 64
@@ -31,21 +32,17 @@ def dot_rate_g_macs(threads: int) -> float | None:
     """G int8 multiply-adds a second `threads` cores issue together (the sum of one probe
     per thread, run at once), or None where the probe cannot run (no C compiler, or a CPU
     without AVX-512 VNNI)."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return None
     with tempfile.TemporaryDirectory() as tmp:
-        binary = Path(tmp) / PROBE.stem
-        if subprocess.run([compiler, "-O2", "-o", str(binary), str(PROBE)],
-                          capture_output=True).returncode:
+        try:
+            binary = build_c_probe(PROBE, ["-O2"], Path(tmp))
+        except (SystemExit, subprocess.CalledProcessError):
             return None
         probes = [subprocess.Popen([str(binary), str(PROBE_REPS)], stdout=subprocess.PIPE,
                                    text=True) for _ in range(threads)]
         outputs = [probe.communicate()[0] for probe in probes]
     if any(probe.returncode for probe in probes):
         return None
-    rates = [dict(zip(words[0::2], map(float, words[1::2]), strict=True))
-             for words in (output.split() for output in outputs)]
+    rates = [probe_values(output) for output in outputs]
     if any("zmm" not in rate for rate in rates):
         return None
     return sum(rate["zmm"] for rate in rates) * MACS_PER_ZMM_DOT

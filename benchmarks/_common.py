@@ -159,23 +159,34 @@ def _git(*args: str) -> str:
     return out.stdout.strip()
 
 
-def run_c_probe(source: Path, flags: list[str], reps: int, rounds: int,
-                refusal: str) -> list[dict[str, float]]:
-    """`source` built with the system C compiler and `flags`, then run `rounds` times with
-    `reps` as its argument; each run's "name value" pairs. A run that fails, or prints one
-    word instead (the CPU lacks what the probe needs), ends the script with `refusal`."""
+def build_c_probe(source: Path, flags: list[str], directory: Path) -> Path:
+    """`source` built with the system C compiler and `flags` into `directory` (SystemExit
+    without a compiler, CalledProcessError where the build fails)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise SystemExit("no C compiler (cc or gcc) on PATH")
+    binary = directory / source.stem
+    subprocess.run([compiler, *flags, "-o", str(binary), str(source)], check=True)
+    return binary
+
+
+def probe_values(output: str) -> dict[str, float]:
+    """A probe's printed "name value" pairs."""
+    words = output.split()
+    return {name: float(v) for name, v in zip(words[0::2], words[1::2], strict=True)}
+
+
+def run_c_probe(source: Path, flags: list[str], reps: int, rounds: int,
+                refusal: str) -> list[dict[str, float]]:
+    """`source` built (build_c_probe), then run `rounds` times with `reps` as its argument;
+    each run's "name value" pairs. A run that fails, or prints one word instead (the CPU
+    lacks what the probe needs), ends the script with `refusal`."""
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        binary = Path(tmp) / source.stem
-        subprocess.run([compiler, *flags, "-o", str(binary), str(source)], check=True)
+        binary = build_c_probe(source, flags, Path(tmp))
         for _ in range(rounds):
             result = subprocess.run([str(binary), str(reps)], capture_output=True, text=True)
-            words = result.stdout.split()
-            if result.returncode or len(words) < 2:
+            if result.returncode or len(result.stdout.split()) < 2:
                 raise SystemExit(refusal)
-            runs.append({name: float(v) for name, v in zip(words[0::2], words[1::2],
-                                                          strict=True)})
+            runs.append(probe_values(result.stdout))
     return runs

@@ -499,15 +499,14 @@ def bandwidth_by_threads(records: list[dict[str, Any]]) -> dict[int, dict[str, A
     """Median over rounds of each round's best read bandwidth, per thread count: over the
     DRAM probe's array (`gb_s`) and over the weights-sized one (`working_set_gb_s`)."""
     per: dict[int, dict[str, list[float]]] = {}
+    dots: dict[int, list[float]] = {}
     for rec in records:
         if rec["mode"] == "bandwidth":
             probes = per.setdefault(rec["threads"], {"gb_s": [], "working_set_gb_s": []})
             for key, values in probes.items():
                 values.append(rec["results"][0][key])
-    dots: dict[int, list[float]] = {}
-    for rec in records:
-        if rec["mode"] == "bandwidth" and rec["results"][0].get("dot_g_macs"):
-            dots.setdefault(rec["threads"], []).append(rec["results"][0]["dot_g_macs"])
+            if rec["results"][0].get("dot_g_macs"):
+                dots.setdefault(rec["threads"], []).append(rec["results"][0]["dot_g_macs"])
     return {t: {key: statistics.median(v) for key, v in probes.items()}
             | {"range": [min(probes["gb_s"]), max(probes["gb_s"])],
                "working_set_range": [min(probes["working_set_gb_s"]),

@@ -264,20 +264,36 @@ static inline int64_t tile_at(int64_t t, int count, int b) {
     return ((t / TOKEN_TILE) * count + b) * TOKEN_TILE + t % TOKEN_TILE;
 }
 
-/* Row t's block b of x (`slices` slices of 32 from `first`) quantized as w's kernels read
-   it (see QActivations). */
-static inline void quantize_block(const float *x, int64_t t, int first, int slices,
-                                  int64_t at, const QMatrix *w, QActivations *q) {
-    const int k = w->k, row_slices = k / 32;
+/* A row's block of `slices` slices from `first`: its scale (absmax / 127) into
+   q->scales[at] and, for offsets, its float input sum into q->inputs[at]; returns the
+   scale's inverse (0 for a zero block) broadcast. */
+static inline __m512 activation_scale(const float *row, int first, int slices, int64_t at,
+                                 const QMatrix *w, QActivations *q) {
     __m512 amax_v = _mm512_setzero_ps(), input_v = _mm512_setzero_ps();
     for (int s = first; s < first + slices; s++) {
-        const float *xs = x + t * k + s * 32;
+        const float *xs = row + s * 32;
         __m512 lo = _mm512_loadu_ps(xs), hi = _mm512_loadu_ps(xs + 16);
         amax_v = _mm512_max_ps(amax_v, _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         if (w->offsets) input_v = _mm512_add_ps(input_v, _mm512_add_ps(lo, hi));
     }
     const float scale = _mm512_reduce_max_ps(amax_v) / 127.f;
-    const __m512 inv = _mm512_set1_ps(scale != 0.f ? 1.f / scale : 0.f);
+    q->scales[at] = scale;
+    if (w->offsets) q->inputs[at] = _mm512_reduce_add_ps(input_v);
+    return _mm512_set1_ps(scale != 0.f ? 1.f / scale : 0.f);
+}
+
+/* A block's zero term from the sums of its codes (see QActivations). */
+static inline int32_t block_zero_term(__m512i sums, const QMatrix *w) {
+    const int32_t total = _mm512_reduce_add_epi32(sums);
+    return w->zeros ? -total : -(total << (w->bits - 1));
+}
+
+/* Row t's block b of x (`slices` slices of 32 from `first`) quantized as w's kernels read
+   it (see QActivations). */
+static inline void quantize_block(const float *x, int64_t t, int first, int slices,
+                                  int64_t at, const QMatrix *w, QActivations *q) {
+    const int k = w->k, row_slices = k / 32;
+    const __m512 inv = activation_scale(x + t * k, first, slices, at, w, q);
     __m512i sum = _mm512_setzero_si512();
     for (int s = first; s < first + slices; s++) {
         const float *xs = x + t * k + s * 32;
@@ -298,12 +314,7 @@ static inline void quantize_block(const float *x, int64_t t, int first, int slic
         for (int m = 0; m < 8; m++) codes[m * TOKEN_TILE] = quads[m];
         sum = _mm512_add_epi32(sum, _mm512_add_epi32(qlo, qhi));
     }
-    q->scales[at] = scale;
-    if (!q->rows) {
-        const int32_t total = _mm512_reduce_add_epi32(sum);
-        q->zero_term[at] = w->zeros ? -total : -(total << (w->bits - 1));
-    }
-    if (w->offsets) q->inputs[at] = _mm512_reduce_add_ps(input_v);
+    if (!q->rows) q->zero_term[at] = block_zero_term(sum, w);
 }
 
 /* Rows `at` .. `at` + 7 (a whole tile) of column block b of x quantized as quantize_block
@@ -319,25 +330,15 @@ static void quantize_tile_block(const float *x, int64_t at, int b, const QMatrix
     __m512i sums[TOKEN_TILE];
     const int64_t block_at = tile_at(at, blocks, b);  /* row `at`'s entry: the tile's first */
     for (int r = 0; r < TOKEN_TILE; r++) {
-        const float *row = x + (at + r) * k;
-        __m512 peak = _mm512_setzero_ps(), input = _mm512_setzero_ps();
-        for (int s = first; s < first + slices; s++) {
-            const __m512 lo = _mm512_loadu_ps(row + s * 32);
-            const __m512 hi = _mm512_loadu_ps(row + s * 32 + 16);
-            peak = _mm512_max_ps(peak, _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-            if (w->offsets) input = _mm512_add_ps(input, _mm512_add_ps(lo, hi));
-        }
-        const float scale = _mm512_reduce_max_ps(peak) / 127.f;
-        inverse[r] = _mm512_set1_ps(scale != 0.f ? 1.f / scale : 0.f);
+        inverse[r] = activation_scale(x + (at + r) * k, first, slices, block_at + r, w, q);
         sums[r] = _mm512_setzero_si512();
-        q->scales[block_at + r] = scale;
-        if (w->offsets) q->inputs[block_at + r] = _mm512_reduce_add_ps(input);
     }
     for (int s = first; s < first + slices; s++) {
         __m256i quads[TOKEN_TILE];  /* row r's eight quads of the slice */
         for (int r = 0; r < TOKEN_TILE; r++) {
             const float *xs = x + (at + r) * k + s * 32;
-            const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xs), inverse[r]));
+            const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xs),
+                                                                 inverse[r]));
             const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xs + 16),
                                                                  inverse[r]));
             quads[r] = _mm256_set_m128i(_mm512_cvtsepi32_epi8(qhi), _mm512_cvtsepi32_epi8(qlo));
@@ -366,10 +367,8 @@ static void quantize_tile_block(const float *x, int64_t at, int b, const QMatrix
                                 _mm256_permute2x128_si256(low, high, 0x31));
         }
     }
-    for (int r = 0; r < TOKEN_TILE; r++) {
-        const int32_t total = _mm512_reduce_add_epi32(sums[r]);
-        q->zero_term[block_at + r] = w->zeros ? -total : -(total << (w->bits - 1));
-    }
+    for (int r = 0; r < TOKEN_TILE; r++)
+        q->zero_term[block_at + r] = block_zero_term(sums[r], w);
 }
 
 /* x [T][K] quantized as w's kernels read it (see QActivations): whole tiles block by block
@@ -2188,8 +2187,8 @@ int llmopt_native_split_rows(int rows) {
     return previous;
 }
 
-/* Layer l over the step's rows c .. c + rows - 1: by rows between threads where each has
-   split_rows of them (layer_split), else every phase split between the threads. */
+/* Whether a layer's `rows` are split between threads by rows (layer_split): split_rows a
+   thread or more, and shares even enough. */
 static inline int splits(const Model *m, int rows) {
     if (m->num_threads <= 1 || rows < m->num_threads * split_rows) return 0;
     /* the last thread's share short by at most a sixteenth of the rows: the others wait
@@ -2198,6 +2197,8 @@ static inline int splits(const Model *m, int rows) {
     return (split_share(rows, m->num_threads) * m->num_threads - rows) * 16 <= rows;
 }
 
+/* Layer l over the step's rows c .. c + rows - 1: by rows between threads where `splits`,
+   else every phase split between the threads. */
 static int layer_chunk(const Model *m, int l, const StepTokens *step, int c, int rows,
                        Scratch *s, double *clock) {
     if (splits(m, rows)) return layer_split(m, l, step, c, rows, s, clock, 1);

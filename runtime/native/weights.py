@@ -30,12 +30,9 @@ class NativeWeights:
                     for layer in layers]
         per_layer = {key: (QMatrix * count)(*(layer[key] for layer in matrices))
                      for key in LAYER_MATRICES}
-        norms = {key: (ctypes.c_void_p * count)(*(self._pointer(layer[key]) for layer in layers))
-                 for key in ("attn_norm", "mlp_norm")}
-        head_norms = {  # Qwen3's norms of each query and key head (None: a layer has none)
-            key: (ctypes.c_void_p * count)(*(self._pointer(layer[key]) if layer.get(key)
-                                             else None for layer in layers))
-            for key in ("q_norm", "k_norm") if any(layer.get(key) for layer in layers)}
+        norms = {key: self._per_layer(layers, key) for key in ("attn_norm", "mlp_norm")}
+        head_norms = {key: self._per_layer(layers, key)  # Qwen3's, of each q and k head
+                      for key in ("q_norm", "k_norm") if any(layer.get(key) for layer in layers)}
         kv = (KVLayout * count)(*(self._kv_layout(layer.get("kv")) for layer in layers))
         self._tables = [*per_layer.values(), *norms.values(), *head_norms.values(), kv]
         embed = plan["embed"]
@@ -54,6 +51,11 @@ class NativeWeights:
             **{key: ctypes.cast(table, ctypes.c_void_p) for key, table in per_layer.items()},
             head=self._matrix(plan["head"]), kv=ctypes.cast(kv, ctypes.c_void_p),
             **{key: ctypes.cast(table, ctypes.c_void_p) for key, table in head_norms.items()})
+
+    def _per_layer(self, layers: list[dict[str, Any]], key: str) -> ctypes.Array:
+        """The C table of each layer's `key` tensor (NULL where a layer has none)."""
+        return (ctypes.c_void_p * len(layers))(
+            *(self._pointer(layer[key]) if layer.get(key) else None for layer in layers))
 
     def _kv_layout(self, kv: dict[str, Any] | None) -> KVLayout:
         """A layer's lanes: float32 (None), float16, or codes with static scales."""
