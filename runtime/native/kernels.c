@@ -371,26 +371,51 @@ static void quantize_tile_block(const float *x, int64_t at, int b, const QMatrix
         q->zero_term[block_at + r] = block_zero_term(sums[r], w);
 }
 
+/* quantize_rows' items: each whole tile's blocks (quantize_tile_block), then each row of a
+   last part tile and, for AMX, every row (quantize_block). */
+static inline int64_t quantize_items(int t_rows, const QMatrix *w, const QActivations *q) {
+    const int64_t tiles = q->rows ? 0 : t_rows / TOKEN_TILE;
+    return tiles * block_count(w->k, w->block) + t_rows - tiles * TOKEN_TILE;
+}
+
+/* quantize_rows' item i. */
+static inline void quantize_item(const float *x, int t_rows, const QMatrix *w, int64_t i,
+                                 QActivations *q) {
+    const int blocks = block_count(w->k, w->block);
+    const int64_t tiles = q->rows ? 0 : t_rows / TOKEN_TILE;
+    if (i < tiles * blocks) {
+        quantize_tile_block(x, i / blocks * TOKEN_TILE, (int)(i % blocks), w, q);
+        return;
+    }
+    const int64_t t = tiles * TOKEN_TILE + i - tiles * blocks;
+    for (int b = 0; b < blocks; b++)
+        quantize_block(x, t, b * (w->block / 32), block_slices(w, b), tile_at(t, blocks, b),
+                       w, q);
+}
+
 /* x [T][K] quantized as w's kernels read it (see QActivations): whole tiles block by block
    (quantize_tile_block), the rows of a last part tile (and every row for AMX) one by one,
    the items split between threads. */
 static void quantize_rows(const float *x, int t_rows, const QMatrix *w, int threads,
                           QActivations *q) {
-    const int blocks = block_count(w->k, w->block);
-    const int64_t tiles = q->rows ? 0 : t_rows / TOKEN_TILE;
-    const int64_t first_row = tiles * TOKEN_TILE, items = tiles * blocks + t_rows - first_row;
+    const int64_t items = quantize_items(t_rows, w, q);
     (void)threads;
     #pragma omp parallel for num_threads(threads) if (threads > 1 && t_rows >= PARALLEL_ROWS)
-    for (int64_t i = 0; i < items; i++) {
-        if (i < tiles * blocks) {
-            quantize_tile_block(x, i / blocks * TOKEN_TILE, (int)(i % blocks), w, q);
-            continue;
-        }
-        const int64_t t = first_row + i - tiles * blocks;
-        for (int b = 0; b < blocks; b++)
+    for (int64_t i = 0; i < items; i++) quantize_item(x, t_rows, w, i, q);
+}
+
+/* Column blocks b_lo .. b_hi - 1 of every row of x quantized as quantize_rows quantizes
+   them (a block's codes depend on that block's inputs alone). */
+static void quantize_blocks(const float *x, int t_rows, const QMatrix *w, int b_lo, int b_hi,
+                            QActivations *q) {
+    const int blocks = block_count(w->k, w->block);
+    const int64_t tiles = q->rows ? 0 : t_rows / TOKEN_TILE;
+    for (int64_t tile = 0; tile < tiles; tile++)  /* a tile's rows stay in cache */
+        for (int b = b_lo; b < b_hi; b++) quantize_tile_block(x, tile * TOKEN_TILE, b, w, q);
+    for (int64_t t = tiles * TOKEN_TILE; t < t_rows; t++)
+        for (int b = b_lo; b < b_hi; b++)
             quantize_block(x, t, b * (w->block / 32), block_slices(w, b),
                            tile_at(t, blocks, b), w, q);
-    }
 }
 
 /* The common full tile as one loop of assembly: TOKEN_TILE (8) activation rows times a row
@@ -1016,6 +1041,18 @@ static void add_bias(const QMatrix *w, int t_rows, float *y, int64_t lo, int64_t
         }
 }
 
+/* Row groups lo .. hi - 1 of w times the activations into y, with w's bias: one thread's
+   share of a projection (`amx`: on AMX tiles, a->rows filled). */
+static int gemm_share(const QMatrix *w, const QActivations *a, int t_rows, float *y,
+                      int64_t lo, int64_t hi, int amx) {
+    int status = 0;
+    if (lo >= hi) return 0;
+    if (amx) status = gemm_groups_amx(w, a, t_rows, y, lo, hi);
+    else gemm_groups(w, a, t_rows, y, lo, hi);
+    if (w->bias) add_bias(w, t_rows, y, lo, hi);
+    return status;
+}
+
 /* y [T][N] = a times w's transpose (plus its bias), the row groups split between threads.
    Returns 0, or -1 when memory runs out. */
 static int gemm(const QMatrix *w, const QActivations *a, int t_rows, float *y, int threads) {
@@ -1026,9 +1063,7 @@ static int gemm(const QMatrix *w, const QActivations *a, int t_rows, float *y, i
     {
         int64_t lo, hi;
         thread_share((w->n + 15) / 16, &lo, &hi);
-        if (lo < hi && amx) status |= gemm_groups_amx(w, a, t_rows, y, lo, hi);
-        else if (lo < hi) gemm_groups(w, a, t_rows, y, lo, hi);
-        if (lo < hi && w->bias) add_bias(w, t_rows, y, lo, hi);
+        status |= gemm_share(w, a, t_rows, y, lo, hi, amx);
     }
     return status;
 }
@@ -2071,13 +2106,66 @@ static int layer_qkv(const Model *m, int l, const StepTokens *step, int c, int r
     return status;
 }
 
+/* The MLP over `rows` rows of h (normed), into s->proj, in one parallel region: each thread
+   quantizes its share of h, then after a barrier takes a range of the intermediate's
+   columns from end to end (gate's row groups lo .. hi - 1 and up's matching ones, whole
+   blocks of down's input), their SiLU for every row and those blocks of down's input
+   quantized; after a barrier, its share of down's row groups. Each thread's SiLU reads only
+   the gate and up columns it wrote (SiLU split by rows read half of them from the other
+   core's cache), and the MLP meets twice instead of opening five regions. */
+static int mlp(const Model *m, const QMatrix *gate_up, const QMatrix *down, const float *h,
+               int rows, Scratch *s, double *clock) {
+    const int inter = m->intermediate;
+    const int64_t pairs = inter / 16;           /* gate's row groups; up's follow */
+    const int64_t unit = down->block / 16;      /* pairs a block of down's input spans */
+    QActivations in = s->q, mid = s->q;         /* the same buffers, one after the other */
+    in.rows = amx_takes(gate_up, rows) ? s->amx_rows : NULL;
+    mid.rows = amx_takes(down, rows) ? s->amx_rows : NULL;
+    const int64_t items = quantize_items(rows, gate_up, &in);
+    int status = 0;
+    #pragma omp parallel num_threads(m->num_threads) if (m->num_threads > 1) \
+        reduction(|: status)
+    {
+#ifdef _OPENMP
+        double *own_clock = omp_get_thread_num() == 0 ? clock : NULL;
+#else
+        double *own_clock = clock;
+#endif
+        int64_t lo, hi;
+        thread_share(items, &lo, &hi);
+        for (int64_t i = lo; i < hi; i++) quantize_item(h, rows, gate_up, i, &in);
+        #pragma omp barrier
+        thread_share((pairs + unit - 1) / unit, &lo, &hi);
+        lo = lo * unit < pairs ? lo * unit : pairs;
+        hi = hi * unit < pairs ? hi * unit : pairs;
+        status |= gemm_share(gate_up, &in, rows, s->gate_up, lo, hi, in.rows != NULL);
+        status |= gemm_share(gate_up, &in, rows, s->gate_up, pairs + lo, pairs + hi,
+                             in.rows != NULL);
+        mark(own_clock, PHASE_GATE_UP);
+        for (int t = 0; t < rows && lo < hi; t++) {
+            const float *gate = s->gate_up + (int64_t)t * 2 * inter + 16 * lo;
+            silu_times(gate, gate + inter, (int)(16 * (hi - lo)),
+                       s->act + (int64_t)t * inter + 16 * lo);
+        }
+        mark(own_clock, PHASE_SILU);
+        #pragma omp barrier  /* every thread's gate/up done with `in` before `mid` reuses it */
+        quantize_blocks(s->act, rows, down, (int)(16 * lo / down->block),
+                        (int)((16 * hi + down->block - 1) / down->block), &mid);
+        #pragma omp barrier
+        thread_share((down->n + 15) / 16, &lo, &hi);
+        status |= gemm_share(down, &mid, rows, s->proj, lo, hi, mid.rows != NULL);
+        mark(own_clock, PHASE_DOWN);
+    }
+    return status;
+}
+
 /* The rest of layer l over the same rows, once the rows before c and every row of the chunk
    have written this layer's keys and values: attention reads what it would with every row
    at once (a run of query tokens cut at c computes the same per token: attend_run), then
    o, the MLP and both residual adds. */
 static int layer_rest(const Model *m, int l, const StepTokens *step, int c, int rows,
                       Scratch *s, double *clock) {
-    const int hidden = m->hidden, inter = m->intermediate;
+    const int hidden = m->hidden;
     float *x = s->x + (int64_t)c * hidden, *h = s->h + (int64_t)c * hidden;
     attend(m, &m->kv[l], rows, step->lanes + c, step->lane_rows + c,
            step->masks ? step->masks + c : NULL, step->key_pools[l], step->value_pools[l],
@@ -2087,17 +2175,7 @@ static int layer_rest(const Model *m, int l, const StepTokens *step, int c, int 
     mark(clock, PHASE_O);
     add_norm(x, s->proj, m->mlp_norm[l], m, rows, h);
     mark(clock, PHASE_NORMS);
-    status |= linear(m, &m->gate_up[l], h, rows, s, s->gate_up);
-    mark(clock, PHASE_GATE_UP);
-    #pragma omp parallel for num_threads(m->num_threads) \
-        if (m->num_threads > 1 && rows >= PARALLEL_ROWS)
-    for (int t = 0; t < rows; t++) {
-        const float *gate = s->gate_up + (int64_t)t * 2 * inter;
-        silu_times(gate, gate + inter, inter, s->act + (int64_t)t * inter);
-    }
-    mark(clock, PHASE_SILU);
-    status |= linear(m, &m->down[l], s->act, rows, s, s->proj);
-    mark(clock, PHASE_DOWN);
+    status |= mlp(m, &m->gate_up[l], &m->down[l], h, rows, s, clock);
     add_norm(x, s->proj, l + 1 < m->layers ? m->attn_norm[l + 1] : NULL, m, rows, h);
     mark(clock, PHASE_NORMS);
     return status;

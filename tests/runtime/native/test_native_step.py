@@ -98,6 +98,9 @@ ARTIFACTS = {  # name -> (architecture, passes, target options)
     "llama-g128-kv-int8": ("llama", [{"kv_cache": {"dtype": "int8", **STATIC}},
                                      rtn(True, 4, 128), SUFFIX], A8),
     "llama-asym-g64-h8": ("llama", [rtn(False, 8, 64)], A8),
+    # an intermediate of 96 in blocks of 64: down's input ends in a shorter block, and the
+    # MLP's column ranges end off a block's edge at 2 and 3 threads
+    "llama-i96-g64": ("llama-i96", [rtn(True, 8, 64)], A8),
     "llama-float-activations": ("llama", [rtn(True, 8)], {}),
     "llama-blocks": ("llama", [rtn(True, 8)], {**A8, "kv_layout": "blocks"}),
     "mistral-window": ("mistral", [rtn(True, 8)], A8),
@@ -121,8 +124,9 @@ def artifacts(tiny_checkpoints, word_text, tmp_path_factory) -> dict[str, Path]:
     gguf = write_tiny_gguf(root / "q4_1.gguf", {"attn": "Q4_1", "ffn": "Q4_1", "embd": "Q8_0"},
                            ffn=128)
     d64 = build_tiny_checkpoint("llama", root / "llama-d64", overrides=HEAD_DIM_64)
+    i96 = build_tiny_checkpoint("llama", root / "llama-i96", overrides={"intermediate_size": 96})
     sources = {**{arch: str(path) for arch, path in tiny_checkpoints.items()}, "gguf": str(gguf),
-               "llama-d64": str(d64)}
+               "llama-d64": str(d64), "llama-i96": str(i96)}
     out = {}
     for name, (source, passes, target) in ARTIFACTS.items():
         recipe = Recipe(model=sources[source], passes=passes, target=target,
@@ -476,6 +480,23 @@ def test_a_layer_split_by_rows_between_threads_computes_the_same(threads, artifa
     batches alike) gives the same log-probs and tokens, bit for bit, as never splitting."""
     _same_outputs_at(lib.llmopt_native_split_rows, 3, artifacts["llama-self-draft"],
                      num_threads=threads)
+
+
+@pytest.mark.parametrize("name", ["llama-i96-g64", "llama-g128-kv-int8", "gguf-q4_1"])
+def test_any_thread_count_computes_the_same(name, artifacts):
+    """Every phase splits its work between threads without changing a sum: the MLP's
+    columns (kernels.c's mlp: gate and up in ranges of whole blocks of down's input, ranges
+    that end off a block's edge here at 2 and 3 threads, or leave a thread none), every
+    projection's row groups, attention's runs. 100 tokens' log-probs and a batch's greedy
+    tokens are the same, bit for bit, at 1, 2 and 3 threads."""
+    tokens, prompts = (requests()[1] * 4)[:100], requests()
+    results = []
+    for threads in (1, 2, 3):
+        llm = LLM(artifacts[name], kernels="native", speculative=False, num_threads=threads)
+        results.append((llm.score(tokens), [o.token_ids for o in llm.generate(prompts, GREEDY)]))
+    for log_probs, greedy in results[1:]:
+        np.testing.assert_array_equal(log_probs, results[0][0])
+        assert greedy == results[0][1]
 
 
 def test_the_phase_profile_times_every_phase_and_changes_no_output(artifacts):
