@@ -1309,8 +1309,12 @@ static inline __attribute__((always_inline)) __m256 sum_lanes8_as(const __m512 v
 static inline __m256 sum_lanes8(const __m512 v[8]) { return sum_lanes8_as(v, 0); }
 
 /* The next attend_run's key and value rows, prefetched into L2 a few lines at a time while
-   this run computes: a run's own rows come from memory in a burst (touch_rows) that the
-   arithmetic cannot hide, and a batch-16 step's runs read ~24 KB each, one after another. */
+   this run computes: a run's own rows would come from memory as its loops reach them, and a
+   batch-16 step's runs read ~24 KB each, one after another. (Loading a run's rows once
+   more before its loops, to keep many misses in flight, took a batch-16 step at context
+   192 to 0.91x on session 23's Xeon; on the AMD EPYC (Zen 4) of sessions 27-30, where the
+   rows are in L2 already, that extra pass over them cost attention 1.18x: removed,
+   session 30.) */
 typedef struct {
     const char *keys, *values;
     int64_t bytes, at;  /* the rows' size; how far the prefetches got */
@@ -1655,20 +1659,6 @@ static void round_to_half(float *x, int64_t n) {
             _mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
 }
 
-/* Loads every line of a lane's rows before attention reads them: a run of plain loads
-   keeps many misses in flight and trains the hardware prefetcher, where the attention
-   loops (~80 operations per line) would wait for one line at a time. (Software prefetches
-   ahead of the loops, near or far, into L1 or L2, did not help: measured.) The run before
-   on the same thread has prefetched these rows into L2 (Ahead): a batch-16 step at context
-   192 took 0.91x the time at 1 thread, 0.96x at 2 (session 23). */
-static void touch_rows(const uint8_t *keys, const uint8_t *values, int64_t bytes) {
-    __m512i seen = _mm512_setzero_si512();
-    for (int64_t b = 0; b < bytes; b += 64)
-        seen = _mm512_or_si512(seen, _mm512_or_si512(_mm512_loadu_si512(keys + b),
-                                                     _mm512_loadu_si512(values + b)));
-    __asm__ volatile("" : : "v"(seen));
-}
-
 /* row[0 .. len) = softmax(row[0 .. len)) in place, and row[len .. width) = 0. */
 static void softmax_row(float *row, int len, int width) {
     __m512 peak = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
@@ -1744,7 +1734,6 @@ static void attend_run(const float *q, int64_t q_stride, int n, int group,
     const int heads = n * group, longest = first_len + n - 1, strips = dim / 16;
     const int quantized = kv->bits == 8 || kv->bits == 4, half = kv->bits == 16;
     const int integer = kv->bits == 8;
-    touch_rows(keys, values, longest * row_bytes(kv->bits, dim));
     for (int i = 0; i < n; i++) {  /* the run's queries side by side */
         float *to = rows + (int64_t)i * group * dim;
         if (quantized)
