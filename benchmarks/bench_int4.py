@@ -75,6 +75,7 @@ from _common import (
     thread_env,
     write_json,
 )
+from _core_latency import core_round_trip_ns
 from _int4_models import (
     ensure_f32_gguf,
     ensure_hf_dir,
@@ -419,10 +420,13 @@ def run_rounds(args: argparse.Namespace, targets: dict[str, str]) -> list[dict[s
         for threads in parse_ints(args.threads):
             for system, mode, target in jobs:
                 load_before = list(os.getloadavg())
+                trip_before = core_round_trip_ns() if threads > 1 else None
                 record = run_json_worker(worker_args(system, mode, threads, args, target),
                                          thread_env(threads))
                 record |= {"round": round_index, "loadavg_before": load_before,
                            "loadavg_after": list(os.getloadavg())}
+                if trip_before is not None:  # how far apart the cores were (_core_latency)
+                    record["core_round_trip_ns"] = [trip_before, core_round_trip_ns()]
                 records.append(record)
                 print(f"round {round_index + 1} {progress(record)}", flush=True)
         per_round = (time.perf_counter() - started) / (round_index + 1)
@@ -442,8 +446,10 @@ def progress(record: dict[str, Any]) -> str:
         key = "batch" if record["mode"] == "batch" else "prompt_len"
         body = "decode tok/s/stream " + ", ".join(
             f"{label}{r[key]} {r['decode_tok_s_per_stream']:.1f}" for r in record["results"])
+    trips = record.get("core_round_trip_ns")
+    apart = (f", cores {number(trips[0])} / {number(trips[1])} ns apart" if trips else "")
     return (head + body + f" ({record['worker_s']:.0f} s, load "
-            f"{record['loadavg_before'][0]:.2f} -> {record['loadavg_after'][0]:.2f})")
+            f"{record['loadavg_before'][0]:.2f} -> {record['loadavg_after'][0]:.2f}{apart})")
 
 
 def summarize(records: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
@@ -474,7 +480,24 @@ def summarize(records: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
             # the same without the prompts: batch x per-stream decode over batch 1's decode
             row["decode_vs_own_b1"] = (row["batch"] * row["decode_tok_s_per_stream"]
                                        / own_b1["decode_tok_s_per_stream"])
+            row["aggregate_vs_own_b1_by_round"] = rounds_vs_own_b1(records, row)
     return sorted(rows, key=lambda r: (r["threads"], r[key], SYSTEMS.index(r["system"])))
+
+
+def rounds_vs_own_b1(records: list[dict[str, Any]], row: dict[str, Any]
+                     ) -> list[dict[str, Any]]:
+    """A batch row's aggregate over its own batch 1's, round by round (both from one
+    worker), with the cores' round trip before and after it (multi-thread workers)."""
+    out = []
+    for record in records:
+        if (record["system"], record["threads"]) != (row["system"], row["threads"]):
+            continue
+        aggregate = {r["batch"]: r["aggregate_tok_s"] for r in record["results"]}
+        if row["batch"] in aggregate and 1 in aggregate:
+            out.append({"round": record["round"],
+                        "ratio": aggregate[row["batch"]] / aggregate[1],
+                        "core_round_trip_ns": record.get("core_round_trip_ns")})
+    return out
 
 
 # ---- the bandwidth bound: measured read bandwidth / bytes per decode token -------------
@@ -683,6 +706,15 @@ def arithmetic_table(rows: list[dict[str, Any]]) -> str:
         for r in rows])
 
 
+def by_round_table(rows: list[dict[str, Any]]) -> str:
+    cells = [[r["system"], str(r["threads"]), str(entry["round"] + 1), f"{entry['ratio']:.2f}x",
+              " / ".join(number(t) for t in entry["core_round_trip_ns"] or [None])]
+             for r in rows if r["batch"] == 16 and r["threads"] > 1
+             for entry in r.get("aggregate_vs_own_b1_by_round", [])]
+    header = ["system", "threads", "round", "b16 / b1 aggregate", "cores apart, ns"]
+    return markdown(header, cells) if cells else ""
+
+
 def number(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
@@ -834,6 +866,11 @@ def print_report(args: argparse.Namespace, machine: dict[str, Any],
               "multiply-adds / probe_dot_rate.c's zmm rate, one probe per thread at once; the "
               "last column: the aggregate the floor would give over the measured batch 1's)\n")
         print(arithmetic_table(report["arithmetic"]))
+    rounds = by_round_table(report["batch_summary"])
+    if rounds:
+        print("\nbatch 16 over its own batch 1, round by round at 2+ threads (one worker each), "
+              "with how far apart the cores were before / after it (probe_core_latency.c)\n")
+        print(rounds)
     print()
     for check in report["targets"]:
         print(f"{check['target']} >= {check['goal']}x at {check['threads']} thread(s): "
