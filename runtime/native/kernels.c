@@ -421,9 +421,11 @@ static void quantize_blocks(const float *x, int t_rows, const QMatrix *w, int b_
 
 /* The common full tile as one loop of assembly: TOKEN_TILE (8) activation rows times a row
    group of symmetric 4-bit weights (no zero points, no offsets) over `blocks` blocks of
-   `slices` slices each (blocks > 0), adding to the sums in `out` (from zero unless
-   `accumulate`) what gemm_tile computes, operation for operation, with every value in a
-   named register. (GCC, given gemm_tile's intrinsics, moves sums between registers and
+   `slices` slices each but the last, of `last` (blocks > 0), into `out` what gemm_tile
+   computes, operation for operation, with every value in a named register. (The shorter
+   last block of a K like 576 in blocks of 128 ran as a second call, reloading the sums the
+   first had just stored: a 512-bit load of two 256-bit stores waits for them to reach the
+   cache, and at 2 threads for the other core to give up those lines.) (GCC, given gemm_tile's intrinsics, moves sums between registers and
    spills addresses; this loop issues ~1.45 dots a cycle where that one issues ~1.2.)
    Registers: zmm0-7 each row's integer dot of the block, zmm8-15 the block's eight code
    vectors, zmm16-23 each row's float sum, zmm24 a broadcast activation, zmm25 the block's
@@ -434,7 +436,7 @@ static void quantize_blocks(const float *x, int t_rows, const QMatrix *w, int b_
    zero and copy, 8-row tiles 0.98x the time). */
 static void tile8_q4(const uint8_t *codes, const float *row_scales, const int32_t *act,
                      const int32_t *zero_term, const float *act_scales, int64_t blocks,
-                     int64_t slices, float *out, int64_t stride, int accumulate) {
+                     int64_t slices, int64_t last, float *out, int64_t stride) {
     int64_t left;
     /* row i at out + i * stride: rows 4 .. 7 from a second base, each at base + 0, 1, 2 or 3
        strides (x86 addresses scale an index by 1, 2, 4 or 8, never 3) */
@@ -446,9 +448,8 @@ static void tile8_q4(const uint8_t *codes, const float *row_scales, const int32_
     "vpsrlw $4, %%zmm" #lo ", %%zmm" #hi "\n\t" \
     "vpandd %[low4], %%zmm" #lo ", %%zmm" #lo "\n\t" \
     "vpandd %[low4], %%zmm" #hi ", %%zmm" #hi "\n\t"
-#define LOAD(at, f) "vmovups " at ", %%zmm" #f "\n\t"
 #define STORE(at, f) "vmovups %%zmm" #f ", " at "\n\t"
-#define OUT_ROWS(MOVE) /* row i's sums (zmm16 + i) to or from out + i * stride */ \
+#define OUT_ROWS(MOVE) /* row i's sums (zmm16 + i) to out + i * stride */ \
     MOVE("(%[out])", 16) MOVE("(%[out],%[bytes])", 17) MOVE("(%[out],%[bytes],2)", 18) \
     MOVE("(%[out],%[bytes3])", 19) MOVE("(%[out4])", 20) MOVE("(%[out4],%[bytes])", 21) \
     MOVE("(%[out4],%[bytes],2)", 22) MOVE("(%[out4],%[bytes3])", 23)
@@ -457,20 +458,18 @@ static void tile8_q4(const uint8_t *codes, const float *row_scales, const int32_
     "vmulps 4*" #i "(%[act_scales])%{1to16%}, %%zmm25, %%zmm26\n\t" \
     "vfmadd231ps %%zmm26, %%zmm" #i ", %%zmm" #f "\n\t"
     __asm__ volatile(
-        "test %[accumulate], %[accumulate]\n\t"
-        "jnz 3f\n\t"
         ".irp f,16,17,18,19,20,21,22,23\n\t"
         "vpxord %%zmm\\f, %%zmm\\f, %%zmm\\f\n\t"
-        ".endr\n\t"
-        "jmp 1f\n"
-        "3:\n\t"
-        OUT_ROWS(LOAD)
+        ".endr\n"
         "1:\n\t"
         /* each row's dot starts from its zero term */
         ".irp i,0,1,2,3,4,5,6,7\n\t"
         "vpbroadcastd 4*\\i(%[zero_term]), %%zmm\\i\n\t"
         ".endr\n\t"
-        "mov %[slices], %[left]\n"
+        "mov %[slices], %[left]\n\t"
+        "cmp $1, %[blocks]\n\t"  /* the last block: `last` slices */
+        "jne 2f\n\t"
+        "mov %[last], %[left]\n"
         "2:\n\t"
         "prefetcht0 %c[ahead](%[codes])\n\t"
         "prefetcht0 %c[ahead]+64(%[codes])\n\t"
@@ -501,14 +500,13 @@ static void tile8_q4(const uint8_t *codes, const float *row_scales, const int32_
           [zero_term] "+r"(zero_term), [act_scales] "+r"(act_scales), [blocks] "+r"(blocks),
           [left] "=&r"(left)
         : [out] "r"(out), [out4] "r"(out4), [bytes] "r"(bytes), [bytes3] "r"(bytes3),
-          [accumulate] "r"(accumulate), [slices] "r"(slices), [low4] "v"(low4),
+          [last] "m"(last), [slices] "r"(slices), [low4] "v"(low4),
           [ahead] "i"(PREFETCH_SLICES * 256)
         : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
           "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18",
           "xmm19", "xmm20", "xmm21", "xmm22", "xmm23", "xmm24", "xmm25", "xmm26", "memory",
           "cc");
 #undef UNPACK
-#undef LOAD
 #undef STORE
 #undef OUT_ROWS
 #undef SUM
@@ -631,15 +629,8 @@ static inline __attribute__((always_inline)) void gemm_tile(
         const int whole = rows == 0xFFFF;
         float *out = whole ? y + (int64_t)t0 * w->n + 16 * g : &sums[0][0];
         const int64_t stride = whole ? w->n : 16;
-        const int full = slices / per_block, tail = slices % per_block;
-        if (full)  /* the loop runs at least once */
-            tile8_q4(group, scales, act, zero_term, act_scales, full, per_block, out, stride,
-                     0);
-        if (tail)  /* the shorter last block */
-            tile8_q4(group + (int64_t)full * per_block * slice_bytes, scales + full * 16,
-                     act + (int64_t)full * per_block * 8 * TOKEN_TILE,
-                     zero_term + full * TOKEN_TILE, act_scales + full * TOKEN_TILE, 1, tail,
-                     out, stride, full > 0);
+        tile8_q4(group, scales, act, zero_term, act_scales, blocks, per_block,
+                 block_slices(w, blocks - 1), out, stride);
         for (int i = 0; i < tile && !whole; i++)
             _mm512_mask_storeu_ps(y + (int64_t)(t0 + i) * w->n + 16 * g, rows,
                                   _mm512_loadu_ps(sums[i]));
