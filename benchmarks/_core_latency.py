@@ -10,6 +10,8 @@ batch-16 / batch-1 ratio round by round beside it.
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import subprocess
 import tempfile
 from functools import cache
@@ -24,6 +26,7 @@ PROBE = Path(__file__).with_name("probe_core_latency.c")
 def _binary() -> Path | None:
     """The probe, built once a process (None where it does not build)."""
     directory = Path(tempfile.mkdtemp(prefix="core-latency-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
     try:
         return build_c_probe(PROBE, ["-O2", "-pthread"], directory)
     except (subprocess.CalledProcessError, SystemExit):

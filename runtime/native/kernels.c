@@ -289,11 +289,12 @@ static inline int32_t block_zero_term(__m512i sums, const QMatrix *w) {
     return w->zeros ? -total : -(total << (w->bits - 1));
 }
 
-/* Row t's block b of x (`slices` slices of 32 from `first`) quantized as w's kernels read
-   it (see QActivations). */
-static inline void quantize_block(const float *x, int64_t t, int first, int slices,
-                                  int64_t at, const QMatrix *w, QActivations *q) {
+/* Row t's block b of x quantized as w's kernels read it (see QActivations). */
+static inline void quantize_block(const float *x, int64_t t, int b, const QMatrix *w,
+                                  QActivations *q) {
     const int k = w->k, row_slices = k / 32;
+    const int first = b * (w->block / 32), slices = block_slices(w, b);
+    const int64_t at = tile_at(t, block_count(k, w->block), b);
     const __m512 inv = activation_scale(x + t * k, first, slices, at, w, q);
     __m512i sum = _mm512_setzero_si512();
     for (int s = first; s < first + slices; s++) {
@@ -372,10 +373,16 @@ static void quantize_tile_block(const float *x, int64_t at, int b, const QMatrix
         q->zero_term[block_at + r] = block_zero_term(sums[r], w);
 }
 
+/* The tiles of rows quantized a whole tile at a time (quantize_tile_block): none for AMX
+   rows, which are quantized row by row. */
+static inline int64_t whole_tiles(int t_rows, const QActivations *q) {
+    return q->rows ? 0 : t_rows / TOKEN_TILE;
+}
+
 /* quantize_rows' items: each whole tile's blocks (quantize_tile_block), then each row of a
    last part tile and, for AMX, every row (quantize_block). */
 static inline int64_t quantize_items(int t_rows, const QMatrix *w, const QActivations *q) {
-    const int64_t tiles = q->rows ? 0 : t_rows / TOKEN_TILE;
+    const int64_t tiles = whole_tiles(t_rows, q);
     return tiles * block_count(w->k, w->block) + t_rows - tiles * TOKEN_TILE;
 }
 
@@ -383,15 +390,13 @@ static inline int64_t quantize_items(int t_rows, const QMatrix *w, const QActiva
 static inline void quantize_item(const float *x, int t_rows, const QMatrix *w, int64_t i,
                                  QActivations *q) {
     const int blocks = block_count(w->k, w->block);
-    const int64_t tiles = q->rows ? 0 : t_rows / TOKEN_TILE;
+    const int64_t tiles = whole_tiles(t_rows, q);
     if (i < tiles * blocks) {
         quantize_tile_block(x, i / blocks * TOKEN_TILE, (int)(i % blocks), w, q);
         return;
     }
     const int64_t t = tiles * TOKEN_TILE + i - tiles * blocks;
-    for (int b = 0; b < blocks; b++)
-        quantize_block(x, t, b * (w->block / 32), block_slices(w, b), tile_at(t, blocks, b),
-                       w, q);
+    for (int b = 0; b < blocks; b++) quantize_block(x, t, b, w, q);
 }
 
 /* x [T][K] quantized as w's kernels read it (see QActivations): whole tiles block by block
@@ -409,14 +414,11 @@ static void quantize_rows(const float *x, int t_rows, const QMatrix *w, int thre
    them (a block's codes depend on that block's inputs alone). */
 static void quantize_blocks(const float *x, int t_rows, const QMatrix *w, int b_lo, int b_hi,
                             QActivations *q) {
-    const int blocks = block_count(w->k, w->block);
-    const int64_t tiles = q->rows ? 0 : t_rows / TOKEN_TILE;
+    const int64_t tiles = whole_tiles(t_rows, q);
     for (int64_t tile = 0; tile < tiles; tile++)  /* a tile's rows stay in cache */
         for (int b = b_lo; b < b_hi; b++) quantize_tile_block(x, tile * TOKEN_TILE, b, w, q);
     for (int64_t t = tiles * TOKEN_TILE; t < t_rows; t++)
-        for (int b = b_lo; b < b_hi; b++)
-            quantize_block(x, t, b * (w->block / 32), block_slices(w, b),
-                           tile_at(t, blocks, b), w, q);
+        for (int b = b_lo; b < b_hi; b++) quantize_block(x, t, b, w, q);
 }
 
 /* The common full tile as one loop of assembly: TOKEN_TILE (8) activation rows times a row
@@ -451,10 +453,10 @@ static void tile8_q4(const uint8_t *codes, const float *row_scales, const int32_
     "vpandd %[low4], %%zmm" #lo ", %%zmm" #lo "\n\t" \
     "vpandd %[low4], %%zmm" #hi ", %%zmm" #hi "\n\t"
 #define STORE(at, f) "vmovups %%zmm" #f ", " at "\n\t"
-#define OUT_ROWS(MOVE) /* row i's sums (zmm16 + i) to out + i * stride */ \
-    MOVE("(%[out])", 16) MOVE("(%[out],%[bytes])", 17) MOVE("(%[out],%[bytes],2)", 18) \
-    MOVE("(%[out],%[bytes3])", 19) MOVE("(%[out4])", 20) MOVE("(%[out4],%[bytes])", 21) \
-    MOVE("(%[out4],%[bytes],2)", 22) MOVE("(%[out4],%[bytes3])", 23)
+#define STORE_ROWS /* row i's sums (zmm16 + i) to out + i * stride */ \
+    STORE("(%[out])", 16) STORE("(%[out],%[bytes])", 17) STORE("(%[out],%[bytes],2)", 18) \
+    STORE("(%[out],%[bytes3])", 19) STORE("(%[out4])", 20) STORE("(%[out4],%[bytes])", 21) \
+    STORE("(%[out4],%[bytes],2)", 22) STORE("(%[out4],%[bytes3])", 23)
 #define SUM(i, f) \
     "vcvtdq2ps %%zmm" #i ", %%zmm" #i "\n\t" \
     "vmulps 4*" #i "(%[act_scales])%{1to16%}, %%zmm25, %%zmm26\n\t" \
@@ -497,7 +499,7 @@ static void tile8_q4(const uint8_t *codes, const float *row_scales, const int32_
         "add $32, %[act_scales]\n\t"
         "dec %[blocks]\n\t"
         "jnz 1b\n\t"
-        OUT_ROWS(STORE)
+        STORE_ROWS
         : [codes] "+r"(codes), [row_scales] "+r"(row_scales), [act] "+r"(act),
           [zero_term] "+r"(zero_term), [act_scales] "+r"(act_scales), [blocks] "+r"(blocks),
           [left] "=&r"(left)
@@ -510,7 +512,7 @@ static void tile8_q4(const uint8_t *codes, const float *row_scales, const int32_
           "cc");
 #undef UNPACK
 #undef STORE
-#undef OUT_ROWS
+#undef STORE_ROWS
 #undef SUM
 }
 
