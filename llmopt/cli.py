@@ -390,7 +390,8 @@ def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: 
         else:
             click.echo(f"batch {size:3d}: TTFT {result.ttft_ms:8.1f} ms, decode "
                        f"{result.decode_tok_s_per_stream:6.1f} tok/s/stream, aggregate "
-                       f"{result.aggregate_tok_s:7.1f} tok/s, peak RSS "
+                       f"{result.aggregate_tok_s:7.1f} tok/s (decode phase "
+                       f"{result.decode_aggregate_tok_s:.1f}), peak RSS "
                        f"{result.peak_rss_mib:.0f} MiB" + _speculation_line(result))
 
 

@@ -22,7 +22,10 @@ class BenchResult:
     ttft_ms: float  # mean time from submission to first token (prefill of the whole batch)
     decode_tok_s_per_stream: float  # mean over requests, after their first token
     aggregate_tok_s: float  # generated tokens of all streams / wall time
-    decode_aggregate_tok_s: float  # batch * per-stream decode speed
+    # Tokens per second once every stream has its first token (from then on every step
+    # only decodes): the decode phase's aggregate, free of the prompts' prefill chunks that
+    # early streams' per-stream speeds include under continuous batching.
+    decode_aggregate_tok_s: float
     wall_s: float
     peak_rss_mib: float  # of this process so far
     # Speculation, over all requests (None without it): accepted / verified drafts,
@@ -64,7 +67,7 @@ def run_bench(llm: LLM, batch: int, prompt_len: int, gen_len: int, seed: int = 0
         prompts = bench_prompts(llm.manifest.model.vocab_size, batch, prompt_len, seed)
     params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
     started = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs, window = generate_timed(llm, prompts, params)
     wall = time.perf_counter() - started
     ttft, per_stream = [], []
     for out in outputs:
@@ -79,13 +82,41 @@ def run_bench(llm: LLM, batch: int, prompt_len: int, gen_len: int, seed: int = 0
         ttft_ms=1000 * float(np.mean(ttft)),
         decode_tok_s_per_stream=float(np.mean(per_stream)),
         aggregate_tok_s=generated / wall,
-        decode_aggregate_tok_s=batch * float(np.mean(per_stream)),
+        decode_aggregate_tok_s=window.tokens / window.seconds if window.seconds > 0 else 0.0,
         wall_s=wall, peak_rss_mib=peak_rss_mib(),
         acceptance_rate=speculation.acceptance_rate if speculation else None,
         mean_accepted_length=speculation.mean_accepted_length if speculation else None,
         tokens_per_step=speculation.tokens_per_step(generated) if speculation else None,
         prompts=prompts_kind,
     )
+
+
+@dataclass(frozen=True)
+class DecodeWindow:
+    """What followed the step that gave the last stream its first token."""
+
+    tokens: int
+    seconds: float
+
+
+def generate_timed(llm: LLM, prompts: list[list[int]], params: SamplingParams
+                   ) -> tuple[list[RequestOutput], DecodeWindow]:
+    """`llm.generate(prompts, params)` step by step: the outputs in prompt order, and the
+    tokens and seconds after the last stream's first token."""
+    engine = llm.engine
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    latest: dict[str, RequestOutput] = {}
+    opened, tokens_before = None, 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            latest[output.request_id] = output
+        if opened is None and len(latest) == len(ids) and all(
+                o.token_ids for o in latest.values()):
+            opened = time.perf_counter()
+            tokens_before = sum(len(o.token_ids) for o in latest.values())
+    generated = sum(len(o.token_ids) for o in latest.values())
+    seconds = time.perf_counter() - opened if opened is not None else 0.0
+    return [latest[i] for i in ids], DecodeWindow(generated - tokens_before, seconds)
 
 
 def total_speculation(outputs: list[RequestOutput]) -> SpeculationMetrics | None:

@@ -8,8 +8,9 @@ from toy_artifact import add_draft, build_artifact
 
 from llmopt.cli import main
 from llmopt.runtime import LLM
-from llmopt.runtime.bench import prompt_kind, run_bench
+from llmopt.runtime.bench import bench_prompts, generate_timed, prompt_kind, run_bench
 from llmopt.runtime.bench_text import PASSAGES, text_prompts
+from llmopt.runtime.sampling_params import SamplingParams
 
 
 def test_auto_is_text_exactly_when_the_artifact_speculates():
@@ -62,3 +63,21 @@ def test_bench_says_which_prompts_ran(speculating, extra, line):
                                        "--prompt-len", "8", "--gen-len", "4", *extra])
     assert result.exit_code == 0, result.output
     assert line in result.output.splitlines()
+
+
+
+@pytest.mark.parametrize(("budget", "window_has_all"), [(64, True), (10, False)])
+def test_the_decode_window_opens_at_the_last_first_token(tmp_path, budget, window_has_all):
+    """Three prompts of 8 tokens: a step budget of 64 prefills them in one step, so every
+    token but each stream's first falls in the decode window; a budget of 10 admits them a
+    step apart, and the first streams' tokens during the later prefills fall before it."""
+    llm = LLM(build_artifact(tmp_path / "toy"), max_num_seqs=3,
+              max_num_batched_tokens=budget, enable_prefix_caching=False)
+    prompts = bench_prompts(llm.manifest.model.vocab_size, 3, 8)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outputs, window = generate_timed(llm, prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in llm.generate(prompts, params)]
+    assert window.seconds > 0
+    assert (window.tokens == 3 * 5) is window_has_all
+    # no stream's first token in it; the last stream's five others at least
+    assert 5 <= window.tokens <= 3 * 5
