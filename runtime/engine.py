@@ -195,9 +195,11 @@ class LLMEngine:
                 [r.generator for r in to_sample],
                 [r.all_token_ids for r in to_sample],
             )
-            for request, token, row in zip(to_sample, token_ids, sample_rows, strict=True):
-                emitted[request.request_id] = [int(token)]
-                _record_logprobs(request, logits[row : row + 1], [int(token)])
+            for request, token, row in zip(to_sample, token_ids.tolist(), sample_rows,
+                                           strict=True):
+                emitted[request.request_id] = [token]
+                if request.sampling_params.logprobs is not None:
+                    _record_logprobs(request, logits[row : row + 1], [token])
         for request_id, tokens in emitted.items():
             request = self.requests[request_id].request
             request.num_decode_steps += 1

@@ -108,7 +108,8 @@ class KVCacheManager:
 
     def slot_mapping(self, request: Request, start: int, num_tokens: int) -> np.ndarray:
         """Pool slots of positions start .. start + num_tokens - 1 of the request."""
-        return slots_of(self.block_ids(request), start, num_tokens, self.block_size)
+        return np.asarray(slots_of(self.block_ids(request), start, num_tokens, self.block_size),
+                          dtype=np.int64)
 
     def _block_hashes(self, request: Request) -> list[bytes]:
         """The request's chained block hashes, extended over every full block of known tokens."""

@@ -13,11 +13,12 @@ def cdiv(a: int, b: int) -> int:
 
 
 def slots_of(block_table: Sequence[int], start: int, num_tokens: int,
-             block_size: int) -> np.ndarray:
-    """int64 pool slots of positions start .. start + num_tokens - 1 of a sequence."""
-    block_ids = np.asarray(block_table, dtype=np.int64)
-    positions = np.arange(start, start + num_tokens, dtype=np.int64)
-    return block_ids[positions // block_size] * block_size + positions % block_size
+             block_size: int) -> list[int]:
+    """Pool slots of positions start .. start + num_tokens - 1 of a sequence (Python ints:
+    a decode step asks for one slot of every sequence, where numpy calls cost more than
+    the arithmetic)."""
+    return [block_table[p // block_size] * block_size + p % block_size
+            for p in range(start, start + num_tokens)]
 
 
 def step_blocks(block_tables: list[list[int]], context_lens: np.ndarray,

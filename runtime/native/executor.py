@@ -38,11 +38,15 @@ class NativeLaneExecutor(LanePools):
         self._lib = kernels()
 
     def execute(self, batch: StepBatch) -> np.ndarray:
+        # Per-token lists in Python, one array each: numpy calls per sequence cost more
+        # than the work at decode (session 31).
         lanes = [self.lane_of(table) for table in batch.block_tables]
-        tokens = np.fromiter((t for seq in batch.token_ids for t in seq), np.int64)
-        token_lanes = np.repeat(np.asarray(lanes, np.int32), batch.query_lens)
-        lane_rows = np.concatenate([np.arange(c, c + n, dtype=np.int32) for c, n in
-                                    zip(batch.context_lens, batch.query_lens, strict=True)])
+        tokens = np.asarray([t for seq in batch.token_ids for t in seq], np.int64)
+        token_lanes = np.asarray([lane for lane, seq in zip(lanes, batch.token_ids, strict=True)
+                                  for _ in seq], np.int32)
+        lane_rows = np.asarray([row for start, seq in
+                                zip(batch.context_lens, batch.token_ids, strict=True)
+                                for row in range(start, start + len(seq))], np.int32)
         positions, masks = lane_rows, None
         if batch.query_parents is not None:  # a tree's siblings share a position
             positions, masks = batch.positions(), batch.tree_masks()
