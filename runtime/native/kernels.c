@@ -518,9 +518,10 @@ static void tile8_q4(const uint8_t *codes, const float *row_scales, const int32_
 /* acc + codes . (*four, broadcast to every lane): one VPDPBUSD that reads the four
    activation codes as its broadcast memory operand, where GCC writes _mm512_set1_epi32 of
    a load as a VPBROADCASTD of its own before each dot. One instruction a dot fewer (here
-   and in tile8_q4): at 2 threads a batch-16 step 0.89-0.92x the time, a 4 x 128 prefill
-   0.89-0.94x, at 1 thread 0.98x and 0.93x, a batch-1 step 0.95-0.98x (AMD Zen 4,
-   session 31). */
+   and in tile8_q4): a batch-16 step 0.94-0.99x the time at 1 and at 2 threads, a 4 x 128
+   prefill 0.99-1.01x at 1 and 0.96-0.98x at 2, a batch-1 step 0.98-1.02x; the Q4_1
+   artifact's batch 16 0.92x and prefill 0.93x at 1 thread (native_kernels_ab, 9-15 rounds,
+   AMD Zen 4, session 31). */
 static inline __attribute__((always_inline)) __m512i dot_broadcast(__m512i acc, __m512i codes,
                                                                    const int32_t *four) {
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*four));
