@@ -134,8 +134,7 @@ class SequenceStep:
 def make_step_batch(sequences: Sequence[SequenceStep], block_size: int) -> StepBatch:
     """The one StepBatch builder (engine, model drafter, compile-time measurement):
     logits rows follow `sequences`' order. Slots stay Python ints until one array at the
-    end: numpy calls per sequence cost a batch-16 decode step ~0.15 ms, with the caches
-    cold after the kernels' step (session 31)."""
+    end: at decode, numpy calls per sequence cost more than their arithmetic."""
     slots: list[int] = []
     logits_indices: list[int] = []
     row = 0
