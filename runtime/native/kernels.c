@@ -436,9 +436,9 @@ static void quantize_blocks(const float *x, int t_rows, const QMatrix *w, int b_
    scale product; each dot reads its row's four activation codes as a broadcast operand
    (dot_broadcast). Per slice the pointers advance by: codes 256 bytes, activation codes
    8 x 8 int32; per block: row scales 16 floats, zero terms and activation scales 8 each
-   (the tiled layouts above). out: 8 rows of 16 floats, `stride`
-   floats apart (the tile's outputs in y itself where its row group is whole: no buffer to
-   zero and copy, 8-row tiles 0.98x the time). */
+   (the tiled layouts above). out: 8 rows of 16 floats, `stride` floats apart (the tile's
+   outputs in y itself where its row group is whole: no buffer to zero and copy, 8-row
+   tiles 0.98x the time). */
 static void tile8_q4(const uint8_t *codes, const float *row_scales, const int32_t *act,
                      const int32_t *zero_term, const float *act_scales, int64_t blocks,
                      int64_t slices, int64_t last, float *out, int64_t stride) {
