@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from _common import REPO_ROOT, RESULTS_DIR, machine_info, write_json
 from bench_speculative import MIX_V2, as_messages
 
+from llmopt.compiler.draft_pairing import lowered_executor as _executor
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel, rms_norm
-from llmopt.passes.draft import _executor
 from llmopt.passes.draft import data as draft_data
 from llmopt.passes.draft.choice import target_tokenizer
 from llmopt.passes.draft.measure import PagedRunner, Trajectory, run_lengths, timed_step

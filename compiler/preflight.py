@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmopt.compiler.checkpoint_ref import CheckpointRef, resolve_checkpoint
-from llmopt.passes.registry import check_order
+from llmopt.compiler.pass_registry import check_order
 from llmopt.runtime.manifest import MANIFEST_FILE
 
 if TYPE_CHECKING:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.pass_registry import PASSES
 from llmopt.compiler.reference import KVCache, ReferenceModel
 from llmopt.compiler.weight_quant import intra_op_threads
 from llmopt.runtime.evaluate import windows_of
@@ -139,8 +140,6 @@ class QualityProbe:
 def calibration_span(recipe: Recipe) -> int:
     """Tokens at the start of calibration.text that the recipe's passes may read: every
     calibration window, if any pass calibrates (the registry's `calibrates`)."""
-    from llmopt.passes.registry import PASSES
-
     if not any(PASSES[step.name].calibrates for step in recipe.passes):
         return 0
     return recipe.calibration.samples * recipe.calibration.seq_len

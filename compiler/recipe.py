@@ -16,7 +16,7 @@ from pydantic import (
     model_validator,
 )
 
-from llmopt.passes.registry import PASSES, PassStep, known_passes, validate_pass
+from llmopt.compiler.pass_registry import PASSES, PassStep, known_passes, validate_pass
 from llmopt.runtime.manifest import RuntimeDefaults
 
 

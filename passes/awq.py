@@ -36,6 +36,7 @@ from pydantic import Field
 
 from llmopt.compiler.calibration import LayerwiseRunner, calibration_windows
 from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.pass_manager import PassContext, PassResult
 from llmopt.compiler.quant_format import group_quantize, group_view, quant_params
 from llmopt.compiler.reference import rms_norm
 from llmopt.compiler.weight_quant import (
@@ -44,7 +45,6 @@ from llmopt.compiler.weight_quant import (
     quantization_report,
     target_linears,
 )
-from llmopt.passes.registry import PassContext, PassResult
 from llmopt.passes.rtn import relative_error
 
 

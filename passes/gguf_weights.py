@@ -26,8 +26,8 @@ from llmopt.compiler.gguf_blocks import (
     unpermute_qk_rows,
 )
 from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.pass_manager import PassContext, PassResult
 from llmopt.compiler.weight_quant import float_weight, quantization_report, target_linears
-from llmopt.passes.registry import PassContext, PassResult
 
 
 class Config(BaseModel):

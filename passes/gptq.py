@@ -26,6 +26,7 @@ from pydantic import Field
 
 from llmopt.compiler.calibration import LayerwiseRunner, calibration_windows, observing
 from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.pass_manager import PassContext, PassResult
 from llmopt.compiler.quant_format import QuantizedLinear, quant_params
 from llmopt.compiler.reference import rms_norm
 from llmopt.compiler.weight_quant import (
@@ -35,7 +36,6 @@ from llmopt.compiler.weight_quant import (
     quantization_report,
     target_linears,
 )
-from llmopt.passes.registry import PassContext, PassResult
 from llmopt.passes.rtn import relative_error
 
 # Linears sharing one input, in the order a decoder layer computes them.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.pass_manager import PassContext, PassResult
 from llmopt.compiler.quant_format import group_quantize
 from llmopt.compiler.weight_quant import (
     WeightQuantConfig,
@@ -17,7 +18,6 @@ from llmopt.compiler.weight_quant import (
     quantization_report,
     target_linears,
 )
-from llmopt.passes.registry import PassContext, PassResult
 
 
 class Config(WeightQuantConfig):

@@ -37,9 +37,9 @@ from llmopt.compiler.head_merge import (
     merge_heads,
 )
 from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.pass_manager import PassContext, PassResult
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes.gqa_regroup.fit import FitPrecision, FitScope, fit_end_to_end, fit_layers
-from llmopt.passes.registry import PassContext, PassResult
 
 DEFAULT_FIT_STEPS = 600
 

@@ -47,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from llmopt.compiler.calibration import calibration_windows
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.kv_cache_format import FLOAT_KV_DTYPES, kv_sides
+from llmopt.compiler.pass_manager import PassContext, PassResult
 from llmopt.passes.kv_cache.calibrate import (
     SideStats,
     kv_absmax,
@@ -56,7 +57,6 @@ from llmopt.passes.kv_cache.calibrate import (
 )
 from llmopt.passes.kv_cache.folds import rotate_values, smooth_keys
 from llmopt.passes.kv_cache.sensitivity import CacheKL, fewest_for_kl, layer_sensitivity
-from llmopt.passes.registry import PassContext, PassResult
 
 if TYPE_CHECKING:
     from llmopt.compiler.recipe import Recipe
@@ -265,7 +265,7 @@ def check_config(ir: ModelIR, config: Config, context: PassContext | None = None
 
 def report(before: ModelIR, after: ModelIR, seconds: float, context: PassContext | None,
            extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    from llmopt.compiler.lower import kv_cache_spec
+    from llmopt.compiler.kv_layout import kv_cache_spec
     from llmopt.runtime.manifest import KVCacheSpec
 
     def bytes_per_token(ir: ModelIR) -> float:

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import pytest
 
+from llmopt.compiler import pass_registry as registry
 from llmopt.compiler.loader import load_checkpoint
-from llmopt.compiler.pipeline import (
+from llmopt.compiler.pass_manager import (
+    PassContext,
     QualityBudgetError,
     apply_passes,
     check_budget,
-    check_pass_order,
-    compile_recipe,
 )
+from llmopt.compiler.pass_registry import PassEntry
+from llmopt.compiler.pipeline import check_pass_order, compile_recipe
 from llmopt.compiler.recipe import Recipe
-from llmopt.passes import registry
-from llmopt.passes.registry import PassContext, PassEntry
 
 
 @pytest.mark.parametrize(("passes", "message"), [
@@ -110,7 +110,7 @@ def test_the_quality_measurement_reports_its_progress(tiny_checkpoints, word_tex
 
 
 def test_the_log_names_only_the_options_a_recipe_set():
-    from llmopt.compiler.pipeline import options_line
+    from llmopt.compiler.pass_manager import options_line
 
     recipe = Recipe(model="m", passes=[
         {"draft": {"kind": "ngram", "ngram": {"max_n": 4}}},

@@ -4,10 +4,9 @@ reads, else the input model's own seeded samples; never nothing unless told."""
 from __future__ import annotations
 
 from llmopt.compiler.loader import load_checkpoint
-from llmopt.compiler.pipeline import apply_passes
+from llmopt.compiler.pass_manager import PassContext, apply_passes
 from llmopt.compiler.quality import SAMPLES, QualityProbe, sample_sequences
 from llmopt.compiler.recipe import Recipe
-from llmopt.passes.registry import PassContext
 
 RTN = [{"rtn": {"bits": 4, "group_size": 32}}]
 GPTQ = [{"gptq": {"bits": 4, "group_size": 32}}]

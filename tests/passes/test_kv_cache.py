@@ -9,11 +9,11 @@ import torch
 
 from llmopt.compiler.calibration import calibration_windows
 from llmopt.compiler.loader import load_checkpoint
+from llmopt.compiler.pass_manager import PassContext
 from llmopt.compiler.recipe import Recipe, RecipeError, load_recipe
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes import kv_cache, rtn
 from llmopt.passes.kv_cache import calibrate, sensitivity
-from llmopt.passes.registry import PassContext
 
 IDS = torch.tensor([[5, 17, 99, 3, 42, 8, 61, 200, 7, 13, 150, 77]])
 
