@@ -30,7 +30,7 @@ from llmopt.runtime.evaluate import windows_of
 if TYPE_CHECKING:
     from llmopt.compiler.recipe import Recipe
 
-PROGRESS_EVERY_S = 10.0  # a measurement takes minutes on SmolLM2: say how far it got
+PROGRESS_EVERY_S = 10.0  # a measurement takes minutes on a real model: say how far it got
 SAMPLES = "samples"  # QualityProbe.kind of the model's own samples
 NO_PERPLEXITY = "none: the LM head keeps a subset of the vocabulary"  # `perplexity_on`
 
@@ -162,8 +162,7 @@ def sample_sequences(ir: ModelIR, sequences: int, tokens: int, seed: int,
                          opening=f"sampling {sequences} sequences of {tokens} tokens from "
                                  f"the input model (seed {seed}), to measure on")
     # One token per sequence a step is many small ops: torch's thread pool costs more than
-    # it gives there, and on shared cores it collapses (SmolLM2, batch 16, load 3.8:
-    # 146-496 ms a step on one thread, 2.9-4.7 s on two).
+    # it gives there, and on shared cores it collapses.
     with intra_op_threads(1):
         logits = model.forward(columns[0], cache, all_logits=False)
         for _ in range(tokens - 1):

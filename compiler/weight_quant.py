@@ -22,7 +22,7 @@ class WeightQuantConfig(BaseModel):
     bits: Literal[4, 8] = 4
     group_size: Literal[32, 64, 128] = 128
     symmetric: bool = False
-    # The LM head (the tied embedding on SmolLM2: 21 % of its weights) stays float unless asked.
+    # The LM head (a large share of a small model's weights when tied) stays float unless asked.
     include_lm_head: bool = False
     # The LM head's own width when included (default: `bits`). An 8-bit head beside 4-bit
     # decoder linears keeps most of the head's quality; a 4-bit one reads half the bytes.

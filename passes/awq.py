@@ -11,14 +11,9 @@ the weights are rounded (RTN).
 Output errors go through the input's Gram matrix H = XᵀX: ||X(W - Ŵ)ᵀ||² =
 tr((W - Ŵ) H (W - Ŵ)ᵀ), exact on the sampled tokens and cheaper than X itself once
 there are more tokens than input channels. Layers are calibrated in order, and each
-layer sees the outputs of the layers below it as quantized (`LayerwiseRunner.advance`;
-feeding float outputs instead measured the same on SmolLM2: 36.3 vs 36.4 perplexity).
+layer sees the outputs of the layers below it as quantized (`LayerwiseRunner.advance`).
 The LM head, when included, gets the clipping search only: tied, it is also the embedding,
-which a scale would change.
-
-SmolLM2-135M, WikiText-2 perplexity (fp32 29.53), 8 x 512 calibration tokens (32 x 512
-measured no better), 4-bit asymmetric: group 128 35.6 (RTN 39.2), 64 34.5 (RTN 38.8),
-32 32.8 (RTN 37.0).
+which a scale would change. Its perplexity against RTN's is in benchmarks/README.md.
 
 Recipe: `- awq: {bits: 4, group_size: 128, symmetric: false, grid: 20, clip: true}`,
 with `calibration.text`.
@@ -53,7 +48,7 @@ class Config(WeightQuantConfig):
     clip: bool = True  # search a clipping ratio per weight group
     search_tokens: int = Field(8192, gt=0)  # tokens per input the error Grams are built from
     # s = mean|x|^α / mean|ŵ|^(1-α), ŵ = |w| over its group's max (AutoAWQ's "duo scaling");
-    # off: s = mean|x|^α as in the paper. On SmolLM2 g128: perplexity 35.6 on, 36.4 off.
+    # off: s = mean|x|^α as in the paper.
     duo_scaling: bool = True
 
     def needs_calibration_text(self) -> bool:  # checked before loading (preflight)
@@ -164,8 +159,8 @@ def scale_layer(ir: ModelIR, runner: LayerwiseRunner, layer: int, targets: set[s
             tie = spec.num_heads // spec.num_kv_heads if group.per_kv_head else 1
             layout = (tie, spec.head_dim)
             weights = [ir.weights[f"{n}.weight"] for n in names if n in targets]
-            # ~800 small fake-quantizations: one thread (1 s a group instead of 1-5 s at two
-            # threads on shared cores, measured on SmolLM2)
+            # Hundreds of small fake-quantizations: torch's thread pool costs more than it
+            # saves on them (and collapses on shared cores)
             with intra_op_threads(1):
                 alpha, s, ratio = search_scale(weights, inputs.mean_abs(), gram, layout, config)
             fold_scale(ir, prefix + group.prev, names, s, layout)

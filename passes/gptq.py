@@ -164,7 +164,7 @@ def gptq_quantize(
     codes = torch.zeros(n, k)
     loss = 0.0
     # About ten small ops a column: intra-op threads cost more in fork/join than they save,
-    # and collapse when the cores are shared (15 s instead of 0.6 s for three SmolLM2 linears).
+    # and collapse when the cores are shared.
     with intra_op_threads(1):
         for b1 in range(0, k, block_size):
             b2 = min(b1 + block_size, k)
@@ -193,8 +193,8 @@ def _inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
     tenfold while H is too ill-conditioned to factor."""
     eye = torch.eye(h.shape[0], dtype=h.dtype)
     mean_diag = h.diagonal().mean()
-    # One thread: on the shared 2-core machine torch's multi-threaded cholesky_inverse took
-    # 30 s for a 1536 x 1536 float64 Hessian (down_proj) against 0.45 s on one thread.
+    # One thread: torch's multi-threaded Cholesky is far slower than one thread on shared
+    # cores at these sizes.
     with intra_op_threads(1):
         for attempt in range(4):
             lower, info = torch.linalg.cholesky_ex(h + damp * 10**attempt * mean_diag * eye)

@@ -31,8 +31,8 @@ Recipe: `- kv_cache: {dtype: int8}`; options:
   rotate         Hadamard rotation per head (QuaRot): of queries and keys in the graph
                  after RoPE (q·k unchanged), of values folded into v_proj rows and o_proj
                  columns (exact). Spreads outlier channels before quantization. `auto`
-                 (the default): on for int8 wherever it applies (measured on SmolLM2: per
-                 token +0.12 % -> +0.00 %, static +0.11 % -> -0.00 %), off otherwise.
+                 (the default): on for int8 wherever it applies (it removed int8's
+                 perplexity cost in benchmarks/README.md's runs), off otherwise.
 The storage formats live in `compiler/kv_cache_format.py`; the reference model simulates
 them, so the measured cost is the artifact's cost.
 """
