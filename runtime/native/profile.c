@@ -1,0 +1,58 @@
+/* The phase profile, a clock read either side of each phase.
+   Included by kernels.c: the step is one translation unit. */
+
+/* Where a step's time goes, phase by phase (benchmarks/native_step_profile.py): off unless
+   asked for, and then a clock read either side of each phase, on the thread that calls
+   llmopt_forward (a phase's parallel regions end before it does). Phases, in a layer's
+   order: */
+enum {
+    PHASE_EMBED,          /* embedding rows and the first norm */
+    PHASE_QKV,            /* quantize the norm's output, the fused q/k/v projection */
+    PHASE_KV_WRITE,       /* rotary (and the rotation), keys and values into their lanes */
+    PHASE_ATTEND,         /* every run of query tokens against its lane (attend_run) */
+    PHASE_O,              /* the output projection */
+    PHASE_NORMS,          /* residual adds and RMS norms */
+    PHASE_GATE_UP,        /* the fused gate/up projection */
+    PHASE_SILU,           /* SiLU(gate) * up */
+    PHASE_DOWN,           /* the down projection */
+    PHASE_HEAD,           /* the final norm and the LM head */
+    PHASES
+};
+static const char *const phase_names[PHASES] = {
+    "embed", "qkv", "kv_write", "attend", "o", "norms", "gate_up", "silu", "down", "head"};
+static int profile_on = 0;
+static double phase_seconds[PHASES];
+
+static inline double profile_clock(void) {
+    if (!profile_on) return 0.;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
+}
+
+/* Adds the time since `since` (a profile_clock reading) to `phase`; returns the clock. */
+static inline double profile_phase(int phase, double since) {
+    if (!profile_on) return 0.;
+    const double now = profile_clock();
+    phase_seconds[phase] += now - since;
+    return now;
+}
+
+/* Turns the phase profile on (on > 0, its sums reset to zero) or off (0); returns whether
+   it was on. */
+int llmopt_native_profile(int on) {
+    const int was = profile_on;
+    if (on > 0) memset(phase_seconds, 0, sizeof phase_seconds);
+    profile_on = on > 0;
+    return was;
+}
+
+/* The phases' names, NULL past the last. */
+const char *llmopt_native_profile_name(int phase) {
+    return phase >= 0 && phase < PHASES ? phase_names[phase] : NULL;
+}
+
+/* Seconds spent in `phase` since the profile was turned on. */
+double llmopt_native_profile_seconds(int phase) {
+    return phase >= 0 && phase < PHASES ? phase_seconds[phase] : 0.;
+}
