@@ -131,7 +131,7 @@ def save_graph(model: onnx.ModelProto, path: Path, operator_set: str) -> dict[st
             "operator_set": operator_set, "nodes": len(model.graph.node),
             "nodes_per_layer": int(props.get("llmopt.nodes_per_layer", 0)),
             "nbits_accuracy_level": int(props.get("llmopt.nbits_accuracy_level", 0)),
-            "native": native_plan(model)}
+            "native": native_plan(model).to_manifest()}
 
 
 def _opset(model: onnx.ModelProto) -> int:

@@ -273,18 +273,7 @@ static int gemm_groups_amx(const QMatrix *w, const QActivations *a, int t_rows, 
 /* Whether w times t_rows activation rows runs on AMX tiles (QActivations.rows): not 8-bit
    codes with zero points, whose code - zero does not fit a signed byte, nor wide blocks
    with a last one of 32 columns (a tile multiply takes 64). */
-static int amx_min_rows = AMX_MIN_ROWS;
-
-static inline int amx_takes(const QMatrix *w, int t_rows) {
-    return amx_enabled && t_rows >= amx_min_rows && !(w->bits == 8 && w->zeros)
+static inline int amx_takes(const Knobs *knobs, const QMatrix *w, int t_rows) {
+    return knobs->amx && t_rows >= knobs->amx_min_rows && !(w->bits == 8 && w->zeros)
         && (w->block == 32 || w->k % 64 == 0);
-}
-
-/* From how many activation rows a projection takes AMX tiles (rows > 0; the default is
-   AMX_MIN_ROWS): for benchmarks/amx_projections.py, which times every row count on both
-   paths. Returns the previous value. */
-int llmopt_native_amx_min_rows(int rows) {
-    const int previous = amx_min_rows;
-    if (rows > 0) amx_min_rows = rows;
-    return previous;
 }

@@ -9,22 +9,14 @@ int llmopt_native_supported(void) {
         && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
 }
 
-
-static int amx_enabled = 0;
-
-/* Turns the AMX path on (want > 0) where the CPU has it and the kernel grants the tile
-   state (Linux 5.16 and later), or off (want 0); returns whether it is on (want < 0: only
-   that). */
-int llmopt_native_amx(int want) {
+/* Whether this process may run AMX int8 tiles: the CPU has them and the kernel grants the
+   tile state (Linux 5.16 and later; asking again is harmless). A model's knobs.amx may be
+   1 only where this returned 1. */
+int llmopt_native_amx_available(void) {
     unsigned eax, ebx, ecx, edx;
-    if (want < 0) return amx_enabled;
-    amx_enabled = 0;
-    if (!want || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx))
-        return 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return 0;
     const unsigned tile = 1u << 24, int8 = 1u << 25;
-    if ((edx & tile) && (edx & int8)
+    return (edx & tile) && (edx & int8)
         && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                   18 /* XFEATURE_XTILEDATA */) == 0)
-        amx_enabled = 1;
-    return amx_enabled;
+                   18 /* XFEATURE_XTILEDATA */) == 0;
 }

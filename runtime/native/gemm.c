@@ -38,10 +38,11 @@ static int gemm_share(const QMatrix *w, const QActivations *a, int t_rows, float
     return status;
 }
 
-/* y [T][N] = a times w's transpose (plus its bias), the row groups split between threads.
-   Returns 0, or -1 when memory runs out. */
+/* y [T][N] = a times w's transpose (plus its bias), the row groups split between threads,
+   on AMX tiles where the caller quantized a->rows for them (amx_takes). Returns 0, or -1
+   when memory runs out. */
 static int gemm(const QMatrix *w, const QActivations *a, int t_rows, float *y, int threads) {
-    const int amx = a->rows != NULL && amx_takes(w, t_rows);
+    const int amx = a->rows != NULL;
     int status = 0;
     (void)threads;
     #pragma omp parallel num_threads(threads) if (threads > 1) reduction(|: status)
@@ -51,33 +52,4 @@ static int gemm(const QMatrix *w, const QActivations *a, int t_rows, float *y, i
         status |= gemm_share(w, a, t_rows, y, lo, hi, amx);
     }
     return status;
-}
-
-/* Reads `bytes` of `data` (a multiple of 256) as gemm reads a weight stream: 64-byte loads,
-   every line prefetched into L1 and, further ahead, into L2, as a batch-1 step does, the range
-   split between threads.
-   Returns the OR of every word, so no load can be dropped. For
-   benchmarks/_bandwidth_bound.py: the read bandwidth a loop like gemm's draws, which numpy's
-   reductions (one dependent stream, no prefetching) understate on some machines. */
-uint64_t llmopt_native_read(const uint8_t *data, int64_t bytes, int threads) {
-    uint64_t result = 0;
-    (void)threads;
-    #pragma omp parallel num_threads(threads) if (threads > 1) reduction(|: result)
-    {
-        int64_t lo, hi;
-        thread_share(bytes / 256, &lo, &hi);
-        __m512i seen[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(),
-                           _mm512_setzero_si512(), _mm512_setzero_si512()};
-        for (const uint8_t *at = data + lo * 256; at < data + hi * 256; at += 256)
-            for (int line = 0; line < 4; line++) {
-                _mm_prefetch((const char *)at + PREFETCH_SLICES * 256 + 64 * line, _MM_HINT_T0);
-                _mm_prefetch((const char *)at + STREAM_PREFETCH_SLICES * 256 + 64 * line,
-                             _MM_HINT_T1);
-                seen[line] = _mm512_or_si512(seen[line], _mm512_loadu_si512(at + 64 * line));
-            }
-        __m512i all = _mm512_or_si512(_mm512_or_si512(seen[0], seen[1]),
-                                      _mm512_or_si512(seen[2], seen[3]));
-        result |= (uint64_t)_mm512_reduce_or_epi64(all);
-    }
-    return result;
 }

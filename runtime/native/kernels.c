@@ -78,6 +78,8 @@ compiler sees every function at once and inlines across topics as it would in on
 #include "step.c"             /* a whole step: embedding, layers, the LM head */
 #pragma GCC pop_options
 
+#include "layout.c"  /* the structs' layouts, for the ctypes check */
+
 /* A CPython module with no functions: it exists so that the import system finds this
    shared library wherever the package is installed; ctypes calls the functions above. */
 static struct PyModuleDef kernels_module = {

@@ -3,7 +3,7 @@
 
 static int linear(const Model *m, const QMatrix *w, const float *x, int t_rows, Scratch *s,
                   float *y) {
-    s->q.rows = amx_takes(w, t_rows) ? s->amx_rows : NULL;
+    s->q.rows = amx_takes(&m->knobs, w, t_rows) ? s->amx_rows : NULL;
     quantize_rows(x, t_rows, w, m->num_threads, &s->q);
     return gemm(w, &s->q, t_rows, y, m->num_threads);
 }
@@ -113,15 +113,17 @@ static void add_norm(float *x, const float *delta, const float *weight, const Mo
     }
 }
 
-/* y [T][N] = x [T][K] times w's transpose, x quantized as every step quantizes it. */
-int llmopt_linear(const QMatrix *w, const float *x, int32_t t_rows, float *y, int32_t threads) {
+/* y [T][N] = x [T][K] times w's transpose, x quantized as every step quantizes it, on AMX
+   tiles where `knobs` (a model's settings: llmopt_native_knobs) would take them. */
+int llmopt_linear(const QMatrix *w, const float *x, int32_t t_rows, float *y, int32_t threads,
+                  const Knobs *knobs) {
     const int64_t padded = ((int64_t)t_rows + TOKEN_TILE - 1) / TOKEN_TILE * TOKEN_TILE;
     const int64_t blocks = padded * (w->k / 32);
     const int64_t amx_padded = ((int64_t)t_rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
     QActivations q = {lines_alloc(padded * w->k), lines_alloc(sizeof(float) * blocks),
                       lines_alloc(sizeof(int32_t) * blocks), lines_alloc(sizeof(float) * blocks),
-                      amx_takes(w, t_rows) ? lines_alloc(amx_padded * w->k) : NULL};
-    int ok = q.codes && q.scales && q.zero_term && q.inputs && (q.rows || !amx_takes(w, t_rows));
+                      amx_takes(knobs, w, t_rows) ? lines_alloc(amx_padded * w->k) : NULL};
+    int ok = q.codes && q.scales && q.zero_term && q.inputs && (q.rows || !amx_takes(knobs, w, t_rows));
     if (ok) {
         quantize_rows(x, t_rows, w, threads, &q);
         ok = gemm(w, &q, t_rows, y, threads) == 0;
@@ -162,8 +164,8 @@ typedef struct {
 } StepTokens;
 
 /* Adds the time since *clock to `phase` (no clock: a thread that keeps no profile). */
-static inline void mark(double *clock, int phase) {
-    if (clock) *clock = profile_phase(phase, *clock);
+static inline void mark(const Model *m, double *clock, int phase) {
+    if (clock) *clock = profile_phase(m->knobs.phase_seconds, phase, *clock);
 }
 
 /* Layer l's first part over the step's rows c .. c + rows - 1 (their residual stream and
@@ -172,11 +174,11 @@ static inline void mark(double *clock, int phase) {
 static int layer_qkv(const Model *m, int l, const StepTokens *step, int c, int rows,
                      Scratch *s, double *clock) {
     const int status = linear(m, &m->qkv[l], s->h + (int64_t)c * m->hidden, rows, s, s->qkv);
-    mark(clock, PHASE_QKV);
+    mark(m, clock, PHASE_QKV);
     write_kv(m, &m->kv[l], m->q_norm ? m->q_norm[l] : NULL, m->k_norm ? m->k_norm[l] : NULL,
              rows, step->lanes + c, step->positions + c, step->lane_rows + c,
              step->key_pools[l], step->value_pools[l], step->lane_tokens, s);
-    mark(clock, PHASE_KV_WRITE);
+    mark(m, clock, PHASE_KV_WRITE);
     return status;
 }
 
@@ -193,8 +195,8 @@ static int mlp(const Model *m, const QMatrix *gate_up, const QMatrix *down, cons
     const int64_t pairs = inter / 16;           /* gate's row groups; up's follow */
     const int64_t unit = down->block / 16;      /* pairs a block of down's input spans */
     QActivations in = s->q, mid = s->q;         /* the same buffers, one after the other */
-    in.rows = amx_takes(gate_up, rows) ? s->amx_rows : NULL;
-    mid.rows = amx_takes(down, rows) ? s->amx_rows : NULL;
+    in.rows = amx_takes(&m->knobs, gate_up, rows) ? s->amx_rows : NULL;
+    mid.rows = amx_takes(&m->knobs, down, rows) ? s->amx_rows : NULL;
     const int64_t items = quantize_items(rows, gate_up, &in);
     int status = 0;
     #pragma omp parallel num_threads(m->num_threads) if (m->num_threads > 1) \
@@ -215,20 +217,20 @@ static int mlp(const Model *m, const QMatrix *gate_up, const QMatrix *down, cons
         status |= gemm_share(gate_up, &in, rows, s->gate_up, lo, hi, in.rows != NULL);
         status |= gemm_share(gate_up, &in, rows, s->gate_up, pairs + lo, pairs + hi,
                              in.rows != NULL);
-        mark(own_clock, PHASE_GATE_UP);
+        mark(m, own_clock, PHASE_GATE_UP);
         for (int t = 0; t < rows && lo < hi; t++) {
             const float *gate = s->gate_up + (int64_t)t * 2 * inter + 16 * lo;
             silu_times(gate, gate + inter, (int)(16 * (hi - lo)),
                        s->act + (int64_t)t * inter + 16 * lo);
         }
-        mark(own_clock, PHASE_SILU);
+        mark(m, own_clock, PHASE_SILU);
         #pragma omp barrier  /* every thread's gate/up done with `in` before `mid` reuses it */
         quantize_blocks(s->act, rows, down, (int)(16 * lo / down->block),
                         (int)((16 * hi + down->block - 1) / down->block), &mid);
         #pragma omp barrier
         thread_share((down->n + 15) / 16, &lo, &hi);
         status |= gemm_share(down, &mid, rows, s->proj, lo, hi, mid.rows != NULL);
-        mark(own_clock, PHASE_DOWN);
+        mark(m, own_clock, PHASE_DOWN);
     }
     return status;
 }
@@ -244,14 +246,14 @@ static int layer_rest(const Model *m, int l, const StepTokens *step, int c, int 
     attend(m, &m->kv[l], rows, step->lanes + c, step->lane_rows + c,
            step->masks ? step->masks + c : NULL, step->key_pools[l], step->value_pools[l],
            step->lane_tokens, s);
-    mark(clock, PHASE_ATTEND);
+    mark(m, clock, PHASE_ATTEND);
     int status = linear(m, &m->o[l], s->attn, rows, s, s->proj);
-    mark(clock, PHASE_O);
+    mark(m, clock, PHASE_O);
     add_norm(x, s->proj, m->mlp_norm[l], m, rows, h);
-    mark(clock, PHASE_NORMS);
+    mark(m, clock, PHASE_NORMS);
     status |= mlp(m, &m->gate_up[l], &m->down[l], h, rows, s, clock);
     add_norm(x, s->proj, l + 1 < m->layers ? m->attn_norm[l + 1] : NULL, m, rows, h);
-    mark(clock, PHASE_NORMS);
+    mark(m, clock, PHASE_NORMS);
     return status;
 }
 
@@ -287,8 +289,8 @@ static Scratch thread_scratch(const Model *m, const Scratch *s, int id, int lo) 
 
 /* Rows a thread takes when a layer's `rows` are split between `count` threads: whole tiles
    (AMX tiles' 16 rows where they run: thread_scratch), the last thread the rest. */
-static inline int split_share(int rows, int count) {
-    const int align = amx_enabled ? AMX_ROWS : TOKEN_TILE;
+static inline int split_share(const Model *m, int rows, int count) {
+    const int align = m->knobs.amx ? AMX_ROWS : TOKEN_TILE;
     return ((rows + count - 1) / count + align - 1) / align * align;
 }
 
@@ -314,7 +316,7 @@ static int layer_split(const Model *m, int l, const StepTokens *step, int c, int
 #else
         const int id = 0, count = 1;
 #endif
-        const int per = split_share(rows, count);
+        const int per = split_share(m, rows, count);
         const int lo = id * per < rows ? id * per : rows;
         const int hi = lo + per < rows ? lo + per : rows;
         Scratch own = thread_scratch(m, s, id, lo);
@@ -328,24 +330,13 @@ static int layer_split(const Model *m, int l, const StepTokens *step, int c, int
     return status;
 }
 
-static int split_rows = SPLIT_ROWS;
-
-/* Sets from how many rows per thread a layer's rows are split between threads (rows > 0;
-   SPLIT_ROWS by default), for the test that splits small steps: every output stays the
-   same, bit for bit. Returns the previous value. */
-int llmopt_native_split_rows(int rows) {
-    const int previous = split_rows;
-    if (rows > 0) split_rows = rows;
-    return previous;
-}
-
-/* Whether a layer's `rows` are split between threads by rows (layer_split): split_rows a
-   thread or more, and shares even enough. */
+/* Whether a layer's `rows` are split between threads by rows (layer_split): knobs.split_rows
+   a thread or more, and shares even enough. */
 static inline int splits(const Model *m, int rows) {
-    if (m->num_threads <= 1 || rows < m->num_threads * split_rows) return 0;
+    if (m->num_threads <= 1 || rows < m->num_threads * m->knobs.split_rows) return 0;
     /* the last thread's share short by at most a sixteenth of the rows: the others wait
        for the largest share, and uneven shares lose to splitting every phase */
-    return (split_share(rows, m->num_threads) * m->num_threads - rows) * 16 <= rows;
+    return (split_share(m, rows, m->num_threads) * m->num_threads - rows) * 16 <= rows;
 }
 
 /* Layer l over the step's rows c .. c + rows - 1: by rows between threads where `splits`,

@@ -48,6 +48,19 @@ typedef struct {  /* how one layer's lanes hold keys and values */
                                    (the kv_cache pass's), applied by the fast transform */
 } KVLayout;
 
+/* A model's settings: where a step may run on AMX tiles, how it cuts its rows, whether it
+   profiles. Every output is the same, bit for bit, whatever they are: they move speed only.
+   llmopt_native_knobs gives the defaults; each model holds its own (library.py's Knobs). */
+typedef struct {
+    int32_t amx;            /* 1: projections of amx_min_rows rows or more run on AMX tiles
+                               (only where llmopt_native_amx_available said so) */
+    int32_t amx_min_rows;   /* AMX_MIN_ROWS by default */
+    int32_t layer_rows;     /* rows per thread a layer runs at a time: LAYER_ROWS */
+    int32_t split_rows;     /* rows per thread from which a layer's rows are split between
+                               threads: SPLIT_ROWS */
+    double *phase_seconds;  /* [PHASES] the phase profile's sums (profile.c), or NULL: off */
+} Knobs;
+
 typedef struct {
     int32_t layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, max_position;
     int32_t num_threads;
@@ -63,6 +76,7 @@ typedef struct {
     const float *const *q_norm, *const *k_norm;  /* [layers] [head_dim]: an RMS norm of each
                                                   query and key head before rotary (Qwen3),
                                                   or NULL (a layer's entry too) */
+    Knobs knobs;  /* last: a build that predates it reads the fields before it alike */
 } Model;
 
 /* The step's tile sizes. Each trades cache reuse against parallel overhead; the reasons

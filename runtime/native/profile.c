@@ -2,7 +2,8 @@
    Included by kernels.c: the step is one translation unit. */
 
 /* Where a step's time goes, phase by phase (benchmarks/native_step_profile.py): off unless
-   asked for, and then a clock read either side of each phase, on the thread that calls
+   a model's knobs.phase_seconds points at its sums, and then a clock read either side of
+   each phase, on the thread that calls
    llmopt_forward (a phase's parallel regions end before it does). Phases, in a layer's
    order: */
 enum {
@@ -20,39 +21,24 @@ enum {
 };
 static const char *const phase_names[PHASES] = {
     "embed", "qkv", "kv_write", "attend", "o", "norms", "gate_up", "silu", "down", "head"};
-static int profile_on = 0;
-static double phase_seconds[PHASES];
 
-static inline double profile_clock(void) {
-    if (!profile_on) return 0.;
+/* A clock reading where the profile is on (`seconds`: its sums), else 0. */
+static inline double profile_clock(const double *seconds) {
+    if (!seconds) return 0.;
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
     return (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
 }
 
-/* Adds the time since `since` (a profile_clock reading) to `phase`; returns the clock. */
-static inline double profile_phase(int phase, double since) {
-    if (!profile_on) return 0.;
-    const double now = profile_clock();
-    phase_seconds[phase] += now - since;
+/* Adds the time since `since` (a profile_clock reading) to `phase`'s sum; returns the clock. */
+static inline double profile_phase(double *seconds, int phase, double since) {
+    if (!seconds) return 0.;
+    const double now = profile_clock(seconds);
+    seconds[phase] += now - since;
     return now;
-}
-
-/* Turns the phase profile on (on > 0, its sums reset to zero) or off (0); returns whether
-   it was on. */
-int llmopt_native_profile(int on) {
-    const int was = profile_on;
-    if (on > 0) memset(phase_seconds, 0, sizeof phase_seconds);
-    profile_on = on > 0;
-    return was;
 }
 
 /* The phases' names, NULL past the last. */
 const char *llmopt_native_profile_name(int phase) {
     return phase >= 0 && phase < PHASES ? phase_names[phase] : NULL;
-}
-
-/* Seconds spent in `phase` since the profile was turned on. */
-double llmopt_native_profile_seconds(int phase) {
-    return phase >= 0 && phase < PHASES ? phase_seconds[phase] : 0.;
 }

@@ -22,20 +22,9 @@ static void *lines_alloc(size_t bytes) {
     return aligned_alloc(64, (bytes + 63) / 64 * 64);
 }
 
-static int layer_rows = LAYER_ROWS;
-
 /* The rows of a step a layer runs at a time. */
 static inline int chunk_rows(const Model *m) {
-    return layer_rows * (m->num_threads > 1 ? m->num_threads : 1);
-}
-
-/* Sets how many rows per thread a layer runs at a time (rows > 0; LAYER_ROWS by default),
-   for the test that cuts steps into small chunks: every output stays the same, bit for
-   bit. Returns the previous value. */
-int llmopt_native_layer_rows(int rows) {
-    const int previous = layer_rows;
-    if (rows > 0) layer_rows = rows;
-    return previous;
+    return m->knobs.layer_rows * (m->num_threads > 1 ? m->num_threads : 1);
 }
 
 /* The widest activation a projection quantizes (its K). */
@@ -64,7 +53,7 @@ static int scratch_alloc(const Model *m, int t_rows, int longest, Scratch *s) {
     s->q.inputs = lines_alloc(sizeof(float) * padded * (width / 32));
     s->q.rows = NULL;
     /* only where a matrix may take tiles (amx_takes): elsewhere a step allocates nothing */
-    s->amx_rows = amx_enabled ? lines_alloc((t + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS * width)
+    s->amx_rows = m->knobs.amx ? lines_alloc((t + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS * width)
                               : NULL;
     s->scores_stride = ((int64_t)RUN_TOKENS * (m->heads / m->kv_heads) + 1) * longest;
     int threads = m->num_threads > 1 ? m->num_threads : 1;
@@ -76,7 +65,7 @@ static int scratch_alloc(const Model *m, int t_rows, int longest, Scratch *s) {
     s->code_scales = lines_alloc(sizeof(float) * 2 * run_scales(m->heads) * threads);
     return s->x && s->h && s->qkv && s->attn && s->proj && s->gate_up && s->act && s->q.codes
         && s->q.inputs && s->q.scales && s->q.zero_term && s->scores && s->rows && s->runs
-        && s->query_codes && s->code_scales && (s->amx_rows || !amx_enabled);
+        && s->query_codes && s->code_scales && (s->amx_rows || !m->knobs.amx);
 }
 
 static void scratch_free(Scratch *s) {

@@ -107,7 +107,7 @@ int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
     const StepTokens step = {lanes, positions, lane_rows, masks, key_pools, value_pools,
                              lane_tokens};
     const int hidden = m->hidden;
-    double clock = profile_clock();
+    double clock = profile_clock(m->knobs.phase_seconds);
     #pragma omp parallel for num_threads(m->num_threads) \
         if (m->num_threads > 1 && t_rows >= PARALLEL_ROWS)
     for (int t = 0; t < t_rows; t++) {
@@ -115,7 +115,7 @@ int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
         rms_norm(s.x + (int64_t)t * hidden, m->attn_norm[0], m->eps, hidden,
                  s.h + (int64_t)t * hidden);
     }
-    clock = profile_phase(PHASE_EMBED, clock);
+    clock = profile_phase(m->knobs.phase_seconds, PHASE_EMBED, clock);
     const int chunk = chunk_rows(m);
     KeptRows kept = {0};
     const int trim = n_logits < t_rows;  /* some rows' logits unwanted: last_layer_chunk */
@@ -135,8 +135,14 @@ int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
         status = linear(m, &m->head, s.h + (int64_t)r * hidden,
                         n_logits - r < chunk ? n_logits - r : chunk, &s,
                         logits + (int64_t)r * m->head.n);
-    profile_phase(PHASE_HEAD, clock);
+    profile_phase(m->knobs.phase_seconds, PHASE_HEAD, clock);
     scratch_free(&s);
     kept_free(&kept);
     return status ? -1 : 0;
+}
+
+/* A model's default settings (Knobs): AMX off (the caller turns it on where
+   llmopt_native_amx_available), no profile. */
+void llmopt_native_knobs(Knobs *knobs) {
+    *knobs = (Knobs){0, AMX_MIN_ROWS, LAYER_ROWS, SPLIT_ROWS, NULL};
 }
