@@ -79,7 +79,7 @@ def test_the_plan_describes_the_model_and_where_its_weights_lie(name, compiled):
     for tensor in _tensors(plan):
         if tensor.values is None:
             assert tensor.length == np.dtype(tensor.dtype).itemsize * int(np.prod(tensor.shape))
-            assert 0 <= tensor.offset and tensor.offset + tensor.length <= size
+            assert tensor.offset >= 0 and tensor.offset + tensor.length <= size
         else:
             assert len(tensor.values) == int(np.prod(tensor.shape))
     layer = plan.layers[0]
