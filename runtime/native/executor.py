@@ -11,6 +11,7 @@ import numpy as np
 from llmopt.runtime.lane_executor import LanePools
 from llmopt.runtime.manifest import GraphSpec, KVCacheSpec
 from llmopt.runtime.native.library import kernels
+from llmopt.runtime.native.plan import NativePlan, read_plan
 from llmopt.runtime.native.weights import NativeWeights
 from llmopt.runtime.step_batch import StepBatch
 
@@ -27,9 +28,10 @@ class NativeLaneExecutor(LanePools):
         super().__init__(kv_cache, num_blocks=num_blocks, block_size=block_size,
                          lane_blocks=lane_blocks)
         threads = num_threads or os.cpu_count() or 1
-        self.weights = NativeWeights(graph.native, artifact / graph.data_file, threads,
-                                     max_position)
-        self.vocab_size = graph.native["vocab"]
+        plan = read_plan(graph.native)
+        assert isinstance(plan, NativePlan), "runs_native accepted a graph without a plan"
+        self.weights = NativeWeights(plan, artifact / graph.data_file, threads, max_position)
+        self.vocab_size = plan.vocab
         layers = len(kv_cache.layers)
         self._keys = (ctypes.c_void_p * layers)(
             *(self.pools[f"past.{i}.key"].ctypes.data for i in range(layers)))
@@ -39,7 +41,7 @@ class NativeLaneExecutor(LanePools):
 
     def execute(self, batch: StepBatch) -> np.ndarray:
         # Per-token lists in Python, one array each: numpy calls per sequence cost more
-        # than the work at decode (session 31).
+        # than the work at decode.
         lanes = [self.lane_of(table) for table in batch.block_tables]
         tokens = np.asarray([t for seq in batch.token_ids for t in seq], np.int64)
         token_lanes = np.asarray([lane for lane, seq in zip(lanes, batch.token_ids, strict=True)
