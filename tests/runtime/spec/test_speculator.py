@@ -3,8 +3,6 @@ for a while, then tries again."""
 
 from __future__ import annotations
 
-import pytest
-
 from llmopt.runtime.request import Request
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.scheduler import ScheduledRequest
@@ -86,19 +84,3 @@ def test_drafts_that_pay_keep_drafting():
     assert [step(speculator, rows) for _ in range(3 * DISCARDED_STEPS)] == [2] * (
         3 * DISCARDED_STEPS)
     assert drafter.calls == 3 * DISCARDED_STEPS
-
-
-def test_a_step_settles_what_its_drafts_promised_against_what_verification_kept():
-    speculator = Speculator(CountingDrafter(), 2, policy=priced([1.0, 1.02, 1.04]))
-    rows = batch(4)
-    budget = speculator.max_drafts(len(rows))
-    scheduled = speculator.propose([ScheduledRequest(r, 1 + budget(r), budget(r))
-                                    for r in rows])
-    promised = speculator.policy.promised(
-        [(item.request, "ngram2", 2) for item in scheduled], 2)
-    for i, item in enumerate(scheduled):  # the first sequence keeps one draft, others none
-        speculator.observe(item.request, [7, 5] if i == 0 else [5])
-    speculator.record_step(scheduled, 0.01)
-    kept, recorded = speculator.policy.promises[3]  # batch 4's bucket
-    assert (kept, recorded) == (1, pytest.approx(promised))
-    assert speculator.promise is None
