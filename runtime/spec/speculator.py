@@ -1,11 +1,10 @@
 """Speculator: what the engine's step asks of speculative decoding, in one object.
 
 Per step: `max_drafts` gives the scheduler each sequence's draft budget (None: no
-speculation this step — above the batch-size limit, or a batch size whose drafts the
-step's price keeps discarding); `propose` fills the draft slots the scheduler reserved,
-then trims the drafts to what pays for the step as a whole (`SpeculationPolicy.cap`);
-`verify` applies the exact rule to a sequence's logits rows; `observe` feeds the policy
-(acceptance per sequence and source).
+speculation this step, above the batch-size limit); `propose` fills the draft slots the
+scheduler reserved, then trims the drafts to what pays for the step as a whole
+(`SpeculationPolicy.cap`); `verify` applies the exact rule to a sequence's logits rows;
+`observe` feeds the policy (acceptance per sequence and source).
 """
 
 from __future__ import annotations
@@ -35,20 +34,6 @@ from llmopt.runtime.spec.step_cost import StepCostModel
 from llmopt.runtime.spec.suffix import SuffixSettings
 from llmopt.runtime.step_batch import MAX_TREE_TOKENS, Executor
 
-# Drafting costs host time even when the step's price then discards every draft (at
-# batch 8 on SmolLM2 int4: ~6 % of the step, for nothing). After DISCARDED_STEPS steps
-# in a row whose drafts the batch made too dear (some sequence would have kept its drafts
-# alone), that batch size drafts nothing for the next RESTING_STEPS steps; then it tries
-# again (acceptance and prices move). Drafts a sequence would not keep even alone say
-# nothing about the batch: their source's record prices them next time.
-DISCARDED_STEPS = 4
-RESTING_STEPS = 32
-
-
-def batch_bucket(batch_size: int) -> int:
-    """Batch sizes 1, 2-3, 4-7, 8-15, ... share a record."""
-    return max(batch_size, 1).bit_length()
-
 
 class Speculator:
     def __init__(
@@ -67,17 +52,11 @@ class Speculator:
         self.gamma = gamma
         self.max_batch_size = max_batch_size
         self.policy = policy
-        self.discarded: dict[int, int] = {}  # batch-size bucket -> discarded steps in a row
-        self.resting: dict[int, int] = {}  # batch-size bucket -> steps left without drafts
 
     def max_drafts(self, batch_size: int) -> Callable[[Request], int] | None:
         """This step's draft budget per sequence, for `batch_size` running sequences."""
         limit = self.max_batch_size
         if self.gamma == 0 or (limit is not None and batch_size > limit):
-            return None
-        bucket = batch_bucket(batch_size)
-        if self.resting.get(bucket, 0) > 0:
-            self.resting[bucket] -= 1
             return None
         policy = self.policy
         if policy is None:
@@ -96,8 +75,6 @@ class Speculator:
             policy.num_drafts if policy is not None else None)
         drafted, others = self._drafted(scheduled, speculating, proposals)
         cap = self.policy.cap(drafted, others) if self.policy is not None else self.gamma
-        self._note_discarded(len(scheduled), cap == 0 and len(scheduled) > 1 and any(
-            self.policy.cap([entry]) for entry in drafted))
         scheduled = list(scheduled)
         for i, request, proposal in zip(speculating, requests, proposals, strict=True):
             spec, kept = request.spec, proposal.first(cap)
@@ -109,14 +86,6 @@ class Speculator:
                 scheduled[i], num_tokens=scheduled[i].num_tokens - unused,
                 num_spec_tokens=len(spec.token_ids))
         return scheduled
-
-    def _note_discarded(self, batch_size: int, discarded: bool) -> None:
-        """Count steps whose drafts the step's price discarded; rest after a run of them."""
-        bucket = batch_bucket(batch_size)
-        count = self.discarded.get(bucket, 0) + 1 if discarded else 0
-        if count >= DISCARDED_STEPS:
-            self.resting[bucket], count = RESTING_STEPS, 0
-        self.discarded[bucket] = count
 
     @staticmethod
     def _drafted(scheduled: list[ScheduledRequest], speculating: list[int],
