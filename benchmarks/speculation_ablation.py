@@ -19,9 +19,12 @@ Configurations (speculation at every batch size: the manifest's batch-size limit
 - `fixed-γ`: γ drafts for every sequence whose drafter finds some, every step;
 - `fixed-γ+cap`: γ drafts each, the step's drafts trimmed to what pays for the step as a
   whole (`SpeculationPolicy.cap`: per-sequence acceptance records, the step cost model);
-- `policy+cap`: each sequence's drafts sized by its record and their price, plus the cap;
-- `full-<x>`: everything the runtime builds by default except controller <x>;
-- `full`: the runtime's default speculator.
+- `full`: the runtime's default speculator: each sequence's drafts sized by its record
+  and their price (`SpeculationPolicy.num_drafts`), plus the cap.
+
+The governor (drafts priced from the engine's step timings), the kept-share discount and
+the discard/rest counters were ablated here too and removed for not winning; their
+configurations (`full-governor`, `full-kept`, `full-rest`) run at the commit before.
 
 A controller wins at a batch size when the median over rounds of the paired ratio
 (tok/s with it / tok/s without it, same round) exceeds 1 by more than half the range of
@@ -48,10 +51,7 @@ from bench_speculative import encode_mix, timed_generate  # noqa: E402
 # (with, without) configuration pairs: what each controller adds.
 CONTROLLERS = {
     "per-step cap": ("fixed+cap", "fixed"),
-    "per-sequence policy": ("policy+cap", "fixed+cap"),
-    "kept-share discount": ("full", "full-kept"),
-    "governor": ("full", "full-governor"),
-    "discard/rest counters": ("full", "full-rest"),
+    "per-sequence policy": ("full", "fixed+cap"),
 }
 METRICS = ("decode_tokens", "decode_time", "decode_steps", "spec_steps", "draft_tokens",
            "accepted_tokens", "output_tokens")
@@ -84,17 +84,11 @@ def main() -> None:
 # ------------------------------------------------------------------------- configurations
 def configurations(gamma: int, extra_gammas: list[int]) -> dict[str, dict[str, Any]]:
     """Name -> how to build the speculator (None: no speculation)."""
-    full = {"gamma": gamma, "policy": True, "sizing": True, "kept": True, "governor": True,
-            "rest": True}
+    full = {"gamma": gamma, "policy": True, "sizing": True}
     configs: dict[str, Any] = {"off": None, "fixed": {**full, "policy": False}}
     for g in [gamma, *extra_gammas]:
         configs["fixed+cap" + ("" if g == gamma else f"-{g}")] = {
-            **full, "gamma": g, "sizing": False, "kept": False, "governor": False,
-            "rest": False}
-    configs["policy+cap"] = {**full, "governor": False, "rest": False}
-    configs["full-kept"] = {**full, "kept": False}
-    configs["full-governor"] = {**full, "governor": False}
-    configs["full-rest"] = {**full, "rest": False}
+            **full, "gamma": g, "sizing": False}
     configs["full"] = full
     return configs
 
@@ -112,12 +106,6 @@ def build(llm, config: dict[str, Any] | None, max_batch: int):
     policy = speculator.policy
     if policy is not None and not config["sizing"]:
         policy.num_drafts = lambda request, source=None: policy.gamma
-    if policy is not None and not config["kept"]:
-        policy.prepare = lambda batch_size: None  # the kept share stays 1
-    if not config["governor"]:
-        speculator.governor = None
-    if not config["rest"]:
-        speculator._note_discarded = lambda batch_size, discarded: None
     return speculator
 
 
