@@ -8,7 +8,7 @@ step's scratch memory).
 The step shapes are native_kernels_ab.py's (batch 1 with 1-8 tokens, batch 4 x 8, batch 16
 x 1 at context 192, a 4 x 128 prefill), executed on prepared batches. Each round runs every
 shape once with the profile on (a clock read either side of each phase: ~600 reads a step,
-~0.3 % of a batch-1 step); a figure is the median over rounds, after two rounds of warm-up.
+small beside even a batch-1 step); a figure is the median over rounds, after two rounds of warm-up.
 Prints a table; writes benchmarks/results/native_step_profile.json.
 """
 
