@@ -156,9 +156,12 @@ def compile_command(recipe: Path, out: Path, overrides: tuple[str, ...], dry_run
                    f"model at {where}, output {out} ({output}); nothing compiled")
         return
     _quiet_third_party_progress()
+    from llmopt.compiler.kernel_forecast import kernel_forecast
     from llmopt.compiler.pipeline import compile_recipe
 
     compile_recipe(resolved, out, log=click.echo)
+    for line in kernel_forecast(resolved, out):
+        click.echo(line)
 
 
 @main.command("export-hf")
