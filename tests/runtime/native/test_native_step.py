@@ -39,6 +39,7 @@ from llmopt.runtime.native.library import (
     profile_phases,
     use_amx,
 )
+from llmopt.runtime.native.threads import ADAPTIVE_VARIABLE
 from llmopt.runtime.native.weights import is_sylvester_hadamard, quantized_matrix
 
 lib = kernels()
@@ -46,6 +47,12 @@ pytestmark = pytest.mark.skipif(lib is None or not lib.llmopt_native_supported()
                                 reason="no native kernels in this install, or no AVX-512 VNNI")
 HAS_AMX = lib is not None and lib.llmopt_native_supported() and use_amx(True)
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU (or kernel) has no AMX int8 tiles")
+
+
+@pytest.fixture(autouse=True)
+def fixed_threads(monkeypatch):
+    """Each test runs the thread count it names; the governor would follow the machine's load."""
+    monkeypatch.setenv(ADAPTIVE_VARIABLE, "0")
 
 
 @pytest.fixture
