@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ from llmopt.runtime.lane_executor import LanePools
 from llmopt.runtime.manifest import GraphSpec, KVCacheSpec
 from llmopt.runtime.native.library import kernels
 from llmopt.runtime.native.plan import NativePlan, read_plan
+from llmopt.runtime.native.threads import ADAPTIVE_VARIABLE, ThreadGovernor
 from llmopt.runtime.native.weights import NativeWeights
 from llmopt.runtime.step_batch import StepBatch
 
@@ -38,6 +40,7 @@ class NativeLaneExecutor(LanePools):
         self._values = (ctypes.c_void_p * layers)(
             *(self.pools[f"past.{i}.value"].ctypes.data for i in range(layers)))
         self._lib = kernels()
+        self.governor = ThreadGovernor(threads, os.environ.get(ADAPTIVE_VARIABLE, "1") != "0")
 
     def execute(self, batch: StepBatch) -> np.ndarray:
         # Per-token lists in Python, one array each: numpy calls per sequence cost more
@@ -56,11 +59,14 @@ class NativeLaneExecutor(LanePools):
             raise ValueError(f"position {positions.max()} is past the rotary table")
         rows = batch.logits_indices.astype(np.int32)
         logits = np.empty((rows.size, self.vocab_size), np.float32)
+        threads = self.weights.model.num_threads = self.governor.choose(tokens.size)
+        started = time.perf_counter()
         status = self._lib.llmopt_forward(
             ctypes.byref(self.weights.model), tokens.size, tokens.ctypes.data,
             token_lanes.ctypes.data, positions.ctypes.data, lane_rows.ctypes.data,
             None if masks is None else masks.ctypes.data, self._keys, self._values,
             self.lane_tokens, rows.size, rows.ctypes.data, logits.ctypes.data)
+        self.governor.observe(tokens.size, threads, time.perf_counter() - started)
         if status:
             raise MemoryError("the native step could not allocate its scratch memory")
         return logits

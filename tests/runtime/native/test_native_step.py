@@ -40,6 +40,7 @@ from llmopt.runtime.native.library import (
     kernels,
     profile_phases,
 )
+from llmopt.runtime.native.threads import ADAPTIVE_VARIABLE
 from llmopt.runtime.native.weights import is_sylvester_hadamard, quantized_matrix
 
 lib = kernels()
@@ -53,6 +54,12 @@ KNOBS = default_knobs() if lib is not None else None  # llmopt_linear's: a new m
 def knobs_of(llm: LLM):
     """The native step's knobs of `llm` (its model's: kernels.c's Knobs)."""
     return llm.engine.executor.weights.model.knobs
+
+
+@pytest.fixture(autouse=True)
+def fixed_threads(monkeypatch):
+    """Each test runs the thread count it names; the governor would follow the machine's load."""
+    monkeypatch.setenv(ADAPTIVE_VARIABLE, "0")
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 A8 = {"nbits_accuracy_level": 4}
