@@ -78,20 +78,47 @@ def pass_budget(config: Any, recipe_budget: float | None) -> float | None:
     return min(budgets, default=None)
 
 
+# Below this share of the input model's top-1 choices, generated text visibly drifts.
+LOW_TOP1_AGREEMENT = 0.80
+# What keeps more of the input model, per lossy pass, for the warning below.
+BETTER_CHOICES = {
+    "rtn": "a calibrated pass (gptq or awq with calibration.text), group_size: 32 or an 8-bit "
+           "LM head (lm_head_bits: 8) keeps more",
+    "gptq": "group_size: 32 or 64, an 8-bit LM head (lm_head_bits: 8) or bits: 8 keeps more",
+    "awq": "group_size: 32 or 64, an 8-bit LM head (lm_head_bits: 8) or bits: 8 keeps more",
+    "kv_cache": "dtype: int8, or static per-channel key scales (key_scales: channel), keeps more",
+    "gqa_regroup": "regrouping fewer heads keeps more",
+}
+
+
 def check_budget(name: str, report: dict[str, Any], budget: float | None,
                  log: Callable[[str], None]) -> None:
     quality = report.get("quality")
-    if "quality" in report and quality is None:
+    if report.get("quality_skipped"):
+        log(f"      {name}: quality not measured: {report['quality_skipped']}")
+    elif "quality" in report and quality is None:
         log(f"      {name}: quality not measured (quality.measure is false)")
     if not quality:
         return
     log(f"      {name}: {quality_line(quality)}")
+    warn_if_drifting(name, quality, log)
     if budget is not None and quality["ppl_increase_pct"] is None:
         log(f"      {name}: no perplexity to hold to the budget of {budget} %")
     elif budget is not None and quality["ppl_increase_pct"] > budget:
         raise QualityBudgetError(
             f"pass {name!r} raised perplexity by {quality['ppl_increase_pct']:.2f} %, over the "
             f"recipe's quality.max_ppl_increase_pct of {budget} % (no artifact written)")
+
+
+def warn_if_drifting(name: str, quality: dict[str, Any], log: Callable[[str], None]) -> None:
+    """Say in words when a pass changes the model's choices often enough to show in text."""
+    agreement = quality["top1_agreement"]
+    if agreement >= LOW_TOP1_AGREEMENT:
+        return
+    better = BETTER_CHOICES.get(name, "a less aggressive setting keeps more")
+    log(f"      warning: after {name} the model picks its input's top token only "
+        f"{100 * agreement:.1f} % of the time: generated text will differ visibly and chat "
+        f"answers may lose coherence; {better}")
 
 
 def quality_line(quality: dict[str, Any]) -> str:

@@ -71,7 +71,7 @@ def quant_params(
         # The group's extreme (largest magnitude, with its sign) takes code 0, i.e. -half:
         # the scale is negative when the extreme is positive. Codes span [-half, half), so
         # the extreme's side gets all `half` levels; absmax / (half - 0.5) would waste half a
-        # level on each side (llama.cpp's Q4_0 rule; benchmarks/probe_symmetric_scales.py).
+        # level on each side (llama.cpp's Q4_0 rule; benchmarks/probes/probe_symmetric_scales.py).
         half = 2 ** (bits - 1)
         extreme = torch.where(w_max.abs() >= w_min.abs(), w_max, w_min)
         scales = extreme / -half

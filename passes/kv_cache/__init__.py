@@ -271,11 +271,28 @@ def report(before: ModelIR, after: ModelIR, seconds: float, context: PassContext
     def bytes_per_token(ir: ModelIR) -> float:
         return KVCacheSpec.model_validate(kv_cache_spec(ir.arch, "blocks")).bytes_per_token()
 
-    probe = context.quality_probe(before) if context is not None else None
+    near_exact = _near_exact(after)
+    probe = (context.quality_probe(before) if context is not None and near_exact is None
+             else None)
+    skipped = {"quality_skipped": near_exact} if near_exact and context is not None else {}
     return {
         "kv_dtypes": sorted({s.kv_dtype for s in after.arch.layers}),
         "bytes_per_token": {"before": bytes_per_token(before), "after": bytes_per_token(after)},
         "calibrate_seconds": round(seconds, 2),
         **(extra or {}),
         "quality": probe.compare(before, after) if probe else None,
+        **skipped,
     }
+
+
+# Significant bits each float cache dtype keeps of a float32 key or value.
+NEAR_EXACT_BITS = {"float16": 11, "bfloat16": 8}
+
+
+def _near_exact(after: ModelIR) -> str | None:
+    """Why a cache stored only in float16/bfloat16 is not worth a quality probe, or None."""
+    dtypes = {layer.kv_dtype for layer in after.arch.layers} - {"float32"}
+    if not dtypes or not dtypes <= NEAR_EXACT_BITS.keys():
+        return None
+    kept = ", ".join(f"{d} keeps {NEAR_EXACT_BITS[d]} significant bits" for d in sorted(dtypes))
+    return f"a float cache only ({kept} of each key and value) is near-exact"
