@@ -10,7 +10,7 @@ from typing import Any
 from llmopt.compiler.recipe import Recipe
 from llmopt.runtime.manifest import MANIFEST_FILE, Manifest
 from llmopt.runtime.native import unavailable_reason
-from llmopt.runtime.native.library import kernels
+from llmopt.runtime.native.library import machine_reason
 
 WEIGHT_PASSES = ("rtn", "gptq", "awq", "gguf_weights")
 FAST_HEAD = "include_lm_head: true, lm_head_bits: 8"
@@ -24,7 +24,7 @@ def kernel_forecast(recipe: Recipe, artifact: Path) -> list[str]:
     if reason is None:
         return ["kernels on this machine: native (llmopt's decoder step)"]
     lines = ["kernels on this machine: onnxruntime, not the native step: " + reason]
-    fix = recipe_fix(recipe) if _machine_runs_native() else None
+    fix = recipe_fix(recipe) if machine_reason() is None else None
     if fix is not None:
         lines.append(f"to run on the native step: {fix}")
     return lines
@@ -47,12 +47,6 @@ def recipe_fix(recipe: Recipe) -> str | None:
     if recipe.target.kv_layout == "blocks":
         return "set `target.kv_layout: lanes` (the native step reads KV lanes)"
     return None
-
-
-def _machine_runs_native() -> bool:
-    """Whether this install and CPU have the native step at all (no recipe gives it else)."""
-    lib = kernels()
-    return lib is not None and bool(lib.llmopt_native_supported())
 
 
 def _includes_head(config: Any) -> bool:

@@ -149,15 +149,23 @@ def require_native(graph: GraphSpec, kv_cache: KVCacheSpec, lane_tokens: int | N
         raise ValueError(f"kernels: native cannot run {graph.file}: {reason}")
 
 
-def unavailable_reason(graph: GraphSpec, kv_cache: KVCacheSpec,
-                       lane_tokens: int | None = None) -> str | None:
-    """Why the native step cannot run this graph here, with lanes of `lane_tokens` tokens
-    (None: any the graph allows), or None when it can."""
+def machine_reason() -> str | None:
+    """Why this install or CPU runs no native step at all, whatever the artifact, or None."""
     lib = kernels()
     if lib is None:
         return "this install has no native kernels (built without a C compiler)"
     if not lib.llmopt_native_supported():
         return "this CPU lacks AVX-512 VNNI, which the native kernels need"
+    return None
+
+
+def unavailable_reason(graph: GraphSpec, kv_cache: KVCacheSpec,
+                       lane_tokens: int | None = None) -> str | None:
+    """Why the native step cannot run this graph here, with lanes of `lane_tokens` tokens
+    (None: any the graph allows), or None when it can."""
+    machine = machine_reason()
+    if machine is not None:
+        return machine
     plan = read_plan(graph.native)
     if plan is None:
         return "the artifact predates native plans (recompile it)"

@@ -7,11 +7,11 @@ import pytest
 from llmopt.compiler.kernel_forecast import kernel_forecast, recipe_fix
 from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.recipe import Recipe
-from llmopt.runtime.native.library import kernels
+from llmopt.runtime.native.library import machine_reason
 
 RTN = {"rtn": {"bits": 4, "symmetric": True, "include_lm_head": True, "lm_head_bits": 8}}
 A8 = {"nbits_accuracy_level": 4}
-NATIVE_HERE = kernels() is not None and bool(kernels().llmopt_native_supported())
+NATIVE_HERE = machine_reason() is None
 
 
 def recipe(passes: list, target: dict | None = None) -> Recipe:
