@@ -61,8 +61,11 @@ class HessianAccumulator:
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
-        products = (x.T @ x).double()  # float32 products, float64 running sum
-        self.sum = products if self.sum is None else self.sum + products
+        products = x.T @ x  # float32 products, float64 running sum (added in place)
+        if self.sum is None:
+            self.sum = products.double()
+        else:
+            self.sum += products
         self.tokens += x.shape[0]
 
     def hessian(self) -> torch.Tensor:
@@ -113,7 +116,8 @@ def group_hessian(runner: LayerwiseRunner, first: str) -> torch.Tensor:
             accumulator.add(x)
             raise _InputSeen
 
-    with torch.no_grad(), observing(runner.model, observe):
+    with torch.no_grad(), observing(runner.model, observe), runner.model.holding_layer(
+            runner.layer):
         for hidden in runner.hidden:
             with contextlib.suppress(_InputSeen):
                 runner.model.layer_forward(runner.layer, hidden, runner.positions, None)
@@ -143,23 +147,27 @@ def gptq_quantize(
     objective Σ err² / [H⁻¹]_jj summed over columns (err: each column's rounding error)."""
     w = w.float().clone()
     n, k = w.shape
-    h = hessian.double().clone()
-    dead = h.diagonal() == 0  # inputs that are always zero: any weight works, take 0
-    h[dead, dead] = 1
+    diagonal = hessian.diagonal().double().clone()
+    dead = diagonal == 0  # inputs that are always zero: any weight works, take 0
+    diagonal[dead] = 1
     w[:, dead] = 0
     levels = 2**bits - 1
     groups = -(-k // group_size)
     if act_order:
         # Static groups: every group's scale and zero from the unpermuted float weight.
         scales, zeros = quant_params(w, bits, group_size, symmetric)
-        perm = torch.argsort(h.diagonal(), descending=True)
+        perm = torch.argsort(diagonal, descending=True)
     else:
         scales, zeros = torch.zeros(n, groups), torch.zeros(n, groups)
         perm = torch.arange(k)
         # Blocks hold whole groups, so a group's parameters see all updates before it.
         block_size = max(group_size, block_size // group_size * group_size)
-    w, h = w[:, perm], h[perm][:, perm]
+    w = w[:, perm]
+    # One [K, K] copy at a time: the widest inputs' Hessians are gigabytes in float64.
+    h = hessian.double().index_select(0, perm).index_select(1, perm)
+    h.diagonal().copy_(diagonal[perm])
     u = _inverse_hessian_factor(h, damp).float()
+    del h
     group_of = (perm // group_size).tolist()  # original group of each permuted column
     codes = torch.zeros(n, k)
     loss = 0.0
@@ -190,16 +198,19 @@ def gptq_quantize(
 
 def _inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
     """Upper Cholesky factor U of (H + λI)⁻¹ (UᵀU = H⁻¹), λ = damp × mean diag(H); λ grows
-    tenfold while H is too ill-conditioned to factor."""
-    eye = torch.eye(h.shape[0], dtype=h.dtype)
-    mean_diag = h.diagonal().mean()
+    tenfold while H is too ill-conditioned to factor. Damps `h`'s diagonal in place."""
+    diagonal = h.diagonal().clone()
+    mean_diag = diagonal.mean()
     # One thread: torch's multi-threaded Cholesky is far slower than one thread on shared
     # cores at these sizes.
     with intra_op_threads(1):
         for attempt in range(4):
-            lower, info = torch.linalg.cholesky_ex(h + damp * 10**attempt * mean_diag * eye)
+            # H + λI, damped in place: no second [K, K] matrix.
+            h.diagonal().copy_(diagonal + damp * 10**attempt * mean_diag)
+            lower, info = torch.linalg.cholesky_ex(h)
             if info == 0:
                 inverse = torch.cholesky_inverse(lower)
+                del lower
                 u, info = torch.linalg.cholesky_ex(inverse, upper=True)
                 if info == 0:
                     return u
