@@ -131,9 +131,9 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
         context.log(f"      awq: layer {layer + 1}/{ir.arch.num_layers}, α {chosen}, "
                     f"{time.perf_counter() - layer_started:.1f} s")
     if "lm_head" in targets:
-        stats = InputStats(sampler)
+        stats, final_norm = InputStats(sampler), out.weights["final_norm"]
         for hidden in runner.hidden:
-            stats.add(rms_norm(hidden, out.weights["final_norm"], out.arch.norm_eps))
+            stats.add(rms_norm(hidden, final_norm, out.arch.norm_eps))
         errors["lm_head"], clips["lm_head"] = quantize_linear(
             out, "lm_head", stats.mean_gram(), config.for_linear("lm_head"))
     report = quantization_report(ir, out, errors, time.perf_counter() - started, context)

@@ -94,9 +94,9 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
                     f"({time.perf_counter() - layer_started:.1f} s)")
     if "lm_head" in targets:
         # The head's input: the final norm of the last layer's (quantized) outputs.
-        accumulator = HessianAccumulator()
+        accumulator, final_norm = HessianAccumulator(), out.weights["final_norm"]
         for hidden in runner.hidden:
-            accumulator.add(rms_norm(hidden, out.weights["final_norm"], ir.arch.norm_eps))
+            accumulator.add(rms_norm(hidden, final_norm, ir.arch.norm_eps))
         _quantize_linear(ir, out, "lm_head", accumulator.hessian(), config, errors, losses)
         context.log(f"      gptq lm_head: loss {losses['lm_head']:.4g}")
     report = quantization_report(ir, out, errors, time.perf_counter() - started, context)
