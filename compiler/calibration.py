@@ -106,9 +106,9 @@ def calibration_memory_bytes(arch: ArchSpec, samples: int, seq_len: int, method:
       layer weights   the layer's parameters in float32, read once for the whole set
       batch work      one batch's attention scores (×3: scores, mask, softmax) and MLP
                       activations (×4), float32
-      statistics      "gptq": the largest input's Hessian K × K in float64, three at once
-                      while it is inverted (the sum, its permuted copy, the Cholesky
-                      factor); "awq": every input's Gram in float64 plus two float32 copies
+      statistics      "gptq": the largest input's Hessian K × K in float64, twice while
+                      it is inverted (the sum, and its permuted copy factored in place);
+                      "awq": every input's Gram in float64 plus two float32 copies
                       of the largest; "kv_cache": one window's attention weights
     `method` is "gptq", "awq" or "kv_cache". Scales linearly with samples × seq_len,
     quadratically with the widest linear input (GPTQ/AWQ), and not with the depth.
@@ -123,7 +123,7 @@ def calibration_memory_bytes(arch: ArchSpec, samples: int, seq_len: int, method:
     work = 4 * batch * seq_len * (3 * spec.num_heads * seq_len + 4 * inter + 4 * hidden)
     widest = max(hidden, inter, q_width)
     if method == "gptq":
-        stats = 3 * 8 * widest**2 + 3 * 4 * hidden * inter  # + the weight, its clone, codes
+        stats = 2 * 8 * widest**2 + 3 * 4 * hidden * inter  # + the weight, its clone, codes
     elif method == "awq":
         stats = 8 * (2 * hidden**2 + q_width**2 + inter**2) + 2 * 4 * widest**2
     elif method == "kv_cache":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 
 import torch
 from pydantic import Field
@@ -163,11 +164,13 @@ def gptq_quantize(
         # Blocks hold whole groups, so a group's parameters see all updates before it.
         block_size = max(group_size, block_size // group_size * group_size)
     w = w[:, perm]
-    # One [K, K] copy at a time: the widest inputs' Hessians are gigabytes in float64.
-    h = hessian.double().index_select(0, perm).index_select(1, perm)
-    h.diagonal().copy_(diagonal[perm])
-    u = _inverse_hessian_factor(h, damp).float()
-    del h
+
+    def permuted() -> torch.Tensor:  # one [K, K] copy: the widest are gigabytes in float64
+        h = hessian.double().index_select(0, perm).index_select(1, perm)
+        h.diagonal().copy_(diagonal[perm])
+        return h
+
+    u = _inverse_hessian_factor(permuted, damp).float()
     group_of = (perm // group_size).tolist()  # original group of each permuted column
     codes = torch.zeros(n, k)
     loss = 0.0
@@ -196,22 +199,26 @@ def gptq_quantize(
     return QuantizedLinear(bits, group_size, codes, scales, zeros, symmetric), loss
 
 
-def _inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
+def _inverse_hessian_factor(build: Callable[[], torch.Tensor], damp: float) -> torch.Tensor:
     """Upper Cholesky factor U of (H + λI)⁻¹ (UᵀU = H⁻¹), λ = damp × mean diag(H); λ grows
-    tenfold while H is too ill-conditioned to factor. Damps `h`'s diagonal in place."""
+    tenfold while H is too ill-conditioned to factor. `build()` gives a fresh H, which is
+    damped, factored, inverted and factored again in place: one [K, K] matrix in all."""
+    # Column-major (H is symmetric: its transpose view), as LAPACK factors in place.
+    h = build().mT
     diagonal = h.diagonal().clone()
     mean_diag = diagonal.mean()
+    info = torch.empty((), dtype=torch.int32)
     # One thread: torch's multi-threaded Cholesky is far slower than one thread on shared
     # cores at these sizes.
     with intra_op_threads(1):
         for attempt in range(4):
-            # H + λI, damped in place: no second [K, K] matrix.
+            if attempt:
+                h = build().mT  # the failed factorization overwrote it
             h.diagonal().copy_(diagonal + damp * 10**attempt * mean_diag)
-            lower, info = torch.linalg.cholesky_ex(h)
+            torch.linalg.cholesky_ex(h, out=(h, info))
             if info == 0:
-                inverse = torch.cholesky_inverse(lower)
-                del lower
-                u, info = torch.linalg.cholesky_ex(inverse, upper=True)
+                torch.cholesky_inverse(h, out=h)
+                torch.linalg.cholesky_ex(h, upper=True, out=(h, info))
                 if info == 0:
-                    return u
+                    return h
     raise ValueError("GPTQ: the Hessian is not positive definite even with 1000x damping")
