@@ -1,6 +1,9 @@
 """Sequential calibration at real sizes: wall time, per-layer rate and peak RSS of one
 calibrating pass (gptq, awq, or kv_cache static scales) on a checkpoint, against
-`calibration_memory_bytes`'s estimate; and the default quality probe's share of a compile.
+`calibration_memory_bytes`'s estimate of what the pass adds (peak minus the RSS before it).
+
+Table columns: checkpoint | pass | calibration | layers run/depth | s per layer |
+projected s for the whole depth | peak RSS | RSS before the pass | estimate.
 
     python benchmarks/bench_calibration.py CKPT --pass gptq --samples 128 --seq-len 512 \\
         --text /work/shared/data/wikitext2-test.raw.txt [--layers N] [--json out.json]
@@ -40,6 +43,14 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def rss_gib() -> float:
+    """The resident set now (the peak before the pass is the loader's)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint")
@@ -69,6 +80,7 @@ def main() -> None:
         layer_lines.append((time.perf_counter(), line.strip()))
         print(line, flush=True)
 
+    before = rss_gib()
     pass_started = time.perf_counter()
     apply_passes(ir, recipe.passes, PassContext(recipe, log))
     seconds = time.perf_counter() - pass_started
@@ -81,12 +93,14 @@ def main() -> None:
         "s_per_layer": round(seconds / layers, 1),
         "projected_full_s": round(seconds / layers * depth),
         "peak_rss_gib": round(peak_rss_gib(), 2),
+        "rss_before_pass_gib": round(before, 2),
         "estimate_gib": round(estimate / 2**30, 2),
         "machine": machine_info(),
     }
     print(f"| {Path(args.checkpoint).name} | {args.name} | {args.samples} x {args.seq_len} | "
           f"{layers}/{depth} | {result['s_per_layer']} s | {result['projected_full_s']} s | "
-          f"{result['peak_rss_gib']} GiB | {result['estimate_gib']} GiB |")
+          f"{result['peak_rss_gib']} GiB | {result['rss_before_pass_gib']} GiB | "
+          f"{result['estimate_gib']} GiB |")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 

@@ -100,35 +100,38 @@ def calibration_memory_bytes(arch: ArchSpec, samples: int, seq_len: int, method:
                              batch_size: int = 8) -> int:
     """Estimated peak bytes a sequential calibration adds to the compile, from the config.
 
-    The largest of its phases: embedding the calibration set (the embedding table read
-    once in float32, plus the hidden states), and processing one decoder layer:
-      hidden states   2 × samples × seq_len × hidden × 4 (the layer's inputs and outputs)
-      layer weights   the layer's parameters in float32, read once for the whole set
-      batch work      one batch's attention scores (×3: scores, mask, softmax) and MLP
-                      activations (×4), float32
-      statistics      "gptq": the largest input's Hessian K × K in float64, twice while
-                      it is inverted (the sum, and its permuted copy factored in place);
-                      "awq": every input's Gram in float64 plus two float32 copies
-                      of the largest; "kv_cache": one window's attention weights
-    `method` is "gptq", "awq" or "kv_cache". Scales linearly with samples × seq_len,
-    quadratically with the widest linear input (GPTQ/AWQ), and not with the depth.
+    The largest of its phases (float32 unless said):
+      embedding     the embedding table read once, plus the calibration set's hidden states
+                    (samples × seq_len × hidden × 4)
+      forward       a layer over the set: its inputs and outputs (2 × the hidden states),
+                    its weights read once, one batch's attention scores (×3) or MLP
+                    activations (×4), whichever is larger, plus the statistics gathered:
+                    "gptq" the widest input's Hessian (K × K float64, and its float32
+                    products), "awq" every input's Gram in float64, "kv_cache" one
+                    window's attention weights
+      solve         "gptq" inverting that Hessian: the sum and one copy factored in place
+                    (2 × K² × 8) beside the inputs and the weight being quantized; "awq"
+                    the Grams with two float32 copies of the widest during the searches
+    `method` is "gptq", "awq" or "kv_cache". It grows linearly with samples × seq_len,
+    quadratically with the widest linear input, and not with the depth.
     """
     spec = max(arch.layers, key=lambda s: s.num_heads * s.head_dim)
     hidden, inter = arch.hidden_size, arch.intermediate_size
     q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    tokens = samples * seq_len
-    states = 2 * tokens * hidden * 4
+    states = samples * seq_len * hidden * 4
     layer = 4 * (2 * hidden * q_width + 2 * hidden * kv_width + 3 * hidden * inter)
-    batch = min(batch_size, samples)
-    work = 4 * batch * seq_len * (3 * spec.num_heads * seq_len + 4 * inter + 4 * hidden)
+    batch = min(batch_size, samples) * seq_len
+    work = 4 * batch * max(3 * spec.num_heads * seq_len, 4 * inter) + 4 * 4 * batch * hidden
     widest = max(hidden, inter, q_width)
+    linear = 4 * 3 * hidden * inter  # the weight, its working copy and its codes
     if method == "gptq":
-        stats = 2 * 8 * widest**2 + 3 * 4 * hidden * inter  # + the weight, its clone, codes
+        gathered, solve = 12 * widest**2, 16 * widest**2 + linear
     elif method == "awq":
-        stats = 8 * (2 * hidden**2 + q_width**2 + inter**2) + 2 * 4 * widest**2
+        gathered = 8 * (2 * hidden**2 + q_width**2 + inter**2)
+        solve = gathered + 8 * widest**2 + linear
     elif method == "kv_cache":
-        stats = 4 * 4 * spec.num_heads * seq_len**2
+        gathered, solve = 4 * 4 * spec.num_heads * seq_len**2, 0
     else:
         raise ValueError(f"calibration_memory_bytes: unknown method {method!r}")
-    embedding = 4 * arch.vocab_size * hidden + tokens * hidden * 4
-    return max(embedding, states + layer + work + stats)
+    embedding = 4 * arch.vocab_size * hidden + states
+    return max(embedding, 2 * states + layer + work + gathered, states + solve)
