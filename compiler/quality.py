@@ -42,7 +42,10 @@ PROGRESS_EVERY_S = 10.0  # a measurement takes minutes on a real model: say how 
 # Above this many parameters the model's own samples cost more than the compile (see the
 # module docstring): the built-in passages are measured instead.
 SAMPLING_MAX_PARAMETERS = 400_000_000
-PASSAGE_WINDOW = 256  # tokens per window of the built-in passages
+# The built-in passages' probe: a fixed token budget, so its compute stays a small share
+# of a compile at every size (its two reads of the model cost about what one weight pass
+# costs to read it).
+PASSAGE_WINDOW, PASSAGE_WINDOWS = 256, 2
 # Logits held at once while comparing (each window's log-probabilities wait for the other
 # model's): bounds the probe's memory at large vocabularies.
 LOGITS_BUDGET_BYTES = 512 << 20
@@ -75,7 +78,7 @@ class QualityProbe:
             if probe is not None:
                 return probe
         if parameter_count(ir) > SAMPLING_MAX_PARAMETERS:
-            return cls.from_passages(ir, quality.eval_windows, log)
+            return cls.from_passages(ir, PASSAGE_WINDOWS, log)
         return cls.from_samples(ir, quality.sampled_sequences, quality.sampled_tokens,
                                 quality.seed, log)
 

@@ -85,14 +85,14 @@ def test_a_model_too_large_to_sample_is_measured_on_the_built_in_passages(
     ir = load_checkpoint(str(tiny_checkpoints["llama"]))
     monkeypatch.setattr(quality_module, "SAMPLING_MAX_PARAMETERS",
                         quality_module.parameter_count(ir) - 1)
-    recipe = Recipe(model="m", passes=RTN, quality={"eval_windows": 2})
+    recipe = Recipe(model="m", passes=RTN)
     _, (report,) = apply_passes(ir, recipe.passes, PassContext(recipe, lambda _: None))
     quality = report["quality"]
     assert "built-in English passages" in quality["source"]
     assert quality["perplexity_on"] == "text" and quality["kl"] > 0
     probe = QualityProbe.for_recipe(recipe, ir)
-    assert len(probe.windows) == 2 and probe.kind != SAMPLES
-    assert quality["tokens"] == 2 * (len(probe.windows[0]) - 1)
+    assert len(probe.windows) == quality_module.PASSAGE_WINDOWS and probe.kind != SAMPLES
+    assert quality["tokens"] == len(probe.windows) * (len(probe.windows[0]) - 1)
 
 
 def test_parameter_count_matches_the_weights(tiny_checkpoints):
