@@ -45,7 +45,7 @@ SAMPLING_MAX_PARAMETERS = 400_000_000
 # The built-in passages' probe: a fixed token budget, so its compute stays a small share
 # of a compile at every size (its two reads of the model cost about what one weight pass
 # costs to read it).
-PASSAGE_WINDOW, PASSAGE_WINDOWS = 256, 2
+PASSAGE_WINDOW, PASSAGE_WINDOWS = 128, 1
 # Logits held at once while comparing (each window's log-probabilities wait for the other
 # model's): bounds the probe's memory at large vocabularies.
 LOGITS_BUDGET_BYTES = 512 << 20
