@@ -11,6 +11,7 @@ GroupQueryAttention node per layer reads and appends each sequence's lane in pla
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -99,10 +100,11 @@ class LoweredGraph:
     nodes_per_layer: int  # the most nodes a layer past the first takes
 
 
-def lower(ir: ModelIR, recipe: Recipe) -> LoweredGraph:
-    """Lower a model (the target, or its draft) as the recipe's target asks."""
+def lower(ir: ModelIR, recipe: Recipe, data_file: Path | None = None) -> LoweredGraph:
+    """Lower a model (the target, or its draft) as the recipe's target asks; with
+    `data_file`, weights stream into it layer by layer instead of staying in the graph."""
     options = lowering_options(recipe, ir.arch)
-    lowering = _DecoderLowering(ir, options)
+    lowering = _DecoderLowering(ir, options, data_file)
     model = lowering.build()
     kv_cache = KVCacheSpec.model_validate(kv_cache_spec(ir.arch, options.kv_layout))
     return LoweredGraph(model, options, kv_cache, lowering.nodes_per_layer)
@@ -113,10 +115,10 @@ def lower_to_onnx(ir: ModelIR, options: LoweringOptions) -> onnx.ModelProto:
 
 
 class _DecoderLowering:
-    def __init__(self, ir: ModelIR, options: LoweringOptions):
+    def __init__(self, ir: ModelIR, options: LoweringOptions, data_file: Path | None = None):
         self.ir, self.arch, self.options = ir, ir.arch, options
         ops_type = OPERATOR_SETS[options.operator_set]
-        self.g = GraphBuilder("llmopt_decoder", ops_type.opset)
+        self.g = GraphBuilder("llmopt_decoder", ops_type.opset, data_file)
         self.ops: StandardOps = ops_type(self.g, self.arch.norm_eps)
         self._masks: dict[int | None, str] = {}
         self._sink_masks: dict[int, str] = {}

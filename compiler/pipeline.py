@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,23 +34,34 @@ def compile_recipe(recipe: Recipe, out: Path, log: Callable[[str], None] = print
         log(f"      tokenizer: {ir.tokenizer_spec.summary()}")
         for note in ir.tokenizer_spec.notes:  # where the source was ambiguous
             log(f"      note: {note}")
-    # Phase 2: rewrite and quantize, in recipe order; then pair a draft with the result.
-    context = PassContext(recipe, log)
-    ir, reports = run_passes(ir, recipe, log, context)
-    for step in in_phase(recipe.passes, "draft_pairing"):
-        ir, report = pair_draft(ir, step, context)
-        reports.append(report)
-    # Phase 3: lower once (a draft model too, with the same operators) and write the
-    # artifact atomically.
-    log(f"[3/3] lowering to ONNX ({recipe.target.operator_set} operators, "
-        f"{recipe.target.weight_dtype} weights) and writing {out}")
-    graphs = {"target": lower(ir, recipe)}
-    if ir.draft is not None and ir.draft.ir is not None:
-        graphs["draft"] = lower(ir.draft.ir, recipe)
-    with staging_directory(out) as staging:
-        manifest = write_artifact(staging, ir, graphs, recipe, reports)
+    with scratch_directory(out) as scratch:
+        ir.quantized.spill_dir = scratch  # integer weights wait on disk, not in memory
+        # Phase 2: rewrite and quantize, in recipe order; then pair a draft with the result.
+        context = PassContext(recipe, log)
+        ir, reports = run_passes(ir, recipe, log, context)
+        for step in in_phase(recipe.passes, "draft_pairing"):
+            ir, report = pair_draft(ir, step, context)
+            reports.append(report)
+        # Phase 3: lower once (a draft model too, with the same operators) and write the
+        # artifact atomically.
+        log(f"[3/3] lowering to ONNX ({recipe.target.operator_set} operators, "
+            f"{recipe.target.weight_dtype} weights) and writing {out}")
+        with staging_directory(out) as staging:
+            graphs = {"target": lower(ir, recipe, staging / "target.onnx.data")}
+            if ir.draft is not None and ir.draft.ir is not None:
+                graphs["draft"] = lower(ir.draft.ir, recipe, staging / "draft.onnx.data")
+            manifest = write_artifact(staging, ir, graphs, recipe, reports)
     log(f"      done in {time.perf_counter() - started:.1f} s")
     return manifest
+
+
+@contextmanager
+def scratch_directory(out: Path) -> Iterator[Path]:
+    """A temporary directory beside `out` (same disk) for what passes spill; removed after."""
+    out.resolve().parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.scratch.",
+                                     dir=out.resolve().parent) as scratch:
+        yield Path(scratch)
 
 
 def run_passes(ir: ModelIR, recipe: Recipe, log: Callable[[str], None],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import mmap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,7 +38,9 @@ class NativeWeights:
 
     def __init__(self, plan: NativePlan, data_file: Path, num_threads: int,
                  max_position: int):
-        self._data = np.memmap(data_file, dtype=np.uint8, mode="r")
+        with data_file.open("rb") as file:
+            self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        self._data = np.frombuffer(self._map, dtype=np.uint8)
         self._keep: list[np.ndarray] = []
         self._arena = HugePageArena()  # the repacked matrices, in the order a step reads them
         layers = plan.layers
@@ -70,6 +73,9 @@ class NativeWeights:
             **{key: ctypes.cast(table, ctypes.c_void_p) for key, table in head_norms.items()},
             knobs=default_knobs())
         self._phase_seconds = np.zeros(len(profile_phases(kernels())))  # the profile's sums
+        # The matrices now live repacked in the arena: give back the file pages they were
+        # read from (what the model points into, embedding rows and tables, faults back in).
+        self._map.madvise(mmap.MADV_DONTNEED)
 
     def use_amx(self, enabled: bool) -> bool:
         """Lets this model's steps multiply on AMX tiles where the process has them, or never;
