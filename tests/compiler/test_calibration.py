@@ -3,11 +3,9 @@ calibration set and released before the next layer's are read."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import weakref
 from collections import Counter
-from collections.abc import Iterator, MutableMapping
 
 import pytest
 import torch
@@ -30,75 +28,35 @@ class ReadCounter:
         self.most_layers_alive = 0
 
     def read(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        copy = tensor.clone()  # a fresh tensor per read, as a lazy checkpoint reader gives
         self.reads[name] += 1
         match = LAYER.match(name)
         if match:
             layer = int(match.group(1))
             self.alive[layer] += 1
-            weakref.finalize(copy, self._freed, layer)
+            weakref.finalize(tensor, self._freed, layer)
             alive = sum(1 for count in self.alive.values() if count)
             self.most_layers_alive = max(self.most_layers_alive, alive)
-        return copy
+        return tensor
 
     def _freed(self, layer: int) -> None:
         self.alive[layer] -= 1
 
 
-class LazyWeights(MutableMapping):
-    """Source weights read on access (counted); what passes write is kept beside them."""
-
-    def __init__(self, source: dict[str, torch.Tensor], counter: ReadCounter,
-                 written: dict[str, torch.Tensor] | None = None,
-                 removed: set[str] | None = None):
-        self.source, self.counter = source, counter
-        self.written, self.removed = dict(written or {}), set(removed or ())
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name in self.written:
-            return self.written[name]
-        if name in self.removed or name not in self.source:
-            raise KeyError(name)
-        return self.counter.read(name, self.source[name])
-
-    def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
-        self.written[name] = tensor
-        self.removed.discard(name)
-
-    def __delitem__(self, name: str) -> None:
-        if name not in self:
-            raise KeyError(name)
-        self.written.pop(name, None)
-        self.removed.add(name)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.written or (name in self.source and name not in self.removed)
-
-    def __iter__(self) -> Iterator[str]:
-        yield from (n for n in self.source if n not in self.removed and n not in self.written)
-        yield from self.written
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
+def lazy(path) -> tuple[ModelIR, ReadCounter]:
+    """The checkpoint as the compiler streams it, each read from its file counted."""
+    ir, counter = load_checkpoint(str(path)), ReadCounter()
+    source = ir.weights.source
+    assert source is not None, "the loader reads safetensors lazily"
+    read = source.read
+    source.read = lambda name: counter.read(name, read(name))
+    return ir, counter
 
 
-@dataclasses.dataclass
-class LazyIR(ModelIR):
-    """A ModelIR over `LazyWeights` whose copies share the source (nothing read to copy)."""
-
-    def copy(self) -> LazyIR:
-        w = self.weights
-        return dataclasses.replace(self, weights=LazyWeights(w.source, w.counter, w.written,
-                                                             w.removed),
-                                   annotations=dict(self.annotations),
-                                   quantized=dict(self.quantized))
-
-
-def lazy(ir: ModelIR) -> tuple[LazyIR, ReadCounter]:
-    counter = ReadCounter()
-    fields = {f.name: getattr(ir, f.name) for f in dataclasses.fields(ir)}
-    fields["weights"] = LazyWeights(dict(ir.weights), counter)
-    return LazyIR(**fields), counter
+def eager(path) -> ModelIR:
+    """The whole model resident in float32, as the compiler held it before streaming."""
+    ir = load_checkpoint(str(path))
+    ir.weights = {name: ir.weights[name] for name in ir.weights}
+    return ir
 
 
 def recipe(step: dict, text, samples: int = 8) -> Recipe:
@@ -120,10 +78,9 @@ CALIBRATING = [
 @pytest.mark.parametrize("step", CALIBRATING, ids=lambda s: str(s))
 def test_lazily_read_weights_give_the_same_codes_one_layer_at_a_time(
         tiny_checkpoints, word_text, step):
-    eager = load_checkpoint(str(tiny_checkpoints["llama"]))
-    expected, _ = apply_passes(eager, recipe(step, word_text).passes,
+    expected, _ = apply_passes(eager(tiny_checkpoints["llama"]), recipe(step, word_text).passes,
                                PassContext(recipe(step, word_text), lambda _: None))
-    source, counter = lazy(load_checkpoint(str(tiny_checkpoints["llama"])))
+    source, counter = lazy(tiny_checkpoints["llama"])
     got, _ = apply_passes(source, recipe(step, word_text).passes,
                           PassContext(recipe(step, word_text), lambda _: None))
     assert codes(got).keys() == codes(expected).keys()
@@ -138,7 +95,7 @@ def test_each_layer_is_read_a_fixed_number_of_times_whatever_the_calibration_siz
         tiny_checkpoints, word_text, step):
     counts = []
     for samples in (8, 32):  # one batch of 8 windows, then four
-        ir, counter = lazy(load_checkpoint(str(tiny_checkpoints["llama"])))
+        ir, counter = lazy(tiny_checkpoints["llama"])
         apply_passes(ir, recipe(step, word_text, samples).passes,
                      PassContext(recipe(step, word_text, samples), lambda _: None))
         counts.append(counter.reads)
@@ -149,10 +106,9 @@ def test_each_layer_is_read_a_fixed_number_of_times_whatever_the_calibration_siz
 
 def test_kv_cache_static_scales_hold_one_layer_at_a_time(tiny_checkpoints, word_text):
     step = {"kv_cache": {"dtype": "int8", "key_scales": "channel", "value_scales": "channel"}}
-    eager = load_checkpoint(str(tiny_checkpoints["llama"]))
-    expected, _ = apply_passes(eager, recipe(step, word_text).passes,
+    expected, _ = apply_passes(eager(tiny_checkpoints["llama"]), recipe(step, word_text).passes,
                                PassContext(recipe(step, word_text), lambda _: None))
-    ir, counter = lazy(load_checkpoint(str(tiny_checkpoints["llama"])))
+    ir, counter = lazy(tiny_checkpoints["llama"])
     got, _ = apply_passes(ir, recipe(step, word_text).passes,
                           PassContext(recipe(step, word_text), lambda _: None))
     scales = [n for n in expected.weights if n.endswith("_cache_scale")]
@@ -161,7 +117,7 @@ def test_kv_cache_static_scales_hold_one_layer_at_a_time(tiny_checkpoints, word_
 
 
 def test_the_runner_reads_a_layer_once_per_pass_over_the_set(tiny_checkpoints):
-    ir, counter = lazy(load_checkpoint(str(tiny_checkpoints["llama"])))
+    ir, counter = lazy(tiny_checkpoints["llama"])
     runner = LayerwiseRunner(ir, torch.randint(0, 50, (24, 16)), batch_size=8)
     runner.run_layer()
     assert counter.reads["layers.0.q_proj.weight"] == 1  # three batches, one read
