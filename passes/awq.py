@@ -98,10 +98,10 @@ class InputStats:
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1])
         rows = self.sampler(x)
-        abs_sum, gram = x.abs().sum(0, dtype=torch.float64), (rows.T @ rows).double()
+        abs_sum, gram = x.abs().sum(0, dtype=torch.float64), rows.T @ rows
         if self.gram is None:
-            self.abs_sum, self.gram = abs_sum, gram
-        else:
+            self.abs_sum, self.gram = abs_sum, gram.double()
+        else:  # float32 products into the float64 sum, in place
             self.abs_sum += abs_sum
             self.gram += gram
         self.tokens, self.sampled = self.tokens + len(x), self.sampled + len(rows)
@@ -131,9 +131,9 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
         context.log(f"      awq: layer {layer + 1}/{ir.arch.num_layers}, α {chosen}, "
                     f"{time.perf_counter() - layer_started:.1f} s")
     if "lm_head" in targets:
-        stats = InputStats(sampler)
+        stats, final_norm = InputStats(sampler), out.weights["final_norm"]
         for hidden in runner.hidden:
-            stats.add(rms_norm(hidden, out.weights["final_norm"], out.arch.norm_eps))
+            stats.add(rms_norm(hidden, final_norm, out.arch.norm_eps))
         errors["lm_head"], clips["lm_head"] = quantize_linear(
             out, "lm_head", stats.mean_gram(), config.for_linear("lm_head"))
     report = quantization_report(ir, out, errors, time.perf_counter() - started, context)
@@ -238,10 +238,11 @@ def search_clip(w: torch.Tensor, gram: torch.Tensor, config: Config,
     (groups independent: the cross-group terms of H are ignored)."""
     n, k = w.shape
     size, groups = config.group_size, -(-w.shape[1] // config.group_size)
-    padded = torch.zeros(groups * size, groups * size)
-    padded[:k, :k] = gram  # padded columns repeat the edge weight; zero rows hide them
-    blocks = torch.stack([padded[g * size:(g + 1) * size, g * size:(g + 1) * size]
-                          for g in range(groups)])
+    # Padded columns repeat the edge weight; zero rows of their blocks hide them.
+    blocks = torch.zeros(groups, size, size)
+    for g in range(groups):
+        block = gram[g * size:(g + 1) * size, g * size:(g + 1) * size]
+        blocks[g, :len(block), :len(block)] = block
     chosen = []
     for w_rows in w.split(rows):
         best_error = torch.full((len(w_rows), groups), math.inf)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 
 import torch
 from pydantic import Field
@@ -61,8 +62,11 @@ class HessianAccumulator:
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
-        products = (x.T @ x).double()  # float32 products, float64 running sum
-        self.sum = products if self.sum is None else self.sum + products
+        products = x.T @ x  # float32 products, float64 running sum (added in place)
+        if self.sum is None:
+            self.sum = products.double()
+        else:
+            self.sum += products
         self.tokens += x.shape[0]
 
     def hessian(self) -> torch.Tensor:
@@ -91,9 +95,9 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
                     f"({time.perf_counter() - layer_started:.1f} s)")
     if "lm_head" in targets:
         # The head's input: the final norm of the last layer's (quantized) outputs.
-        accumulator = HessianAccumulator()
+        accumulator, final_norm = HessianAccumulator(), out.weights["final_norm"]
         for hidden in runner.hidden:
-            accumulator.add(rms_norm(hidden, out.weights["final_norm"], ir.arch.norm_eps))
+            accumulator.add(rms_norm(hidden, final_norm, ir.arch.norm_eps))
         _quantize_linear(ir, out, "lm_head", accumulator.hessian(), config, errors, losses)
         context.log(f"      gptq lm_head: loss {losses['lm_head']:.4g}")
     report = quantization_report(ir, out, errors, time.perf_counter() - started, context)
@@ -113,7 +117,8 @@ def group_hessian(runner: LayerwiseRunner, first: str) -> torch.Tensor:
             accumulator.add(x)
             raise _InputSeen
 
-    with torch.no_grad(), observing(runner.model, observe):
+    with torch.no_grad(), observing(runner.model, observe), runner.model.holding_layer(
+            runner.layer):
         for hidden in runner.hidden:
             with contextlib.suppress(_InputSeen):
                 runner.model.layer_forward(runner.layer, hidden, runner.positions, None)
@@ -143,23 +148,29 @@ def gptq_quantize(
     objective Σ err² / [H⁻¹]_jj summed over columns (err: each column's rounding error)."""
     w = w.float().clone()
     n, k = w.shape
-    h = hessian.double().clone()
-    dead = h.diagonal() == 0  # inputs that are always zero: any weight works, take 0
-    h[dead, dead] = 1
+    diagonal = hessian.diagonal().double().clone()
+    dead = diagonal == 0  # inputs that are always zero: any weight works, take 0
+    diagonal[dead] = 1
     w[:, dead] = 0
     levels = 2**bits - 1
     groups = -(-k // group_size)
     if act_order:
         # Static groups: every group's scale and zero from the unpermuted float weight.
         scales, zeros = quant_params(w, bits, group_size, symmetric)
-        perm = torch.argsort(h.diagonal(), descending=True)
+        perm = torch.argsort(diagonal, descending=True)
     else:
         scales, zeros = torch.zeros(n, groups), torch.zeros(n, groups)
         perm = torch.arange(k)
         # Blocks hold whole groups, so a group's parameters see all updates before it.
         block_size = max(group_size, block_size // group_size * group_size)
-    w, h = w[:, perm], h[perm][:, perm]
-    u = _inverse_hessian_factor(h, damp).float()
+    w = w[:, perm]
+
+    def permuted() -> torch.Tensor:  # one [K, K] copy: the widest are gigabytes in float64
+        h = hessian.double().index_select(0, perm).index_select(1, perm)
+        h.diagonal().copy_(diagonal[perm])
+        return h
+
+    u = _inverse_hessian_factor(permuted, damp).float()
     group_of = (perm // group_size).tolist()  # original group of each permuted column
     codes = torch.zeros(n, k)
     loss = 0.0
@@ -188,19 +199,26 @@ def gptq_quantize(
     return QuantizedLinear(bits, group_size, codes, scales, zeros, symmetric), loss
 
 
-def _inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
+def _inverse_hessian_factor(build: Callable[[], torch.Tensor], damp: float) -> torch.Tensor:
     """Upper Cholesky factor U of (H + λI)⁻¹ (UᵀU = H⁻¹), λ = damp × mean diag(H); λ grows
-    tenfold while H is too ill-conditioned to factor."""
-    eye = torch.eye(h.shape[0], dtype=h.dtype)
-    mean_diag = h.diagonal().mean()
+    tenfold while H is too ill-conditioned to factor. `build()` gives a fresh H, which is
+    damped, factored, inverted and factored again in place: one [K, K] matrix in all."""
+    # Column-major (H is symmetric: its transpose view), as LAPACK factors in place.
+    h = build().mT
+    diagonal = h.diagonal().clone()
+    mean_diag = diagonal.mean()
+    info = torch.empty((), dtype=torch.int32)
     # One thread: torch's multi-threaded Cholesky is far slower than one thread on shared
     # cores at these sizes.
     with intra_op_threads(1):
         for attempt in range(4):
-            lower, info = torch.linalg.cholesky_ex(h + damp * 10**attempt * mean_diag * eye)
+            if attempt:
+                h = build().mT  # the failed factorization overwrote it
+            h.diagonal().copy_(diagonal + damp * 10**attempt * mean_diag)
+            torch.linalg.cholesky_ex(h, out=(h, info))
             if info == 0:
-                inverse = torch.cholesky_inverse(lower)
-                u, info = torch.linalg.cholesky_ex(inverse, upper=True)
+                torch.cholesky_inverse(h, out=h)
+                torch.linalg.cholesky_ex(h, upper=True, out=(h, info))
                 if info == 0:
-                    return u
+                    return h
     raise ValueError("GPTQ: the Hessian is not positive definite even with 1000x damping")

@@ -125,7 +125,10 @@ def clip_errors(x: torch.Tensor, weight: torch.Tensor, amax: torch.Tensor, dtype
 
 
 def _observe(ir: ModelIR, windows: torch.Tensor, observer) -> None:
+    """Run every window through the decoder layers, layer-major (each layer's weights read
+    once), calling `observer` on what each layer's cache is given."""
     model = ReferenceModel(ir, windows.shape[1])
     model.kv_observer = observer
-    for window in windows:
-        model.forward(window[None], all_logits=False)
+    with torch.no_grad(), model.holding(["embed_tokens"]):
+        hidden = [model.embed(window[None]) for window in windows]
+    model.run_layers(hidden, torch.arange(windows.shape[1]))
