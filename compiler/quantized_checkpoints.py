@@ -82,6 +82,8 @@ def _integer_zeros(q: QuantizedLinear, name: str, fmt: str) -> torch.Tensor:
 
 
 def _whole_groups(q: QuantizedLinear, name: str, fmt: str) -> None:
+    if q.codebook is not None:
+        raise ValueError(f"{name}: code-book (NF4/FP4) weights cannot be stored as {fmt}")
     if q.shape[1] % q.group_size:
         raise ValueError(f"{name}: {fmt} needs the input width {q.shape[1]} to be a multiple "
                          f"of the group size {q.group_size} (choose a group size that divides it)")

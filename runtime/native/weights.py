@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from llmopt.runtime.native.arena import HugePageArena
+from llmopt.runtime.native.codebook import codebook_matrix
 from llmopt.runtime.native.library import (
     KVLayout,
     Model,
@@ -124,6 +125,13 @@ class NativeWeights:
         return self._keep_ptr(self._array(tensor))
 
     def _matrix(self, spec: QuantizedMatrix) -> QMatrix:
+        if spec.codebook is not None:  # NF4 / FP4
+            arrays, matrix = codebook_matrix(spec, self._array(spec.codes),
+                                             self._array(spec.scales), self._arena.place)
+            self._keep += arrays
+            if spec.bias is not None:
+                matrix.bias = self._pointer(spec.bias)
+            return matrix
         offsets = None if spec.offsets is None else self._array(spec.offsets)
         arrays, matrix = quantized_matrix(*self._quantized(spec), spec.n, spec.k, spec.bits,
                                           offsets, spec.block, place=self._arena.place)
