@@ -37,13 +37,18 @@ BNB_TENSORS = ("weight.absmax", "weight", "weight.quant_map", "weight.nested_abs
 
 # --- the offline transform -----------------------------------------------------------------
 def codebook_quantize(w: torch.Tensor, group_size: int, code: torch.Tensor = NF4_CODE,
-                      double_quant: bool = False) -> QuantizedLinear:
+                      double_quant: bool = False, clip: torch.Tensor | None = None
+                      ) -> QuantizedLinear:
     """Round-to-nearest code-book quantization of w [N, K]: each block scaled by its absmax,
     each value to the nearest code (bitsandbytes' rule); `double_quant` rounds the absmax
-    values to 8-bit codes in blocks of 256 around their mean, as bitsandbytes stores them."""
+    values to 8-bit codes in blocks of 256 around their mean, as bitsandbytes stores them;
+    `clip` [N, G] shrinks each block's absmax (AWQ's clipping search)."""
     w = w.float()
     n, k = w.shape
-    absmax = group_view(w, group_size).abs().amax(dim=-1).clamp(min=1e-12)  # [N, G]
+    absmax = group_view(w, group_size).abs().amax(dim=-1)  # [N, G]
+    if clip is not None:
+        absmax = absmax * clip
+    absmax = absmax.clamp(min=1e-12)
     if double_quant:
         absmax = _double_quantized(absmax)
     scaled = (w / expand_groups(absmax, group_size, k)).clamp(-1, 1)

@@ -54,11 +54,13 @@ class WeightQuantConfig(BaseModel):
         return self
 
 
-def round_to_nearest(w: torch.Tensor, config: WeightQuantConfig) -> QuantizedLinear:
-    """w [N, K] rounded to the nearest codes of `config`'s format (one linear's config)."""
+def round_to_nearest(w: torch.Tensor, config: WeightQuantConfig,
+                     clip: torch.Tensor | None = None) -> QuantizedLinear:
+    """w [N, K] rounded to the nearest codes of `config`'s format (one linear's config);
+    `clip` [N, G] shrinks each group's range (AWQ's clipping search)."""
     if config.format == "nf4":
-        return codebook_quantize(w, config.group_size, NF4_CODE, config.double_quant)
-    return group_quantize(w, config.bits, config.group_size, config.symmetric)
+        return codebook_quantize(w, config.group_size, NF4_CODE, config.double_quant, clip)
+    return group_quantize(w, config.bits, config.group_size, config.symmetric, clip)
 
 
 def target_linears(ir: ModelIR, config: WeightQuantConfig) -> list[str]:
