@@ -181,3 +181,22 @@ def _standard_weight(g: Any, name: str, q: QuantizedLinear) -> str:
     blocked = g.op("Reshape", [values, g.const([k // q.group_size, q.group_size, n])])
     scaled = g.op("Mul", [blocked, g.weight(f"{name}.scales", scales)])
     return g.op("Reshape", [scaled, g.const([k, n])], name=f"{name}.dequantized")
+
+
+def read_codebook_linear(initializers: dict[str, np.ndarray], name: str,
+                         attrs: dict[str, Any]) -> QuantizedLinear:
+    """codebook_matmul's inverse: a compiled graph's code-book linear `name` back."""
+    if f"{name}.absmax" in initializers:  # MatMulBnb4
+        n, k, block = attrs["N"], attrs["K"], attrs["block_size"]
+        code = NF4_CODE if attrs.get("quant_type", 1) == 1 else FP4_CODE
+        codes = unpack_bnb(torch.from_numpy(np.array(initializers[f"{name}.B"])), n * k)
+        scales = torch.from_numpy(np.array(initializers[f"{name}.absmax"], dtype=np.float32))
+        codes, scales = codes.reshape(n, k), scales.reshape(n, k // block)
+    else:  # standard: uint4 codes [K, N], the code book, scales [G, 1, N]
+        codes = torch.from_numpy(np.asarray(initializers[f"{name}.codes"]).astype(np.uint8).T)
+        code = torch.from_numpy(np.array(initializers[f"{name}.codebook"], dtype=np.float32))
+        grouped = np.array(initializers[f"{name}.scales"], dtype=np.float32)
+        scales = torch.from_numpy(np.ascontiguousarray(grouped[:, 0, :].T))
+        block = codes.shape[1] // scales.shape[1]
+    return QuantizedLinear(4, block, codes.contiguous(), scales.contiguous(),
+                           torch.zeros_like(scales), True, codebook=code.clone())

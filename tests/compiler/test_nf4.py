@@ -10,9 +10,10 @@ from onnx import numpy_helper
 from test_bnb_checkpoints import write_bnb
 from test_lower import compile_graph, open_session, prompt_ids, reference_logits
 
+from llmopt.compiler.artifact_reader import read_artifact
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.nf4 import NF4_CODE, codebook_quantize, pack_bnb, unpack_bnb
-from llmopt.compiler.pipeline import compile_recipe
+from llmopt.compiler.pipeline import compile_recipe, run_passes
 from llmopt.compiler.quant_format import pack_matmul_nbits
 from llmopt.compiler.recipe import Recipe, RecipeError, load_recipe
 from llmopt.passes import rtn
@@ -92,3 +93,20 @@ def test_an_nf4_source_stays_exact_in_the_artifact(tiny_checkpoints, tmp_path):
                                    str(tmp_path / "artifact"))
     assert np.array_equal(packed, pack_bnb(q.codes).numpy().reshape(-1))
     assert np.array_equal(absmax, q.scales.numpy().reshape(-1))
+
+
+@pytest.mark.parametrize("operator_set", ["onnxruntime", "standard"])
+def test_a_compiled_nf4_artifact_reads_back_exactly(tiny_checkpoints, tmp_path, operator_set):
+    """export-hf's reader: the graph's code-book weights back as the passes left them."""
+    recipe = Recipe(model=str(tiny_checkpoints["qwen2"]),
+                    passes=[{"rtn": {"format": "nf4", "group_size": 32, "include_lm_head": True}}],
+                    target={"operator_set": operator_set}, quality={"measure": False},
+                    runtime={"block_size": 4, "max_context": 64, "max_num_seqs": 2})
+    compile_recipe(recipe, tmp_path / "artifact", log=lambda _: None)
+    ir, _ = run_passes(load_checkpoint(recipe.model), recipe, log=lambda _: None)
+    back = read_artifact(tmp_path / "artifact")
+    assert back.quantized.keys() == ir.quantized.keys()
+    for name, q in ir.quantized.items():
+        r = back.quantized[name]
+        assert r.group_size == q.group_size and torch.equal(r.codebook, q.codebook), name
+        assert torch.equal(r.codes, q.codes) and torch.equal(r.scales, q.scales), name
