@@ -85,10 +85,10 @@ def check_bnb_config(config: dict[str, Any]) -> None:
     """Refuse, in one line, every bitsandbytes variant this reader does not take."""
     quant_type = config.get("bnb_4bit_quant_type", "fp4")
     storage = str(config.get("bnb_4bit_quant_storage", "uint8")).removeprefix("torch.")
-    if config.get("load_in_8bit") or not config.get("load_in_4bit", True):
+    if config.get("load_in_8bit") or not config.get("load_in_4bit"):
+        what = "8-bit (LLM.int8) weights" if config.get("load_in_8bit") else "no load_in_4bit"
         raise UnsupportedModelError(
-            "unsupported bitsandbytes checkpoint: 8-bit (LLM.int8) weights (supported: "
-            "4-bit nf4 or fp4)")
+            f"unsupported bitsandbytes checkpoint: {what} (supported: 4-bit nf4 or fp4)")
     if quant_type not in ("nf4", "fp4") or storage != "uint8":
         raise UnsupportedModelError(
             f"unsupported bitsandbytes checkpoint: bnb_4bit_quant_type {quant_type!r}, "

@@ -185,14 +185,10 @@ def gptq_quantize(
                     # Dynamic groups: parameters of the error-updated weights of this group.
                     scales[:, g:g + 1], zeros[:, g:g + 1] = quant_params(
                         block[:, i:i + group_size], bits, group_size, symmetric)
-                s, z, col = scales[:, g], zeros[:, g], block[:, i]
-                if codebook is None:
-                    q = (col / s + z).round_().clamp_(0, levels)  # quantize_with's math
-                    err = (col - (q - z) * s).div_(d)
-                else:
-                    q = nearest_codes((col / s).clamp_(-1, 1), codebook.codebook)
-                    err = (col - codebook.codebook[q.long()] * s).div_(d)
-                codes[:, j] = q
+                col = block[:, i]
+                codes[:, j], rounded = _round_column(col, scales[:, g], zeros[:, g], levels,
+                                                     codebook)
+                err = (col - rounded).div_(d)
                 block[:, i:].addr_(err, u_block[i, i:], alpha=-1)  # feed the error forward
                 block_err[:, i] = err
             loss += float(block_err.double().pow(2).sum())
@@ -202,6 +198,17 @@ def gptq_quantize(
         return QuantizedLinear(4, group_size, codes, scales, zeros, True,
                                codebook=codebook.codebook), loss
     return QuantizedLinear(bits, group_size, codes, scales, zeros, symmetric), loss
+
+
+def _round_column(col: torch.Tensor, s: torch.Tensor, z: torch.Tensor, levels: int,
+                  codebook: QuantizedLinear | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A column's codes and the values they stand for: integer (quantize_with's math) or
+    the nearest code-book entry under the block's absmax."""
+    if codebook is None:
+        q = (col / s + z).round_().clamp_(0, levels)
+        return q, (q - z) * s
+    q = nearest_codes((col / s).clamp(-1, 1), codebook.codebook)
+    return q, codebook.codebook[q.long()] * s
 
 
 def _inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
