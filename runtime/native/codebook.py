@@ -1,4 +1,4 @@
-"""Code-book 4-bit projections (NF4, FP4: MatMulBnb4's inputs) in the native step's layout.
+"""Code-book 4-bit projections (NF4, FP4: MatMulBnb4's inputs) in the native step's terms.
 
 The kernels read them as 4-bit codes with zero points of 128 and a 16-byte table that
 turns each code into an unsigned 8-bit value (runtime/native/nf4.c): the code book is
@@ -8,11 +8,8 @@ float code book (besides int8 activations, as for integer codes).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
-from llmopt.runtime.native.library import QMatrix
 from llmopt.runtime.native.plan import QuantizedMatrix
 from llmopt.runtime.paging import cdiv
 
@@ -25,20 +22,15 @@ def lookup_table(codebook: tuple[float, ...]) -> np.ndarray:
     return (np.rint(values * 127) + 128).astype(np.uint8)
 
 
-def codebook_matrix(spec: QuantizedMatrix, packed: np.ndarray, absmax: np.ndarray,
-                    place: Callable[[np.ndarray], np.ndarray]
-                    ) -> tuple[list[np.ndarray], QMatrix]:
-    """A QMatrix over bitsandbytes-packed codes [N*K/2] and absmax [N*K/block]."""
-    from llmopt.runtime.native.weights import quantized_matrix
-
+def codebook_arrays(spec: QuantizedMatrix, packed: np.ndarray, absmax: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """bitsandbytes-packed codes [N*K/2] and absmax [N*K/block] as MatMulNBits-packed codes
+    [N, K/2] (low nibble first), scales absmax / 127 [N, B], zero points of 128 in the
+    kernels' [groups, B, 16] layout, and the lookup table."""
     n, k, block = spec.n, spec.k, spec.block
     flat = packed.reshape(-1)
     codes = np.stack([flat >> 4, flat & 15], axis=-1).reshape(n, k)
-    nbits = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)  # MatMulNBits' order
+    nbits = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
     scales = absmax.reshape(n, k // block).astype(np.float32) / np.float32(127)
-    arrays, matrix = quantized_matrix(nbits, scales, None, n, k, 4, None, block, place)
-    groups, blocks = cdiv(n, 16), cdiv(k, block)
-    zeros = place(np.full((groups, blocks, 16), 128, np.uint8))
-    table = place(lookup_table(spec.codebook))
-    matrix.zeros, matrix.lut = zeros.ctypes.data, table.ctypes.data
-    return [*arrays, zeros, table], matrix
+    zeros = np.full((cdiv(n, 16), cdiv(k, block), 16), 128, np.uint8)
+    return nbits, scales, zeros, lookup_table(spec.codebook)

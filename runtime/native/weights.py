@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from llmopt.runtime.native.arena import HugePageArena
-from llmopt.runtime.native.codebook import codebook_matrix
+from llmopt.runtime.native.codebook import codebook_arrays
 from llmopt.runtime.native.library import (
     KVLayout,
     Model,
@@ -198,6 +198,19 @@ def quantized_matrix(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | 
         arrays["offsets"] = place(per_block(offsets.reshape(-1, n).T, np.float32))
     return list(arrays.values()), QMatrix(n=n, k=k, bits=bits, block=block,
                                           **{key: a.ctypes.data for key, a in arrays.items()})
+
+
+def codebook_matrix(spec: QuantizedMatrix, packed: np.ndarray, absmax: np.ndarray,
+                    place: Callable[[np.ndarray], np.ndarray] = np.ascontiguousarray
+                    ) -> tuple[list[np.ndarray], QMatrix]:
+    """A QMatrix over MatMulBnb4's inputs: 4-bit codes, a lookup table, zero points of 128
+    (runtime/native/codebook.py), with the arrays it points at."""
+    codes, scales, zeros, table = codebook_arrays(spec, packed, absmax)
+    arrays, matrix = quantized_matrix(codes, scales, None, spec.n, spec.k, 4, None, spec.block,
+                                      place)
+    zeros, table = place(zeros), place(table)
+    matrix.zeros, matrix.lut = zeros.ctypes.data, table.ctypes.data
+    return [*arrays, zeros, table], matrix
 
 
 def _zero_points(zeros: np.ndarray, n: int, bits: int, blocks: int) -> np.ndarray:
