@@ -109,7 +109,7 @@ def main() -> None:
     artifacts = {name: compile_config(name, args.out_dir) for name in names}
     ppl = {name: perplexity(path) for name, path in artifacts.items()}
     native = {name: path for name, path in artifacts.items() if runs_natively(path)}
-    speeds = decode_speeds(native, args.rounds) if native else {}
+    speeds = decode_speeds(native, args.rounds) if native and args.rounds > 0 else {}
     medians = {name: statistics.median(v) for name, v in speeds.items()}
     base = next(iter(medians.values()), None)
     rows = [{"config": name, "rtn": CONFIGS[name], "ppl": ppl[name]["ppl"],
