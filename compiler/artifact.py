@@ -132,7 +132,7 @@ def save_graph(lowered: LoweredGraph, path: Path) -> dict[str, Any]:
             "operator_set": options.operator_set, "nodes": len(model.graph.node),
             "nodes_per_layer": lowered.nodes_per_layer,
             "nbits_accuracy_level": options.nbits_accuracy_level,
-            "native": native_plan(model).to_manifest()}
+            "native": native_plan(model, options.nbits_accuracy_level).to_manifest()}
 
 
 def _opset(model: onnx.ModelProto) -> int:

@@ -41,6 +41,7 @@ from llmopt.compiler.kv_layout import (
 )
 from llmopt.compiler.lower_ops import OPERATOR_SETS, StandardOps
 from llmopt.compiler.masks import StepBlocks, additive_mask, sink_mask
+from llmopt.compiler.nf4 import codebook_matmul
 from llmopt.compiler.onnx_graph import MS_DOMAIN, NP_TO_ONNX, GraphBuilder
 from llmopt.compiler.quant_format import (
     QuantizedLinear,
@@ -237,6 +238,8 @@ class _DecoderLowering:
 
     def _quantized_matmul(self, x: str, name: str, q: QuantizedLinear) -> str:
         """x @ wᵀ for integer weights, in the form the target's operators take."""
+        if q.codebook is not None:  # NF4 / FP4
+            return codebook_matmul(self.g, self.ops.operator_set, x, name, q)
         if not q.integer_zeros():  # fractional zero points: symmetric codes + group offsets
             symmetric, offset = split_fractional_zeros(q)
             g, k = self.g, q.shape[1]
@@ -281,6 +284,7 @@ class _DecoderLowering:
         float32 table in the artifact or in memory."""
         q = self.ir.quantized.get("lm_head")
         return (q is not None and self.arch.tie_word_embeddings and q.integer_zeros()
+                and q.codebook is None
                 and self.ops.operator_set == "onnxruntime"
                 and not q.shape[1] % q.group_size and not q.group_size & (q.group_size - 1))
 

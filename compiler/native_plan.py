@@ -29,6 +29,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from llmopt.compiler.nf4 import FP4_CODE, NF4_CODE
 from llmopt.runtime import contract as C
 from llmopt.runtime.native.plan import (
     EmbeddingRows,
@@ -47,23 +48,32 @@ _SLICE = 32  # the columns of the kernels' packed layout: every K is a multiple
 _VECTOR = 16  # float32 lanes of the kernels' vectors: every width is a multiple
 
 
+# MatMulBnb4's quant_type -> its code book (ONNX Runtime's built-in FP4 and NF4 tables).
+BNB4_CODEBOOKS = {0: tuple(FP4_CODE.tolist()), 1: tuple(NF4_CODE.tolist())}
+
+
 class Unsupported(Exception):
     pass
 
 
-def native_plan(model: onnx.ModelProto) -> NativePlan | UnsupportedPlan:
-    """The plan of a saved graph (its initializers already moved to external data)."""
+def native_plan(model: onnx.ModelProto, accuracy_level: int | None = None
+                ) -> NativePlan | UnsupportedPlan:
+    """The plan of a saved graph (its initializers already moved to external data);
+    `accuracy_level`: the recipe's, which MatMulBnb4 nodes (float activations in the graph)
+    do not record: at 4 the native step runs them on int8 activations too."""
     try:
-        return _Planner(model.graph).plan()
+        return _Planner(model.graph, accuracy_level).plan()
     except Unsupported as reason:
         return UnsupportedPlan(str(reason))
 
 
 class _Planner:
-    def __init__(self, graph: onnx.GraphProto):
+    def __init__(self, graph: onnx.GraphProto, accuracy_level: int | None = None):
         self.nodes = list(graph.node)
         self.tensors = {t.name: t for t in graph.initializer}
-        self.by_weight = {n.input[1]: n for n in self.nodes if n.op_type == "MatMulNBits"}
+        self.by_weight = {n.input[1]: n for n in self.nodes
+                          if n.op_type in ("MatMulNBits", "MatMulBnb4")}
+        self.accuracy_level = accuracy_level
         self.producer = {out: n for n in self.nodes for out in n.output}
         self.consumers: dict[str, list[onnx.NodeProto]] = {}
         for n in self.nodes:
@@ -78,7 +88,7 @@ class _Planner:
         if not attention:
             raise Unsupported("not a lanes graph (no GroupQueryAttention)")
         layers = len(attention)
-        if any(_attrs(n).get("accuracy_level", 0) != 4 for n in self.by_weight.values()):
+        if any(self._accuracy_level(n) != 4 for n in self.by_weight.values()):
             raise Unsupported("float activations (nbits_accuracy_level 0): the native step "
                               "multiplies int8 activations")
         kv = [self._lane_kv(n) for n in attention]
@@ -129,6 +139,7 @@ class _Planner:
             expected.update({"Add": 2, "Sub": 1, "Cast": 1, "Unsqueeze": 1, "Gather": 1,
                              "Shape": 1, "Range": 1, "Min": 1})
         counts = Counter(n.op_type for n in self.nodes)
+        counts["MatMulNBits"] += counts.pop("MatMulBnb4", 0)  # either form of a projection
         if counts["MatMul"] > expected["MatMul"]:
             raise Unsupported("float projections (MatMul): the native step multiplies int4/int8 "
                               "codes")
@@ -329,7 +340,14 @@ class _Planner:
             raise Unsupported(f"no int-coded projection {weight.removesuffix('.B')}")
         return self.by_weight[weight]
 
+    def _accuracy_level(self, node: onnx.NodeProto) -> int | None:
+        if node.op_type == "MatMulBnb4":
+            return self.accuracy_level
+        return _attrs(node).get("accuracy_level", 0)
+
     def _matmul(self, node: onnx.NodeProto) -> QuantizedMatrix:
+        if node.op_type == "MatMulBnb4":
+            return self._codebook_matmul(node)
         attrs = _attrs(node)
         if attrs["block_size"] not in _BLOCKS or attrs["bits"] not in (4, 8):
             raise Unsupported(f"{node.input[1]}: {attrs['bits']}-bit codes in blocks of "
@@ -348,6 +366,20 @@ class _Planner:
                                attrs["block_size"], attrs["N"], attrs["K"],
                                self._tensor(offsets) if offsets else None,
                                self._tensor(bias) if bias else None)
+
+    def _codebook_matmul(self, node: onnx.NodeProto) -> QuantizedMatrix:
+        """MatMulBnb4 (NF4 or FP4 code book, runtime/native/codebook.py)."""
+        attrs = _attrs(node)
+        if attrs["block_size"] not in _BLOCKS or attrs["K"] % attrs["block_size"]:
+            raise Unsupported(f"{node.input[1]}: code-book blocks of {attrs['block_size']} "
+                              f"(the native step takes 32, 64, 128 dividing K)")
+        if attrs["K"] % _SLICE:
+            raise Unsupported(f"{node.input[1]}: K {attrs['K']} is not a multiple of {_SLICE}")
+        bias = self.biases.get(node.input[1])
+        return QuantizedMatrix(self._tensor(node.input[1]), self._tensor(node.input[2]), None, 4,
+                               attrs["block_size"], attrs["N"], attrs["K"], None,
+                               self._tensor(bias) if bias else None,
+                               BNB4_CODEBOOKS[attrs.get("quant_type", 1)])
 
     def _bias(self, node: onnx.NodeProto) -> str | None:
         """The float32 [N] initializer lower.py's `_linear` adds to the projection's output

@@ -12,6 +12,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.nf4 import NF4_CODE, codebook_quantize
+from llmopt.compiler.quant_format import QuantizedLinear, group_quantize
 
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -28,6 +30,10 @@ class WeightQuantConfig(BaseModel):
     # decoder linears keeps most of the head's quality; a 4-bit one reads half the bytes.
     lm_head_bits: Literal[4, 8] | None = None
     skip: list[str] = Field(default_factory=list)  # glob patterns of linear names
+    # "int": integer codes with scales and zero points; "nf4": bitsandbytes' NormalFloat
+    # code book with one absmax per group (compiler/nf4.py), 4 bits only.
+    format: Literal["int", "nf4"] = "int"
+    double_quant: bool = False  # nf4: absmax values rounded to 8 bits in blocks of 256
 
     @model_validator(mode="after")
     def _patterns_are_strings(self) -> WeightQuantConfig:
@@ -35,6 +41,10 @@ class WeightQuantConfig(BaseModel):
             raise ValueError("skip patterns must be non-empty")
         if self.lm_head_bits is not None and not self.include_lm_head:
             raise ValueError("lm_head_bits needs include_lm_head: true")
+        if self.format == "nf4" and 8 in (self.bits, self.lm_head_bits):
+            raise ValueError("format nf4 is a 4-bit code book: bits and lm_head_bits must be 4")
+        if self.double_quant and self.format != "nf4":
+            raise ValueError("double_quant needs format: nf4")
         return self
 
     def for_linear(self, name: str) -> WeightQuantConfig:
@@ -42,6 +52,15 @@ class WeightQuantConfig(BaseModel):
         if name == "lm_head" and self.lm_head_bits not in (None, self.bits):
             return self.model_copy(update={"bits": self.lm_head_bits})
         return self
+
+
+def round_to_nearest(w: torch.Tensor, config: WeightQuantConfig,
+                     clip: torch.Tensor | None = None) -> QuantizedLinear:
+    """w [N, K] rounded to the nearest codes of `config`'s format (one linear's config);
+    `clip` [N, G] shrinks each group's range (AWQ's clipping search)."""
+    if config.format == "nf4":
+        return codebook_quantize(w, config.group_size, NF4_CODE, config.double_quant, clip)
+    return group_quantize(w, config.bits, config.group_size, config.symmetric, clip)
 
 
 def target_linears(ir: ModelIR, config: WeightQuantConfig) -> list[str]:

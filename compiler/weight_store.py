@@ -200,12 +200,16 @@ def _spill(q: QuantizedLinear, directory: Path) -> _Spilled:
     with _spill_lock:
         _spill_counter[0] += 1
         path = directory / f"quantized-{_spill_counter[0]}.npz"
-    np.savez(path, codes=q.codes.numpy(), scales=q.scales.numpy(), zeros=q.zeros.numpy())
+    arrays = {"codes": q.codes.numpy(), "scales": q.scales.numpy(), "zeros": q.zeros.numpy()}
+    if q.codebook is not None:
+        arrays["codebook"] = q.codebook.numpy()
+    np.savez(path, **arrays)
     return _Spilled(path, q.bits, q.group_size, q.symmetric, tuple(q.codes.shape))
 
 
 def _read_spilled(entry: _Spilled) -> QuantizedLinear:
     with np.load(entry.path) as arrays:
+        codebook = torch.from_numpy(arrays["codebook"]) if "codebook" in arrays else None
         return QuantizedLinear(entry.bits, entry.group_size, torch.from_numpy(arrays["codes"]),
                                torch.from_numpy(arrays["scales"]),
-                               torch.from_numpy(arrays["zeros"]), entry.symmetric)
+                               torch.from_numpy(arrays["zeros"]), entry.symmetric, codebook)

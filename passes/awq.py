@@ -32,12 +32,13 @@ from pydantic import Field
 from llmopt.compiler.calibration import LayerwiseRunner, calibration_windows
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.pass_manager import PassContext, PassResult
-from llmopt.compiler.quant_format import group_quantize, group_view, quant_params
+from llmopt.compiler.quant_format import group_view, quant_params
 from llmopt.compiler.reference import rms_norm
 from llmopt.compiler.weight_quant import (
     WeightQuantConfig,
     intra_op_threads,
     quantization_report,
+    round_to_nearest,
     target_linears,
 )
 from llmopt.passes.rtn import relative_error
@@ -227,7 +228,7 @@ def quantize_linear(ir: ModelIR, name: str, gram: torch.Tensor,
     w = ir.weights[key]
     with intra_op_threads(1):  # a grid of small fake-quantizations, as search_scale
         clip = search_clip(w, gram, config) if config.clip else None
-    q = group_quantize(w, config.bits, config.group_size, config.symmetric, clip)
+    q = round_to_nearest(w, config, clip)
     ir.set_quantized(name, q)
     return relative_error(w, q.dequantize()), 1.0 if clip is None else float(clip.mean())
 
@@ -261,6 +262,8 @@ def search_clip(w: torch.Tensor, gram: torch.Tensor, config: Config,
 def fake_quant(w: torch.Tensor, config: Config, clip: torch.Tensor | None = None) -> torch.Tensor:
     """`group_quantize(w, ...).dequantize()`, computed in the group view: the same numbers
     without materializing codes or expanding scales (the searches call this 800 times a layer)."""
+    if config.format == "nf4":
+        return round_to_nearest(w, config, clip).dequantize()
     scales, zeros = quant_params(w, config.bits, config.group_size, config.symmetric, clip)
     scales, zeros = scales[..., None], zeros[..., None]
     codes = (group_view(w, config.group_size) / scales + zeros).round()

@@ -27,6 +27,7 @@ from pydantic import Field
 
 from llmopt.compiler.calibration import LayerwiseRunner, calibration_windows, observing
 from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.nf4 import nearest_codes
 from llmopt.compiler.pass_manager import PassContext, PassResult
 from llmopt.compiler.quant_format import QuantizedLinear, quant_params
 from llmopt.compiler.reference import rms_norm
@@ -35,6 +36,7 @@ from llmopt.compiler.weight_quant import (
     float_weight,
     intra_op_threads,
     quantization_report,
+    round_to_nearest,
     target_linears,
 )
 from llmopt.passes.rtn import relative_error
@@ -132,8 +134,9 @@ class _InputSeen(Exception):
 def _quantize_linear(ir: ModelIR, out: ModelIR, name: str, hessian: torch.Tensor,
                      config: Config, errors: dict, losses: dict) -> None:
     w, config = float_weight(ir, name).float(), config.for_linear(name)
+    static = round_to_nearest(w, config) if config.format == "nf4" else None
     q, loss = gptq_quantize(w, hessian, config.bits, config.group_size, config.symmetric,
-                            config.act_order, config.damp, config.block_size)
+                            config.act_order, config.damp, config.block_size, static)
     out.set_quantized(name, q)
     errors[name] = relative_error(w, q.dequantize())
     losses[name] = loss
@@ -143,9 +146,12 @@ def _quantize_linear(ir: ModelIR, out: ModelIR, name: str, hessian: torch.Tensor
 def gptq_quantize(
     w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int, symmetric: bool,
     act_order: bool = True, damp: float = 0.01, block_size: int = 128,
+    codebook: QuantizedLinear | None = None,
 ) -> tuple[QuantizedLinear, float]:
     """GPTQ of a float weight [N, K] under H [K, K]; returns the codes and the GPTQ
-    objective Σ err² / [H⁻¹]_jj summed over columns (err: each column's rounding error)."""
+    objective Σ err² / [H⁻¹]_jj summed over columns (err: each column's rounding error).
+    `codebook`: w's code-book (NF4) rounding, whose block absmax stay as static scales
+    while each column takes its nearest code."""
     w = w.float().clone()
     n, k = w.shape
     diagonal = hessian.diagonal().double().clone()
@@ -154,7 +160,10 @@ def gptq_quantize(
     w[:, dead] = 0
     levels = 2**bits - 1
     groups = -(-k // group_size)
-    if act_order:
+    if codebook is not None:  # static block absmax (double-quantized where asked)
+        scales, zeros = codebook.scales.clone(), codebook.zeros.clone()
+        perm = torch.argsort(diagonal, descending=True) if act_order else torch.arange(k)
+    elif act_order:
         # Static groups: every group's scale and zero from the unpermuted float weight.
         scales, zeros = quant_params(w, bits, group_size, symmetric)
         perm = torch.argsort(diagonal, descending=True)
@@ -183,20 +192,34 @@ def gptq_quantize(
             block_err = torch.empty_like(block)
             for i, d in enumerate(u_block.diagonal().tolist()):
                 j, g = b1 + i, group_of[b1 + i]
-                if not act_order and j % group_size == 0:
+                if codebook is None and not act_order and j % group_size == 0:
                     # Dynamic groups: parameters of the error-updated weights of this group.
                     scales[:, g:g + 1], zeros[:, g:g + 1] = quant_params(
                         block[:, i:i + group_size], bits, group_size, symmetric)
-                s, z, col = scales[:, g], zeros[:, g], block[:, i]
-                q = (col / s + z).round_().clamp_(0, levels)  # quant_format.quantize_with's math
-                codes[:, j] = q
-                err = (col - (q - z) * s).div_(d)
+                col = block[:, i]
+                codes[:, j], rounded = _round_column(col, scales[:, g], zeros[:, g], levels,
+                                                     codebook)
+                err = (col - rounded).div_(d)
                 block[:, i:].addr_(err, u_block[i, i:], alpha=-1)  # feed the error forward
                 block_err[:, i] = err
             loss += float(block_err.double().pow(2).sum())
             w[:, b2:].addmm_(block_err, u[b1:b2, b2:], alpha=-1)  # lazy update after the block
     codes = codes[:, torch.argsort(perm)].to(torch.uint8)
+    if codebook is not None:
+        return QuantizedLinear(4, group_size, codes, scales, zeros, True,
+                               codebook=codebook.codebook), loss
     return QuantizedLinear(bits, group_size, codes, scales, zeros, symmetric), loss
+
+
+def _round_column(col: torch.Tensor, s: torch.Tensor, z: torch.Tensor, levels: int,
+                  codebook: QuantizedLinear | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A column's codes and the values they stand for: integer (quantize_with's math) or
+    the nearest code-book entry under the block's absmax."""
+    if codebook is None:
+        q = (col / s + z).round_().clamp_(0, levels)
+        return q, (q - z) * s
+    q = nearest_codes((col / s).clamp(-1, 1), codebook.codebook)
+    return q, codebook.codebook[q.long()] * s
 
 
 def _inverse_hessian_factor(build: Callable[[], torch.Tensor], damp: float) -> torch.Tensor:

@@ -274,6 +274,6 @@ static int gemm_groups_amx(const QMatrix *w, const QActivations *a, int t_rows, 
    codes with zero points, whose code - zero does not fit a signed byte, nor wide blocks
    with a last one of 32 columns (a tile multiply takes 64). */
 static inline int amx_takes(const Knobs *knobs, const QMatrix *w, int t_rows) {
-    return knobs->amx && t_rows >= knobs->amx_min_rows && !(w->bits == 8 && w->zeros)
+    return knobs->amx && t_rows >= knobs->amx_min_rows && !(w->bits == 8 && w->zeros) && !w->lut
         && (w->block == 32 || w->k % 64 == 0);
 }

@@ -141,10 +141,10 @@ typedef struct {
    dependent dots a slice, holds the weight stream below what two chains draw. */
 static inline __attribute__((always_inline)) void lone_row(
         const QMatrix *w, TileOperands o, const int bits, const int has_zeros, const int halves,
-        __mmask16 rows, float *out) {
+        const int lookup, __mmask16 rows, float *out) {
     const int slice_bytes = bits * 64, per_block = w->block / 32;
     const int blocks = block_count(w->k, w->block);
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), lut = lut_vector(w, lookup);
     __m512 acc = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b++) {
         const int64_t bt = (int64_t)b * TOKEN_TILE;
@@ -165,8 +165,9 @@ static inline __attribute__((always_inline)) void lone_row(
                     second_codes = _mm512_loadu_si512(at + 128 * j + 64);
                 } else {
                     const __m512i packed = _mm512_loadu_si512(at + 64 * j);
-                    first_codes = _mm512_and_si512(packed, low4);
-                    second_codes = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+                    first_codes = looked_up(_mm512_and_si512(packed, low4), lut, lookup);
+                    second_codes = looked_up(
+                        _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4), lut, lookup);
                 }
                 even = dot_broadcast(even, first_codes, slice_act + 2 * j * TOKEN_TILE);
                 odd = dot_broadcast(odd, second_codes, slice_act + (2 * j + 1) * TOKEN_TILE);
@@ -190,7 +191,7 @@ static inline __attribute__((always_inline)) void lone_row(
    in each instance. */
 static inline __attribute__((always_inline)) void gemm_tile(
         const QMatrix *w, const QActivations *a, int t0, const int tile, const int bits,
-        const int has_zeros, const int halves, float *y, int64_t g) {
+        const int has_zeros, const int halves, const int lookup, float *y, int64_t g) {
     const int slices = w->k / 32, slice_bytes = bits * 64, per_block = w->block / 32;
     const int blocks = block_count(w->k, w->block);
     const uint8_t *group = w->codes + g * slices * slice_bytes;
@@ -205,7 +206,7 @@ static inline __attribute__((always_inline)) void gemm_tile(
     const uint16_t *half = halves ? w->half_scales + g * blocks * 16 : NULL;
     if (tile == 1) {
         lone_row(w, (TileOperands){group, zeros, scales, offsets, act_scales, inputs, act,
-                                   zero_term, half}, bits, has_zeros, halves, rows,
+                                   zero_term, half}, bits, has_zeros, halves, lookup, rows,
                  y + (int64_t)t0 * w->n + 16 * g);
         return;
     }
@@ -243,11 +244,12 @@ static inline __attribute__((always_inline)) void gemm_tile(
             if (bits == 8) {
                 for (int m = 0; m < 8; m++) codes[m] = _mm512_loadu_si512(at + 64 * m);
             } else {
-                const __m512i low4 = _mm512_set1_epi8(0x0F);
+                const __m512i low4 = _mm512_set1_epi8(0x0F), lut = lut_vector(w, lookup);
                 for (int j = 0; j < 4; j++) {
                     __m512i packed = _mm512_loadu_si512(at + 64 * j);
-                    codes[2 * j] = _mm512_and_si512(packed, low4);
-                    codes[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+                    codes[2 * j] = looked_up(_mm512_and_si512(packed, low4), lut, lookup);
+                    codes[2 * j + 1] = looked_up(
+                        _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4), lut, lookup);
                 }
             }
             const int32_t *slice_act = act + (int64_t)s * 8 * TOKEN_TILE;
@@ -268,16 +270,16 @@ static inline __attribute__((always_inline)) void gemm_tile(
         _mm512_mask_storeu_ps(y + (int64_t)(t0 + i) * w->n + 16 * g, rows, acc[i]);
 }
 
-#define TILE_CASES(bits, zeros) \
+#define TILE_CASES(bits, zeros, lookup) \
     switch (t1 - t0 < TOKEN_TILE ? t1 - t0 : TOKEN_TILE) { \
-    case 1: gemm_tile(w, a, t0, 1, bits, zeros, halves, y, g); break; \
-    case 2: gemm_tile(w, a, t0, 2, bits, zeros, halves, y, g); break; \
-    case 3: gemm_tile(w, a, t0, 3, bits, zeros, halves, y, g); break; \
-    case 4: gemm_tile(w, a, t0, 4, bits, zeros, halves, y, g); break; \
-    case 5: gemm_tile(w, a, t0, 5, bits, zeros, halves, y, g); break; \
-    case 6: gemm_tile(w, a, t0, 6, bits, zeros, halves, y, g); break; \
-    case 7: gemm_tile(w, a, t0, 7, bits, zeros, halves, y, g); break; \
-    default: gemm_tile(w, a, t0, 8, bits, zeros, 0, y, g); break; \
+    case 1: gemm_tile(w, a, t0, 1, bits, zeros, halves, lookup, y, g); break; \
+    case 2: gemm_tile(w, a, t0, 2, bits, zeros, halves, lookup, y, g); break; \
+    case 3: gemm_tile(w, a, t0, 3, bits, zeros, halves, lookup, y, g); break; \
+    case 4: gemm_tile(w, a, t0, 4, bits, zeros, halves, lookup, y, g); break; \
+    case 5: gemm_tile(w, a, t0, 5, bits, zeros, halves, lookup, y, g); break; \
+    case 6: gemm_tile(w, a, t0, 6, bits, zeros, halves, lookup, y, g); break; \
+    case 7: gemm_tile(w, a, t0, 7, bits, zeros, halves, lookup, y, g); break; \
+    default: gemm_tile(w, a, t0, 8, bits, zeros, 0, lookup, y, g); break; \
     }
 
 /* y[t][16g .. 16g+15] for row groups lo..hi-1 and every activation row t, ROW_CHUNK rows
@@ -290,10 +292,11 @@ static inline __attribute__((always_inline)) void gemm_groups_as(
         const int t1 = t_rows - c0 < ROW_CHUNK ? t_rows : c0 + ROW_CHUNK;
         for (int64_t g = lo; g < hi; g++)
             for (int t0 = c0; t0 < t1; t0 += TOKEN_TILE) {
-                if (w->bits == 4 && !w->zeros) TILE_CASES(4, 0)
-                else if (w->bits == 4) TILE_CASES(4, 1)
-                else if (!w->zeros) TILE_CASES(8, 0)
-                else TILE_CASES(8, 1)
+                if (w->lut) TILE_CASES(4, 1, 1)
+                else if (w->bits == 4 && !w->zeros) TILE_CASES(4, 0, 0)
+                else if (w->bits == 4) TILE_CASES(4, 1, 0)
+                else if (!w->zeros) TILE_CASES(8, 0, 0)
+                else TILE_CASES(8, 1, 0)
             }
     }
 }

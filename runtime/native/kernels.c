@@ -64,6 +64,7 @@ compiler sees every function at once and inlines across topics as it would in on
 #include <immintrin.h>
 
 #include "quantize.c"         /* int8 activations in the weights' blocks */
+#include "nf4.c"              /* code-book 4-bit weights (NF4, FP4): a 16-byte lookup */
 #include "gemm_vnni.c"        /* projections with VNNI dots (and the assembly tile) */
 #include "amx.c"              /* projections on AMX int8 tiles */
 #include "gemm.c"             /* a projection split between threads, either path */

@@ -13,7 +13,7 @@ typedef struct {
 static const FieldLayout layouts[] = {
     STRUCT(QMatrix), FIELD(QMatrix, codes), FIELD(QMatrix, scales), FIELD(QMatrix, zeros),
     FIELD(QMatrix, offsets), FIELD(QMatrix, n), FIELD(QMatrix, k), FIELD(QMatrix, bits),
-    FIELD(QMatrix, block), FIELD(QMatrix, half_scales), FIELD(QMatrix, bias),
+    FIELD(QMatrix, block), FIELD(QMatrix, half_scales), FIELD(QMatrix, bias), FIELD(QMatrix, lut),
     STRUCT(QRows), FIELD(QRows, codes), FIELD(QRows, scales), FIELD(QRows, zeros),
     FIELD(QRows, offsets), FIELD(QRows, n), FIELD(QRows, k), FIELD(QRows, bits),
     FIELD(QRows, block),

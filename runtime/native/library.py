@@ -20,7 +20,7 @@ class QMatrix(ctypes.Structure):
 
     _fields_ = [("codes", c_ptr), ("scales", c_ptr), ("zeros", c_ptr), ("offsets", c_ptr),
                 ("n", c_i32), ("k", c_i32), ("bits", c_i32), ("block", c_i32),
-                ("half_scales", c_ptr), ("bias", c_ptr)]
+                ("half_scales", c_ptr), ("bias", c_ptr), ("lut", c_ptr)]
 
 
 class QRows(ctypes.Structure):

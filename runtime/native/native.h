@@ -15,6 +15,8 @@ typedef struct {  /* a projection, sixteen rows interleaved (see above); B: bloc
     const uint16_t *half_scales;  /* the scales as float16 where every one is exactly one
                                      (GGUF's are), else NULL: a lone row streams these */
     const float *bias;      /* [N] added to every output row (Qwen2's q/k/v), or NULL */
+    const uint8_t *lut;     /* [16] a code book's 4-bit code -> unsigned 8-bit value (zero
+                               points 128), or NULL: codes are values (see nf4.c) */
 } QMatrix;
 
 typedef struct {  /* embedding rows: MatMulNBits' layout, row after row */

@@ -62,19 +62,26 @@ class QuantizedMatrix:
     k: int
     offsets: Tensor | None = None
     bias: Tensor | None = None
+    # MatMulBnb4's 16 values (NF4, FP4): codes are bitsandbytes-packed [N*K/2] (high
+    # nibble first) and scales the block absmax [N*K/block] (runtime/native/codebook.py).
+    codebook: tuple[float, ...] | None = None
 
     @classmethod
     def from_manifest(cls, record: Json) -> QuantizedMatrix:
+        codebook = record.get("codebook")
         return cls(Tensor.from_manifest(record["codes"]), Tensor.from_manifest(record["scales"]),
                    _tensor(record["zeros"]), record["bits"], record.get("block", 32),
                    record["n"], record["k"], _tensor(record.get("offsets")),
-                   _tensor(record.get("bias")))
+                   _tensor(record.get("bias")), None if codebook is None else tuple(codebook))
 
     def to_manifest(self) -> Json:
-        return {"codes": self.codes.to_manifest(), "scales": self.scales.to_manifest(),
-                "zeros": _record(self.zeros), "offsets": _record(self.offsets),
-                "bias": _record(self.bias), "bits": self.bits, "block": self.block,
-                "n": self.n, "k": self.k}
+        record = {"codes": self.codes.to_manifest(), "scales": self.scales.to_manifest(),
+                  "zeros": _record(self.zeros), "offsets": _record(self.offsets),
+                  "bias": _record(self.bias), "bits": self.bits, "block": self.block,
+                  "n": self.n, "k": self.k}
+        if self.codebook is not None:  # absent otherwise: older manifests stay byte-identical
+            record["codebook"] = list(self.codebook)
+        return record
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from llmopt.runtime.native.arena import HugePageArena
+from llmopt.runtime.native.codebook import codebook_arrays
 from llmopt.runtime.native.library import (
     KVLayout,
     Model,
@@ -130,6 +131,13 @@ class NativeWeights:
         return self._keep_ptr(self._array(tensor))
 
     def _matrix(self, spec: QuantizedMatrix) -> QMatrix:
+        if spec.codebook is not None:  # NF4 / FP4
+            arrays, matrix = codebook_matrix(spec, self._array(spec.codes),
+                                             self._array(spec.scales), self._arena.place)
+            self._keep += arrays
+            if spec.bias is not None:
+                matrix.bias = self._pointer(spec.bias)
+            return matrix
         offsets = None if spec.offsets is None else self._array(spec.offsets)
         arrays, matrix = quantized_matrix(*self._quantized(spec), spec.n, spec.k, spec.bits,
                                           offsets, spec.block, place=self._arena.place)
@@ -196,6 +204,19 @@ def quantized_matrix(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | 
         arrays["offsets"] = place(per_block(offsets.reshape(-1, n).T, np.float32))
     return list(arrays.values()), QMatrix(n=n, k=k, bits=bits, block=block,
                                           **{key: a.ctypes.data for key, a in arrays.items()})
+
+
+def codebook_matrix(spec: QuantizedMatrix, packed: np.ndarray, absmax: np.ndarray,
+                    place: Callable[[np.ndarray], np.ndarray] = np.ascontiguousarray
+                    ) -> tuple[list[np.ndarray], QMatrix]:
+    """A QMatrix over MatMulBnb4's inputs: 4-bit codes, a lookup table, zero points of 128
+    (runtime/native/codebook.py), with the arrays it points at."""
+    codes, scales, zeros, table = codebook_arrays(spec, packed, absmax)
+    arrays, matrix = quantized_matrix(codes, scales, None, spec.n, spec.k, 4, None, spec.block,
+                                      place)
+    zeros, table = place(zeros), place(table)
+    matrix.zeros, matrix.lut = zeros.ctypes.data, table.ctypes.data
+    return [*arrays, zeros, table], matrix
 
 
 def _zero_points(zeros: np.ndarray, n: int, bits: int, blocks: int) -> np.ndarray:

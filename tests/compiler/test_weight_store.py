@@ -52,6 +52,16 @@ def test_quantized_linears_spill_to_disk_and_read_back_equal(tmp_path):
     back = store["layers.0.q_proj"]
     assert torch.equal(back.codes, q.codes) and torch.equal(back.scales, q.scales)
     assert torch.equal(back.zeros, q.zeros) and (back.bits, back.group_size) == (4, 32)
+    assert back.codebook is None
+
+
+def test_a_code_book_linear_spills_with_its_code_book(tmp_path):
+    from llmopt.compiler.nf4 import NF4_CODE, codebook_quantize
+
+    q = codebook_quantize(torch.randn(32, 128), 64, NF4_CODE, False, None)
+    store = QuantizedStore(spill_dir=tmp_path)
+    store["lm_head"] = q
+    assert torch.equal(store["lm_head"].dequantize(), q.dequantize())
 
 
 def test_a_quantized_weight_is_dequantized_when_read_never_stored_as_float(tiny_checkpoints):
