@@ -86,10 +86,10 @@ def quantization_report(before: ModelIR, after: ModelIR, errors: dict[str, float
                         seconds: float, context: Any, lossless: bool = False) -> dict[str, Any]:
     """Per-linear weight error, cost, bytes, and quality against the input IR (not for a
     `lossless` pass, whose weights were checked equal to its input's)."""
-    quantized = [after.quantized[n] for n in errors]
-    float_bytes = sum(4 * q.shape[0] * q.shape[1] for q in quantized)
-    packed_bytes = sum(q.shape[0] * q.shape[1] * q.bits // 8 + 8 * q.scales.numel()
-                       for q in quantized)
+    layouts = [after.quantized.layout(n) for n in errors]  # headers only: codes stay on disk
+    float_bytes = sum(4 * n * k for _, _, (n, k) in layouts)
+    packed_bytes = sum(n * k * bits // 8 + 8 * n * -(-k // group)
+                       for bits, group, (n, k) in layouts)
     report = {
         "linears": len(errors),
         "mean_relative_error": round(sum(errors.values()) / max(1, len(errors)), 5),

@@ -183,8 +183,12 @@ class QuantizedStore(MutableMapping[str, QuantizedLinear]):
         return len(self.entries)
 
     def shape(self, name: str) -> tuple[int, int]:
-        value = self.entries[name]
-        return value.shape if isinstance(value, _Spilled) else value.shape
+        return self.entries[name].shape
+
+    def layout(self, name: str) -> tuple[int, int, tuple[int, int]]:
+        """(bits, group_size, shape) of a linear, without reading its codes."""
+        entry = self.entries[name]
+        return entry.bits, entry.group_size, tuple(entry.shape)
 
     def copy(self) -> QuantizedStore:
         return QuantizedStore(dict(self.entries), self.spill_dir)
