@@ -214,7 +214,7 @@ class _DecoderLowering:
     def _stored(self, name: str, array: np.ndarray) -> str:
         """Initializer in the storage dtype, cast to float32 for compute when narrower."""
         dtype = WEIGHT_DTYPES[self.options.weight_dtype]
-        stored = self.g.weight(name, array.astype(dtype))
+        stored = self.g.weight(name, array.astype(dtype, copy=False))
         if dtype == np.float32:
             return stored
         return self.g.op("Cast", [stored], name=name + ".f32", to=TensorProto.FLOAT)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
-from onnx.external_data_helper import set_external_data, uses_external_data
+from onnx.external_data_helper import uses_external_data
 
 MS_DOMAIN = "com.microsoft"
 # Initializers at least this large (as `sys.getsizeof` counts their bytes, which is what
@@ -72,20 +72,34 @@ class GraphBuilder:
         raise KeyError(f"no node produces {value!r}")
 
     def weight(self, name: str, array: np.ndarray) -> str:
-        if name not in self.initializers:
-            tensor = numpy_helper.from_array(np.ascontiguousarray(array), name)
-            if self.data_file is not None and (
-                    sys.getsizeof(tensor.raw_data) >= EXTERNAL_THRESHOLD):
-                self._append_external(tensor)
-            self.initializers[name] = tensor
+        if name in self.initializers:
+            return name
+        array = np.ascontiguousarray(array)
+        external = self.data_file is not None and (
+            array.nbytes + sys.getsizeof(b"") >= EXTERNAL_THRESHOLD)
+        if external and array.dtype in NP_TO_ONNX:  # written from the array: no bytes copy
+            tensor = onnx.TensorProto(name=name, dims=array.shape,
+                                      data_type=NP_TO_ONNX[array.dtype])
+            self._append_external(tensor, memoryview(array).cast("B"))
+        else:
+            tensor = numpy_helper.from_array(array, name)
+            if external:
+                self._append_external(tensor, tensor.raw_data)
+                tensor.ClearField("raw_data")
+        self.initializers[name] = tensor
         return name
 
-    def _append_external(self, tensor: onnx.TensorProto) -> None:
-        with self.data_file.open("ab") as data:
-            offset = data.tell()
-            data.write(tensor.raw_data)
-        set_external_data(tensor, self.data_file.name, offset, len(tensor.raw_data))
-        tensor.ClearField("raw_data")
+    def _append_external(self, tensor: onnx.TensorProto, data: bytes | memoryview) -> None:
+        with self.data_file.open("ab") as file:
+            offset = file.tell()
+            file.write(data)
+        # The entries onnx's `set_external_data` writes, in its order (it needs raw_data).
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        del tensor.external_data[:]
+        for key, value in (("location", self.data_file.name), ("offset", offset),
+                           ("length", len(data))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, str(value)
 
     def const(self, value: object, dtype: type = np.int64) -> str:
         array = np.asarray(value, dtype=dtype)
