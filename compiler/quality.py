@@ -20,6 +20,7 @@ probe costs two reads of the model plus the forward over its few windows.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -230,7 +231,11 @@ def sample_sequences(ir: ModelIR, sequences: int, tokens: int, seed: int,
     start = arch.bos_token_id if arch.bos_token_id is not None else (
         arch.eos_token_ids[0] if arch.eos_token_ids else 0)
     model, cache = ReferenceModel(ir, tokens), KVCache()
-    held = model.holding(list(ir.weights))  # every token reads every weight: read them once
+    # Every token reads every weight: a model already in memory is held as it is (its
+    # quantized linears dequantized once); a streamed one is read per step, one layer at
+    # a time (SAMPLING_MAX_PARAMETERS bounds that cost).
+    streamed = getattr(ir.weights, "source", None) is not None
+    held = contextlib.nullcontext() if streamed else model.holding(list(ir.weights))
     generator = torch.Generator().manual_seed(seed)
     columns = [torch.full((sequences, 1), start, dtype=torch.int64)]
     banned = [i for i in arch.eos_token_ids if i < arch.vocab_size]
