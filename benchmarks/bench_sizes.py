@@ -12,7 +12,8 @@ prefill (prompt 128, 64 new tokens, random ids). With `--llama-cpp`, the same we
 converted by llama.cpp's `convert_hf_to_gguf.py` (bf16) and quantized by its `llama-quantize`
 to Q4_0 run under `llama-bench` (prefill, b1 decode) and `llama-batched-bench` (b8), same
 threads. The batch-1 bound is the read bandwidth (the best of numpy and the native step's
-prefetching read loop, over 1 GiB) over each system's bytes read per token. Writes benchmarks/results/bench_sizes.json.
+prefetching read loop, over 1 GiB) over each system's bytes read per token. Writes
+benchmarks/results/bench_sizes.json.
 """
 
 from __future__ import annotations
