@@ -115,7 +115,7 @@ def llama_cpp(checkpoint: Path, out_dir: Path, shape: str, args: argparse.Namesp
         bf16.unlink()  # 2 bytes a parameter: the disk is better spent on the next shape
     threads = str(args.threads)
     bench = subprocess.run([str(build / "llama-bench"), "-m", str(q4), "-t", threads,
-                            "-p", str(PROMPT), "-n", str(GEN), "-o", "json"],
+                            "-p", str(PROMPT), "-n", str(GEN), "-r", "2", "-o", "json"],
                            check=True, capture_output=True, text=True)
     rows = json.loads(bench.stdout)
     speeds = {("prefill" if r["n_prompt"] else "b1"): r["avg_ts"] for r in rows}
