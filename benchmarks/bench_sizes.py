@@ -90,7 +90,7 @@ def llmopt_worker(artifact: Path, threads: int) -> dict[str, Any]:
     rss = _rss_gib()
     b1, b8 = run_bench(llm, 1, PROMPT, GEN), run_bench(llm, 8, PROMPT, GEN)
     return {"load_seconds": round(load_seconds, 1), "load_rss_gib": round(rss, 2),
-            "kernels": llm.execution_summary() if hasattr(llm, "execution_summary") else None,
+            "kernels": llm.execution_summary(),
             "prefill_tok_s": round(PROMPT / (b1.ttft_ms / 1000), 1),
             "b1_tok_s": round(b1.decode_tok_s_per_stream, 2),
             "b8_tok_s": round(b8.decode_aggregate_tok_s, 2)}

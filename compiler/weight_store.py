@@ -18,7 +18,8 @@ directory (the compile's scratch space), so their codes need not fit in memory e
 
 from __future__ import annotations
 
-import threading
+import os
+import tempfile
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,16 +195,12 @@ class QuantizedStore(MutableMapping[str, QuantizedLinear]):
         return QuantizedStore(dict(self.entries), self.spill_dir)
 
 
-_spill_lock = threading.Lock()
-_spill_counter = [0]
-
-
 def _spill(q: QuantizedLinear, directory: Path) -> _Spilled:
     """Write q's arrays to a new file in `directory` (files are never rewritten: copies of
     the store may still point at older ones)."""
-    with _spill_lock:
-        _spill_counter[0] += 1
-        path = directory / f"quantized-{_spill_counter[0]}.npz"
+    handle, name = tempfile.mkstemp(prefix="quantized-", suffix=".npz", dir=directory)
+    os.close(handle)
+    path = Path(name)
     arrays = {"codes": q.codes.numpy(), "scales": q.scales.numpy(), "zeros": q.zeros.numpy()}
     if q.codebook is not None:
         arrays["codebook"] = q.codebook.numpy()

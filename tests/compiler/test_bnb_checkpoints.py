@@ -3,7 +3,7 @@
 The tests write Linear4bit's serialized state with their own numpy writer (nearest code
 by argmin, high nibble first, the packed JSON quant state) beside a float checkpoint of
 the same weights dequantized independently; loading the bnb one must give the float
-one's logits. Where bitsandbytes is installed its own dequantize_4bit is checked too.
+one's logits. bitsandbytes' own dequantize_4bit (a test dependency) is checked too.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def test_lowered_graph_computes_the_reference(tiny_checkpoints, tmp_path, paged_
                                                     ("fp4", False), ("fp4", True)])
 def test_bitsandbytes_dequantizes_as_we_read(quant_type, double):
     """bitsandbytes' own dequantize_4bit (its CPU path) on a state it quantized itself."""
-    functional = pytest.importorskip("bitsandbytes.functional")
+    from bitsandbytes import functional
     w = torch.randn(48, 256, generator=torch.Generator().manual_seed(1))
     packed, state = functional.quantize_4bit(w, blocksize=64, quant_type=quant_type,
                                              compress_statistics=double)

@@ -8,7 +8,6 @@ MatMulBnb4 (float) within the rounding it adds; a compiled NF4 artifact runs nat
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
+from test_native_step import check_linear
 
 from llmopt.compiler.nf4 import FP4_CODE, NF4_CODE, codebook_quantize, pack_bnb
 from llmopt.compiler.pipeline import compile_recipe
@@ -61,17 +61,8 @@ def test_a_codebook_projection(code, block, k):
                            None, 4, block, n, k, codebook=tuple(code.tolist()))
     arrays, matrix = codebook_matrix(spec, packed, absmax, np.ascontiguousarray)
     x = rng.standard_normal((rows, k)).astype(np.float32)
-    got = np.empty((rows, n), np.float32)
-    for threads in (1, 2):
-        assert lib.llmopt_linear(ctypes.byref(matrix), x.ctypes.data, rows, got.ctypes.data,
-                                 threads, KNOBS) == 0
-        expected = native_arithmetic(x, q.codes.numpy(), q.scales.numpy(), code.numpy(), block)
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
-        one_row = np.empty((1, n), np.float32)  # the decode path: the same numbers
-        for row in (0, 7, 18):
-            lib.llmopt_linear(ctypes.byref(matrix), x[row:row + 1].ctypes.data, 1,
-                              one_row.ctypes.data, threads, KNOBS)
-            assert np.array_equal(one_row[0], got[row])
+    expected = native_arithmetic(x, q.codes.numpy(), q.scales.numpy(), code.numpy(), block)
+    got = check_linear(matrix, x, expected, rows=(0, 7, 18))
     graph_out = _matmul_bnb4(x, packed, absmax, n, k, block, code)
     error = np.abs(got - graph_out).max() / np.abs(graph_out).max()
     assert error < 0.03  # int8 activations and the code book at 127ths: ~1 % of the range

@@ -179,16 +179,24 @@ def test_a_projection_equals_matmul_nbits(bits, symmetric, block, k):
     expected = session.run(None, {"x": x})[0]
     arrays, matrix = quantized_matrix(packed["B"], packed["scales"], packed.get("zero_points"),
                                       n, k, bits, block=block)
-    got = np.empty((rows, n), np.float32)
+    check_linear(matrix, x, expected, rows=(3, 9, 66))
+
+
+def check_linear(matrix, x: np.ndarray, expected: np.ndarray, rows: tuple[int, ...]
+                 ) -> np.ndarray:
+    """The native projection of x equals `expected` at 1 and 2 threads, and one row at a time
+    (the decode path) gives the batch's numbers exactly; returns the 2-thread output."""
+    got = np.empty(expected.shape, np.float32)
     for threads in (1, 2):
-        assert lib.llmopt_linear(ctypes.byref(matrix), x.ctypes.data, rows, got.ctypes.data,
-                                 threads, KNOBS) == 0
+        assert lib.llmopt_linear(ctypes.byref(matrix), x.ctypes.data, x.shape[0],
+                                 got.ctypes.data, threads, KNOBS) == 0
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
-        one_row = np.empty((1, n), np.float32)  # the decode path: the same numbers
-        for row in (3, 9, 66):
+        one_row = np.empty((1, expected.shape[1]), np.float32)
+        for row in rows:
             lib.llmopt_linear(ctypes.byref(matrix), x[row:row + 1].ctypes.data, 1,
                               one_row.ctypes.data, threads, KNOBS)
             assert np.array_equal(one_row[0], got[row])
+    return got
 
 
 @pytest.mark.parametrize("bits,symmetric,block", [(4, True, 128), (4, False, 32), (8, True, 32)])
