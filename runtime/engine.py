@@ -33,7 +33,7 @@ from llmopt.runtime.request import Request
 from llmopt.runtime.sampler import log_softmax, sample
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
-from llmopt.runtime.spec.speculator import Speculator
+from llmopt.runtime.speculative.speculator import Speculator
 from llmopt.runtime.step_batch import (
     Executor,
     SequenceStep,

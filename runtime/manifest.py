@@ -119,7 +119,7 @@ class NgramDraftSpec(_Strict):
     sequence's tokens (max_n down to min_n) that occurred earlier in it proposes the
     tokens that followed its latest occurrence. `suffix`: follower counts over the
     sequence and the optional `corpus` decide each token and how far to draft
-    (`runtime/spec/suffix.py`)."""
+    (`runtime/speculative/suffix.py`)."""
 
     min_n: int = 1
     max_n: int = 4

@@ -11,7 +11,7 @@ import numpy as np
 from llmopt.runtime.block_pool import BlockHash
 from llmopt.runtime.logprobs import TokenLogprob
 from llmopt.runtime.sampling_params import SamplingParams
-from llmopt.runtime.spec.state import SpecState
+from llmopt.runtime.speculative.state import SpecState
 
 
 class RequestStatus(enum.Enum):

@@ -279,7 +279,7 @@ def _ngram_lookup(ngram: NgramOptions | None, corpus: list[int] | None) -> Any:
     if ngram is None:
         return None
     from llmopt.runtime.manifest import NgramDraftSpec
-    from llmopt.runtime.spec.speculator import make_ngram_drafter
+    from llmopt.runtime.speculative.speculator import make_ngram_drafter
 
     spec = NgramDraftSpec.model_validate(ngram.model_dump())
     array = None if corpus is None else np.asarray(corpus, dtype=np.int64)

@@ -28,7 +28,7 @@ from llmopt.passes.draft.measure import (
 )
 from llmopt.runtime.manifest import TokenizerSpec
 from llmopt.runtime.paging import cdiv
-from llmopt.runtime.spec.cost_model import (
+from llmopt.runtime.speculative.cost_model import (
     best_gamma,
     expected_tokens_per_position,
     model_step_cost,

@@ -653,7 +653,7 @@ def test_draft_trees_change_no_greedy_output(artifacts):
     """Suffix drafts as trees, verified under the tree mask: alone, and batched with
     shared prefixes in a pool of fewer lanes than requests, the outputs are plain
     decoding's. (Which branch wins is up to the random tiny model; the engine's tests in
-    tests/runtime/spec/test_suffix.py make side branches win, also under preemption.)"""
+    tests/runtime/speculative/test_suffix.py make side branches win, also under preemption.)"""
     prompts = [p + p[-9:] * 2 for p in requests()]  # repeats give the n-gram drafts matches
     plain = LLM(artifacts["llama-sym-h8"], kernels="native", speculative=False)
     alone = [plain.generate([p], GREEDY)[0].token_ids for p in prompts]

@@ -8,9 +8,9 @@ import pytest
 from llmopt.runtime.request import Request
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.scheduler import ScheduledRequest
-from llmopt.runtime.spec.drafter import Proposal
-from llmopt.runtime.spec.policy import SpeculationPolicy
-from llmopt.runtime.spec.speculator import DISCARDED_STEPS, RESTING_STEPS, Speculator
+from llmopt.runtime.speculative.drafter import Proposal
+from llmopt.runtime.speculative.policy import SpeculationPolicy
+from llmopt.runtime.speculative.speculator import DISCARDED_STEPS, RESTING_STEPS, Speculator
 
 
 class CountingDrafter:

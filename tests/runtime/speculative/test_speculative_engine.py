@@ -29,9 +29,9 @@ from llmopt.runtime.engine import EngineConfig, LLMEngine
 from llmopt.runtime.kv_cache_manager import KVCacheManager
 from llmopt.runtime.sampler import draw, token_probs
 from llmopt.runtime.sampling_params import SamplingParams
-from llmopt.runtime.spec import speculator as speculator_module
-from llmopt.runtime.spec.drafter import FallbackDrafter, ModelDrafter, NgramDrafter, Proposal
-from llmopt.runtime.spec.speculator import Speculator
+from llmopt.runtime.speculative import speculator as speculator_module
+from llmopt.runtime.speculative.drafter import FallbackDrafter, ModelDrafter, NgramDrafter, Proposal
+from llmopt.runtime.speculative.speculator import Speculator
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

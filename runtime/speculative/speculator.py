@@ -22,8 +22,8 @@ from llmopt.runtime.kv_cache_manager import KVCacheManager
 from llmopt.runtime.manifest import KVCacheSpec, Manifest, NgramDraftSpec, SpeculativeSpec
 from llmopt.runtime.request import Request
 from llmopt.runtime.scheduler import ScheduledRequest
-from llmopt.runtime.spec.cost_model import equivalent_alpha
-from llmopt.runtime.spec.drafter import (
+from llmopt.runtime.speculative.cost_model import equivalent_alpha
+from llmopt.runtime.speculative.drafter import (
     Drafter,
     FallbackDrafter,
     ModelDrafter,
@@ -31,11 +31,11 @@ from llmopt.runtime.spec.drafter import (
     Proposal,
     SuffixDrafter,
 )
-from llmopt.runtime.spec.governor import SpeculationGovernor, batch_bucket
-from llmopt.runtime.spec.policy import SpeculationPolicy
-from llmopt.runtime.spec.rejection_sampler import verify_drafts, verify_tree
-from llmopt.runtime.spec.step_cost import StepCostModel
-from llmopt.runtime.spec.suffix import SuffixSettings
+from llmopt.runtime.speculative.governor import SpeculationGovernor, batch_bucket
+from llmopt.runtime.speculative.policy import SpeculationPolicy
+from llmopt.runtime.speculative.rejection_sampler import verify_drafts, verify_tree
+from llmopt.runtime.speculative.step_cost import StepCostModel
+from llmopt.runtime.speculative.suffix import SuffixSettings
 from llmopt.runtime.step_batch import MAX_TREE_TOKENS, Executor
 
 # Drafting costs host time even when the step's price then discards every draft (at

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from llmopt.runtime.spec.step_cost import StepCostModel
+from llmopt.runtime.speculative.step_cost import StepCostModel
 
 OUTLIER = 2.0  # one step moves the scale towards at most this factor of it
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmopt.runtime.spec.drafter import NgramDrafter, ngram_lookup
+from llmopt.runtime.speculative.drafter import NgramDrafter, ngram_lookup
 
 
 def test_ngram_lookup_takes_the_longest_suffix_and_its_latest_occurrence():
@@ -33,7 +33,7 @@ class NoModel:
         self.asked: list[int] = []
 
     def propose(self, requests, max_tokens, budget=None):
-        from llmopt.runtime.spec.drafter import Proposal
+        from llmopt.runtime.speculative.drafter import Proposal
 
         limits = [min(k, budget(r, "model")) if budget else k
                   for r, k in zip(requests, max_tokens, strict=True)]
@@ -44,7 +44,7 @@ class NoModel:
 def test_the_budget_caps_each_source_before_it_drafts():
     from llmopt.runtime.request import Request
     from llmopt.runtime.sampling_params import SamplingParams
-    from llmopt.runtime.spec.drafter import FallbackDrafter
+    from llmopt.runtime.speculative.drafter import FallbackDrafter
 
     repeating = Request("a", [1, 2, 3, 4, 9, 1, 2, 3], SamplingParams())  # "1 2 3" matches
     limits = {"ngram3": 2, "ngram1": 0, "model": 1}

@@ -7,8 +7,8 @@ from test_speculative_engine import GREEDY, make_spec_engine, prompts, run_check
 
 from llmopt.runtime.request import Request
 from llmopt.runtime.sampling_params import SamplingParams
-from llmopt.runtime.spec.cost_model import expected_tokens
-from llmopt.runtime.spec.policy import SpeculationPolicy
+from llmopt.runtime.speculative.cost_model import expected_tokens
+from llmopt.runtime.speculative.policy import SpeculationPolicy
 
 
 def request() -> Request:

@@ -35,9 +35,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from llmopt.runtime.request import Request
-from llmopt.runtime.spec.cost_model import expected_tokens, step_cost
-from llmopt.runtime.spec.governor import batch_bucket
-from llmopt.runtime.spec.step_cost import StepCostModel
+from llmopt.runtime.speculative.cost_model import expected_tokens, step_cost
+from llmopt.runtime.speculative.governor import batch_bucket
+from llmopt.runtime.speculative.step_cost import StepCostModel
 
 POOLED = "*"  # the record of every source of a sequence together
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 
 from llmopt.runtime.sampling_params import SamplingParams
-from llmopt.runtime.spec.rejection_sampler import verify_drafts, verify_tree
+from llmopt.runtime.speculative.rejection_sampler import verify_drafts, verify_tree
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmopt.runtime.spec.cost_model import (
+from llmopt.runtime.speculative.cost_model import (
     best_gamma,
     expected_tokens_per_position,
     model_step_cost,

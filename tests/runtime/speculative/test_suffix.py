@@ -10,9 +10,9 @@ from test_speculative_engine import GREEDY, imperfect_logits, prompts, run_check
 from llmopt.runtime.engine import EngineConfig, LLMEngine
 from llmopt.runtime.kv_cache_manager import KVCacheManager
 from llmopt.runtime.manifest import NgramDraftSpec
-from llmopt.runtime.spec.drafter import FallbackDrafter, ModelDrafter, SuffixDrafter
-from llmopt.runtime.spec.speculator import Speculator, make_ngram_drafter
-from llmopt.runtime.spec.suffix import NgramIndex, SuffixSettings, suffix_draft, suffix_tree
+from llmopt.runtime.speculative.drafter import FallbackDrafter, ModelDrafter, SuffixDrafter
+from llmopt.runtime.speculative.speculator import Speculator, make_ngram_drafter
+from llmopt.runtime.speculative.suffix import NgramIndex, SuffixSettings, suffix_draft, suffix_tree
 
 
 def draft(tokens: list[int], k: int = 8, corpus: list[int] | None = None,

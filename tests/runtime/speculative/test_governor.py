@@ -4,8 +4,8 @@ import pytest
 
 from llmopt.runtime.request import Request
 from llmopt.runtime.sampling_params import SamplingParams
-from llmopt.runtime.spec.governor import SpeculationGovernor
-from llmopt.runtime.spec.policy import SpeculationPolicy
+from llmopt.runtime.speculative.governor import SpeculationGovernor
+from llmopt.runtime.speculative.policy import SpeculationPolicy
 
 VERIFY_COST = [1.0, 1.2, 1.3, 1.4, 1.5]  # what the manifest predicts
 
