@@ -172,7 +172,7 @@ class LLMEngine:
             request, num_rows = item.request, len(item.logits_offsets())
             if request.score_only:
                 record_prompt_logprobs(item, logits[row : row + num_rows])
-            elif request.spec.token_ids:
+            elif request.speculation.token_ids:
                 rows = logits[row : row + num_rows]
                 tokens, path = self.speculator.verify(request, rows)
                 emitted[request.request_id] = tokens
@@ -244,7 +244,7 @@ class LLMEngine:
 
 def make_output(tracked: _Tracked) -> RequestOutput:
     request, text = tracked.request, tracked.text
-    spec = request.spec
+    speculation = request.speculation
     return RequestOutput(
         request_id=request.request_id,
         prompt=tracked.prompt,
@@ -258,8 +258,8 @@ def make_output(tracked: _Tracked) -> RequestOutput:
             request.finished_time,
             request.num_preemptions,
             request.num_cached_tokens,
-            SpeculationMetrics(request.num_decode_steps, spec.num_steps,
-                               spec.num_draft_tokens, spec.num_accepted_tokens),
+            SpeculationMetrics(request.num_decode_steps, speculation.num_steps,
+                               speculation.num_draft_tokens, speculation.num_accepted_tokens),
         ),
         prompt_logprobs=request.prompt_logprobs,
         logprobs=(list(request.output_logprobs)

@@ -90,7 +90,8 @@ class KVCacheManager:
             for i in range(first, num_full):
                 self.block_pool.cache_full_block(table[i], hashes[i])
             self.num_cached_blocks[request.request_id] = num_full
-        num_draft_full = min(num_full, request.spec.num_draft_computed_tokens // self.block_size)
+        num_draft_full = min(num_full,
+                             request.speculation.num_draft_computed_tokens // self.block_size)
         first_draft = self.num_draft_marked_blocks.get(request.request_id, 0)
         for block in table[first_draft:num_draft_full]:
             block.has_draft_kv = block.block_hash is not None

@@ -49,12 +49,13 @@ class ScheduledRequest:
     def query_token_ids(self) -> list[int]:
         """The tokens this step computes: known ones, then the request's drafts."""
         request, start = self.request, self.request.num_computed_tokens
-        return (request.all_token_ids + request.spec.token_ids)[start : start + self.num_tokens]
+        known_and_drafts = request.all_token_ids + request.speculation.token_ids
+        return known_and_drafts[start : start + self.num_tokens]
 
     def query_parents(self) -> list[int] | None:
         """Each query token's parent offset when the drafts are a tree (None: a chain):
         the known tokens continue each other, a draft follows its parent."""
-        parents = self.request.spec.parents
+        parents = self.request.speculation.parents
         if parents is None or not self.num_spec_tokens:
             return None
         known = self.num_tokens - self.num_spec_tokens
@@ -72,7 +73,7 @@ class ScheduledRequest:
         request, start, n = self.request, self.request.num_computed_tokens, self.num_tokens
         if request.score_only:
             return range(min(n, request.num_tokens - 1 - start))
-        num_drafts = len(request.spec.token_ids)
+        num_drafts = len(request.speculation.token_ids)
         if start + n == request.num_tokens + num_drafts:
             return range(n - 1 - num_drafts, n)
         return range(0)
@@ -163,7 +164,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = request.num_cached_tokens = num_cached_tokens
-            request.spec.num_draft_computed_tokens = (
+            request.speculation.num_draft_computed_tokens = (
                 self.kv_cache_manager.num_draft_cached_tokens(computed_blocks))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -187,7 +188,7 @@ class Scheduler:
         updated = []
         for item in scheduled:
             request = item.request
-            num_drafts = request.spec.clear_drafts()
+            num_drafts = request.speculation.clear_drafts()
             emitted = sampled_token_ids.get(request.request_id, ())
             num_accepted = max(len(emitted) - 1, 0) if num_drafts else 0
             request.num_computed_tokens += item.num_tokens - num_drafts + num_accepted
@@ -200,8 +201,8 @@ class Scheduler:
                 continue
             reason = self._append_tokens(request, emitted, stop_check)
             # The draft model's KV is valid only up to the last accepted token.
-            request.spec.num_draft_computed_tokens = min(
-                request.spec.num_draft_computed_tokens, request.num_computed_tokens)
+            request.speculation.num_draft_computed_tokens = min(
+                request.speculation.num_draft_computed_tokens, request.num_computed_tokens)
             self.kv_cache_manager.cache_blocks(request)
             updated.append(request)
             if reason is not None:
@@ -239,8 +240,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
-        request.num_computed_tokens = request.spec.num_draft_computed_tokens = 0
-        request.spec.clear_drafts()
+        request.num_computed_tokens = request.speculation.num_draft_computed_tokens = 0
+        request.speculation.clear_drafts()
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -98,7 +98,7 @@ def ngram_lookup(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> li
 
 class SuffixDrafter:
     """Frequency n-gram drafting over the sequence's own tokens and an optional corpus
-    (`suffix.suffix_draft`); each sequence's index lives in its `SpecState`. With
+    (`suffix.suffix_draft`); each sequence's index lives in its `SpeculationState`. With
     `tree`, each proposal is a draft tree (`suffix.suffix_tree`) of as many tokens."""
 
     def __init__(self, settings: SuffixSettings, corpus: Sequence[int] | None = None,
@@ -120,10 +120,10 @@ class SuffixDrafter:
     def propose_one(self, request: Request, k: int) -> Proposal:
         """Up to k draft tokens after the request's tokens (a tree with `tree`); its own
         index is kept in its state."""
-        if request.spec.ngram_index is None:
-            request.spec.ngram_index = NgramIndex(self.settings.max_n)
+        if request.speculation.ngram_index is None:
+            request.speculation.ngram_index = NgramIndex(self.settings.max_n)
         tokens = request.all_token_ids
-        indexes = self._synced(tokens, request.spec.ngram_index)
+        indexes = self._synced(tokens, request.speculation.ngram_index)
         if self.tree:
             nodes, parents, source = suffix_tree(tokens, indexes, k, self.settings)
             return Proposal(nodes, source=source, parents=parents)
@@ -146,7 +146,7 @@ class SuffixDrafter:
 class ModelDrafter:
     """Runs the draft graph on its own KV pool, through the target's block tables.
 
-    `request.spec.num_draft_computed_tokens` counts the leading tokens whose draft KV is in
+    `request.speculation.num_draft_computed_tokens` counts the leading tokens whose draft KV is in
     the pool. A proposal first catches the draft up with the known tokens (after a
     prefill, or after the target accepted tokens the draft never saw), then runs one
     token at a time; the slots it writes are those the scheduler allocated for the
@@ -179,7 +179,7 @@ class ModelDrafter:
             logits = self.executor.execute(batch)
             for row, i in enumerate(active):
                 request = requests[i]
-                request.spec.num_draft_computed_tokens = request.num_tokens + step
+                request.speculation.num_draft_computed_tokens = request.num_tokens + step
                 token, q = self._draw(logits[row], request, drafts[i])
                 drafts[i].append(token)
                 if q is not None:
@@ -196,7 +196,7 @@ class ModelDrafter:
         except the newest (whose logits are what this step asks for)."""
         sequences = []
         for request, draft in zip(requests, drafts, strict=True):
-            start = request.spec.num_draft_computed_tokens
+            start = request.speculation.num_draft_computed_tokens
             tokens = (request.all_token_ids + draft)[start:]
             sequences.append(SequenceStep(tokens, start, self.kv_cache_manager.block_ids(request),
                                           [len(tokens) - 1]))

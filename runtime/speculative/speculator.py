@@ -116,7 +116,7 @@ class Speculator:
             self.policy.cap([entry]) for entry in drafted))
         scheduled = list(scheduled)
         for i, request, proposal in zip(speculating, requests, proposals, strict=True):
-            spec, kept = request.spec, proposal.first(cap)
+            spec, kept = request.speculation, proposal.first(cap)
             spec.token_ids, spec.source = list(kept.token_ids), kept.source
             spec.probs = kept.probs if spec.token_ids else None
             spec.parents = kept.parents if spec.token_ids else None
@@ -150,7 +150,7 @@ class Speculator:
     def verify(self, request: Request, logits: np.ndarray) -> tuple[list[int], list[int]]:
         """The tokens a sequence with drafts emits (its accepted drafts plus one), and the
         accepted drafts' indices (a chain's: 0, 1, ...; a tree's: a branch)."""
-        spec = request.spec
+        spec = request.speculation
         if spec.parents is None:
             tokens = verify_drafts(logits, spec.token_ids, spec.probs,
                                    request.sampling_params, request.generator,
@@ -168,9 +168,9 @@ class Speculator:
     def observe(self, request: Request, emitted: Sequence[int]) -> None:
         """A decode step gave `request` these tokens: evidence for its acceptance record."""
         if self.policy is not None:
-            num_drafts = len(request.spec.token_ids)
+            num_drafts = len(request.speculation.token_ids)
             accepted = min(len(emitted) - 1, num_drafts)
-            self.policy.observe(request, request.spec.source, num_drafts, accepted)
+            self.policy.observe(request, request.speculation.source, num_drafts, accepted)
             if self.promise is not None and num_drafts:
                 batch_size, promised, kept = self.promise
                 self.promise = (batch_size, promised, kept + accepted)

@@ -9,7 +9,7 @@ import numpy as np
 
 
 @dataclass(eq=False)
-class SpecState:
+class SpeculationState:
     # This step's drafts, their source ("ngram3": a 3-token match, "model") and the
     # distributions they were drawn from (None: chosen deterministically); set before the
     # step runs, verified and cleared by it.

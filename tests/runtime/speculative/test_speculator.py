@@ -37,7 +37,7 @@ def step(speculator: Speculator, batch: list[Request]) -> int | None:
     scheduled = [ScheduledRequest(r, 1 + budget(r), budget(r)) for r in batch]
     kept = speculator.propose(scheduled)
     for item in kept:
-        item.request.spec.token_ids = []
+        item.request.speculation.token_ids = []
     return max(item.num_spec_tokens for item in kept)
 
 
