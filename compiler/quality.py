@@ -24,7 +24,7 @@ import torch
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.reference import KVCache, ReferenceModel
 from llmopt.compiler.weight_quant import intra_op_threads
-from llmopt.runtime.evaluate import windows_of
+from llmopt.runtime.tools.evaluate import windows_of
 
 if TYPE_CHECKING:
     from llmopt.compiler.recipe import Recipe

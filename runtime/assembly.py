@@ -6,15 +6,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmopt.runtime.engine import EngineConfig, LLMEngine
-from llmopt.runtime.executor import OrtExecutor
-from llmopt.runtime.kv_cache_manager import KVCacheManager
-from llmopt.runtime.lane_cache_manager import LaneKVCacheManager
-from llmopt.runtime.lane_executor import LaneExecutor
+from llmopt.runtime.executors.gathered import OrtExecutor
+from llmopt.runtime.executors.lanes import LaneExecutor
+from llmopt.runtime.executors.step_batch import Executor
+from llmopt.runtime.kv.lane_manager import LaneKVCacheManager
+from llmopt.runtime.kv.manager import KVCacheManager
+from llmopt.runtime.kv.paging import cdiv
 from llmopt.runtime.manifest import GraphSpec, KVCacheSpec, Manifest
 from llmopt.runtime.native import KERNELS, require_native, unavailable_reason
-from llmopt.runtime.paging import cdiv
 from llmopt.runtime.speculative.speculator import build_speculator
-from llmopt.runtime.step_batch import Executor
 from llmopt.runtime.tokenizer import Tokenizer
 
 
@@ -74,7 +74,7 @@ def graph_executor(artifact: Path, graph: GraphSpec, kv_cache: KVCacheSpec, *, k
     `runs_native`) or ONNX Runtime's executor for its KV layout."""
     lane_tokens = lane_blocks * block_size if lane_blocks is not None else None
     if runs_native(kernels, graph, kv_cache, lane_tokens):
-        from llmopt.runtime.native.executor import NativeLaneExecutor
+        from llmopt.runtime.executors.native import NativeLaneExecutor
 
         return NativeLaneExecutor(artifact, graph, kv_cache, num_blocks=num_blocks,
                                   block_size=block_size, lane_blocks=lane_blocks,
@@ -88,7 +88,7 @@ def graph_executor(artifact: Path, graph: GraphSpec, kv_cache: KVCacheSpec, *, k
 
 def kernels_name(executor: Executor) -> str:
     """Which kernels an executor runs: "native" (llmopt's step) or "onnxruntime"."""
-    from llmopt.runtime.native.executor import NativeLaneExecutor
+    from llmopt.runtime.executors.native import NativeLaneExecutor
 
     return "native" if isinstance(executor, NativeLaneExecutor) else "onnxruntime"
 

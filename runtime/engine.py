@@ -19,7 +19,15 @@ from typing import cast
 
 import numpy as np
 
-from llmopt.runtime.kv_cache_manager import KVCacheManager
+from llmopt.runtime.executors.step_batch import (
+    Executor,
+    SequenceStep,
+    StepBatch,
+    TreeExecutor,
+    make_step_batch,
+)
+from llmopt.runtime.kv.manager import KVCacheManager
+from llmopt.runtime.kv.paging import cdiv
 from llmopt.runtime.logprobs import token_logprobs
 from llmopt.runtime.output import (
     OutputText,
@@ -28,19 +36,11 @@ from llmopt.runtime.output import (
     SpeculationMetrics,
     stop_reason,
 )
-from llmopt.runtime.paging import cdiv
 from llmopt.runtime.request import Request
 from llmopt.runtime.sampler import log_softmax, sample
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from llmopt.runtime.speculative.speculator import Speculator
-from llmopt.runtime.step_batch import (
-    Executor,
-    SequenceStep,
-    StepBatch,
-    TreeExecutor,
-    make_step_batch,
-)
 from llmopt.runtime.tokenizer import Tokenizer
 
 

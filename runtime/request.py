@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llmopt.runtime.block_pool import BlockHash
+from llmopt.runtime.kv.block_pool import BlockHash
 from llmopt.runtime.logprobs import TokenLogprob
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.speculative.state import SpeculationState

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from llmopt.runtime.kv_cache_manager import KVCacheManager
+from llmopt.runtime.kv.manager import KVCacheManager
 from llmopt.runtime.request import Request, RequestStatus
 
 

@@ -37,7 +37,7 @@ from llmopt.passes.draft.config import (
 )
 from llmopt.passes.draft.distill import DistillSettings, distill, text_windows
 from llmopt.passes.registry import PassContext, PassResult
-from llmopt.runtime.paging import cdiv
+from llmopt.runtime.kv.paging import cdiv
 
 
 def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:

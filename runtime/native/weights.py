@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
+from llmopt.runtime.kv.paging import cdiv
 from llmopt.runtime.native.arena import HugePageArena
 from llmopt.runtime.native.library import KVLayout, Model, QMatrix, QRows
-from llmopt.runtime.paging import cdiv
 
 LAYER_MATRICES = ("qkv", "o", "gate_up", "down")  # in the order a layer runs them
 

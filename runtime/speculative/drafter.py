@@ -16,11 +16,11 @@ from typing import Protocol
 
 import numpy as np
 
-from llmopt.runtime.kv_cache_manager import KVCacheManager
+from llmopt.runtime.executors.step_batch import Executor, SequenceStep, StepBatch, make_step_batch
+from llmopt.runtime.kv.manager import KVCacheManager
 from llmopt.runtime.request import Request
 from llmopt.runtime.sampler import draw, sample, token_probs
 from llmopt.runtime.speculative.suffix import NgramIndex, SuffixSettings, suffix_draft, suffix_tree
-from llmopt.runtime.step_batch import Executor, SequenceStep, StepBatch, make_step_batch
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from llmopt.runtime.kv_cache_manager import KVCacheManager
+from llmopt.runtime.executors.step_batch import MAX_TREE_TOKENS, Executor
+from llmopt.runtime.kv.manager import KVCacheManager
 from llmopt.runtime.manifest import KVCacheSpec, Manifest, NgramDraftSpec, SpeculativeSpec
 from llmopt.runtime.request import Request
 from llmopt.runtime.scheduler import ScheduledRequest
@@ -36,7 +37,6 @@ from llmopt.runtime.speculative.policy import SpeculationPolicy
 from llmopt.runtime.speculative.rejection_sampler import verify_drafts, verify_tree
 from llmopt.runtime.speculative.step_cost import StepCostModel
 from llmopt.runtime.speculative.suffix import SuffixSettings
-from llmopt.runtime.step_batch import MAX_TREE_TOKENS, Executor
 
 # Drafting costs host time even when the step's price then discards every draft (at
 # batch 8 on SmolLM2 int4: ~6 % of the step, for nothing). After DISCARDED_STEPS steps

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from llmopt.runtime.executor import padding_groups
+from llmopt.runtime.executors.gathered import padding_groups
 
 
 class StepCostModel:

@@ -24,9 +24,9 @@ from runtime_fakes import (
 )
 from scipy.stats import chisquare
 
-from llmopt.runtime.block_pool import hash_block_tokens
 from llmopt.runtime.engine import EngineConfig, LLMEngine
-from llmopt.runtime.kv_cache_manager import KVCacheManager
+from llmopt.runtime.kv.block_pool import hash_block_tokens
+from llmopt.runtime.kv.manager import KVCacheManager
 from llmopt.runtime.sampler import draw, token_probs
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.speculative import speculator as speculator_module

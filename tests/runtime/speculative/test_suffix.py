@@ -8,7 +8,7 @@ from runtime_fakes import VOCAB_SIZE, FakeModel, fake_logits, reference_greedy, 
 from test_speculative_engine import GREEDY, imperfect_logits, prompts, run_checked
 
 from llmopt.runtime.engine import EngineConfig, LLMEngine
-from llmopt.runtime.kv_cache_manager import KVCacheManager
+from llmopt.runtime.kv.manager import KVCacheManager
 from llmopt.runtime.manifest import NgramDraftSpec
 from llmopt.runtime.speculative.drafter import FallbackDrafter, ModelDrafter, SuffixDrafter
 from llmopt.runtime.speculative.speculator import Speculator, make_ngram_drafter

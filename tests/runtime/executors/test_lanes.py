@@ -3,8 +3,8 @@
 import numpy as np
 
 from llmopt.runtime import contract
-from llmopt.runtime.lane_executor import lane_inputs, plan_calls
-from llmopt.runtime.step_batch import SequenceStep, make_step_batch
+from llmopt.runtime.executors.lanes import lane_inputs, plan_calls
+from llmopt.runtime.executors.step_batch import SequenceStep, make_step_batch
 
 
 def test_decodes_share_one_call_across_idle_lanes_and_prefills_split_on_them():

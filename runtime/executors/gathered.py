@@ -14,11 +14,11 @@ import numpy as np
 import onnxruntime as ort
 
 from llmopt.runtime import contract
+from llmopt.runtime.executors.step_batch import StepBatch
+from llmopt.runtime.kv.paging import cdiv, step_blocks
+from llmopt.runtime.kv.sink_store import SinkStore
+from llmopt.runtime.kv.tail_store import TailStore
 from llmopt.runtime.manifest import KVCacheSpec
-from llmopt.runtime.paging import cdiv, step_blocks
-from llmopt.runtime.sink_store import SinkStore
-from llmopt.runtime.step_batch import StepBatch
-from llmopt.runtime.tail_store import TailStore
 
 OPTIMIZATION_LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,

@@ -8,10 +8,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from llmopt.runtime.bench_text import text_prompts
 from llmopt.runtime.llm import LLM
 from llmopt.runtime.output import RequestOutput, SpeculationMetrics
 from llmopt.runtime.sampling_params import SamplingParams
+from llmopt.runtime.tools.bench_text import text_prompts
 
 
 @dataclass(frozen=True)

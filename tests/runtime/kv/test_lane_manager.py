@@ -1,8 +1,8 @@
 """LaneKVCacheManager: a lane per request, tables in lane order, prefix hits in place or copied."""
 
-from test_kv_cache_manager import compute, request
+from test_manager import compute, request
 
-from llmopt.runtime.lane_cache_manager import LaneKVCacheManager
+from llmopt.runtime.kv.lane_manager import LaneKVCacheManager
 
 
 def manager_with_copies(num_lanes: int = 3) -> tuple[LaneKVCacheManager, list]:

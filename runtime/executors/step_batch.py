@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from llmopt.runtime.paging import slots_of
+from llmopt.runtime.kv.paging import slots_of
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from llmopt.runtime.block_pool import Block
-from llmopt.runtime.kv_cache_manager import KVCacheManager
-from llmopt.runtime.paging import cdiv, lane_block, lane_position, num_lanes
+from llmopt.runtime.kv.block_pool import Block
+from llmopt.runtime.kv.manager import KVCacheManager
+from llmopt.runtime.kv.paging import cdiv, lane_block, lane_position, num_lanes
 from llmopt.runtime.request import Request
 
 CopyBlock = Callable[[int, int], None]  # (source block id, destination block id)

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 from toy_artifact import VOCAB, build_artifact, manifest_dict, next_token
 
-from llmopt.runtime.executor import OrtExecutor, contract_inputs
+from llmopt.runtime.executors.gathered import OrtExecutor, contract_inputs
+from llmopt.runtime.executors.step_batch import StepBatch
 from llmopt.runtime.manifest import KVCacheSpec
-from llmopt.runtime.step_batch import StepBatch
 
 
 def batch_of(token_ids, context_lens, block_tables, slots, logits_indices) -> StepBatch:
@@ -101,7 +101,7 @@ def test_unknown_optimization_level_is_an_error(tmp_path):
 
 
 def test_padding_groups_keep_decodes_apart_from_long_prefill_chunks():
-    from llmopt.runtime.executor import padding_groups
+    from llmopt.runtime.executors.gathered import padding_groups
 
     assert padding_groups([1, 1, 1]) == [[0, 1, 2]]
     assert padding_groups([1, 512, 1, 1]) == [[1], [0, 2, 3]]
@@ -115,7 +115,7 @@ def test_padding_groups_keep_decodes_apart_from_long_prefill_chunks():
 
 def test_a_mixed_step_gives_the_logits_of_separate_steps(executor):
     """Prefill chunks and decodes split into several graph calls, logits in batch order."""
-    from llmopt.runtime.executor import select_sequences
+    from llmopt.runtime.executors.gathered import select_sequences
 
     batch = StepBatch(
         token_ids=[[5], [1, 2, 3, 4, 5, 6, 7, 8], [9]],

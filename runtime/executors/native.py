@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
-from llmopt.runtime.lane_executor import LanePools
+from llmopt.runtime.executors.lanes import LanePools
+from llmopt.runtime.executors.step_batch import StepBatch
 from llmopt.runtime.manifest import GraphSpec, KVCacheSpec
 from llmopt.runtime.native.library import kernels
 from llmopt.runtime.native.weights import NativeWeights
-from llmopt.runtime.step_batch import StepBatch
 
 
 class NativeLaneExecutor(LanePools):

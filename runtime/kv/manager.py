@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmopt.runtime.block_pool import Block, BlockPool, hash_block_tokens
-from llmopt.runtime.paging import cdiv, slots_of
+from llmopt.runtime.kv.block_pool import Block, BlockPool, hash_block_tokens
+from llmopt.runtime.kv.paging import cdiv, slots_of
 from llmopt.runtime.request import Request
 
 

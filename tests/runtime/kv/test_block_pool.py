@@ -1,6 +1,6 @@
 import pytest
 
-from llmopt.runtime.block_pool import BlockPool, hash_block_tokens
+from llmopt.runtime.kv.block_pool import BlockPool, hash_block_tokens
 
 
 def free_order(pool: BlockPool) -> list[int]:

@@ -1,6 +1,6 @@
 import numpy as np
 
-from llmopt.runtime.kv_cache_manager import KVCacheManager
+from llmopt.runtime.kv.manager import KVCacheManager
 from llmopt.runtime.request import Request
 from llmopt.runtime.sampling_params import SamplingParams
 

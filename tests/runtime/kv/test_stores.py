@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from llmopt.runtime import contract as C
+from llmopt.runtime.kv.sink_store import SinkStore
 from llmopt.runtime.manifest import KVCacheSpec
-from llmopt.runtime.sink_store import SinkStore
 
 
 def store(sink_tokens: int = 3, width: int = 4) -> SinkStore:

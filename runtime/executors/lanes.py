@@ -18,15 +18,15 @@ import numpy as np
 import onnxruntime as ort
 
 from llmopt.runtime import contract
-from llmopt.runtime.executor import (
+from llmopt.runtime.executors.gathered import (
     check_graph_io,
     open_session,
     padding_groups,
     select_sequences,
 )
+from llmopt.runtime.executors.step_batch import StepBatch
+from llmopt.runtime.kv.paging import lane_position, num_lanes
 from llmopt.runtime.manifest import KVCacheSpec
-from llmopt.runtime.paging import lane_position, num_lanes
-from llmopt.runtime.step_batch import StepBatch
 
 MAX_BINDINGS = 32  # lane ranges whose pool bindings are kept ready
 

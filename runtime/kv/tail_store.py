@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from llmopt.runtime import contract
+from llmopt.runtime.kv.paging import step_blocks
+from llmopt.runtime.kv.stores import RowStore, layer_arrays
 from llmopt.runtime.manifest import KVCacheSpec
-from llmopt.runtime.paging import step_blocks
-from llmopt.runtime.row_store import RowStore, layer_arrays
 
 
 class TailStore(RowStore):

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from llmopt.runtime import contract
+from llmopt.runtime.kv.stores import RowStore, layer_arrays
 from llmopt.runtime.manifest import KVCacheSpec
-from llmopt.runtime.row_store import RowStore, layer_arrays
 
 
 class SinkStore(RowStore):
