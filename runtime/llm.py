@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from llmopt.runtime.artifact import load_manifest
-from llmopt.runtime.assembly import EngineOptions, build_engine, kernels_name
+from llmopt.runtime.assembly import EngineOptions, build_engine
+from llmopt.runtime.executors.choose import kernels_name
 from llmopt.runtime.output import RequestOutput
 from llmopt.runtime.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from llmopt.runtime.scheduler import check_prompt_length

@@ -194,7 +194,7 @@ def test_sinks_live_with_first_blocks(artifacts):
     requests = shared_prefix_requests()
     for request in requests:  # one at a time: each shared prefix is a cache hit
         llm.generate([request], GREEDY)
-    sinks = llm.engine.executor.sinks
+    sinks = llm.engine.executor.pools.sinks
     first_blocks = {tuple(r[:4]) for r in requests}  # block size 4
     assert len(first_blocks) == 9 and len(sinks.row_of_block) == 9
     assert len(set(sinks.row_of_block.values())) == 9

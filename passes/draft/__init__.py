@@ -244,7 +244,7 @@ def measure_pairing(ir: ModelIR, draft: ModelIR | None, token_map: torch.Tensor 
                     corpus: list[int] | None = None) -> dict[str, Any]:
     """Lower target (and draft) into a temporary directory and measure them there."""
     from llmopt.passes.draft import choice as m
-    from llmopt.runtime.assembly import kernels_name
+    from llmopt.runtime.executors.choose import kernels_name
 
     recipe = context.recipe
     block_size = recipe.runtime.block_size
@@ -295,7 +295,7 @@ def _executor(ir: ModelIR, recipe: Recipe, path: Path, num_blocks: int,
     Lanes-layout sequences get `lane_blocks` blocks each."""
     from llmopt.compiler.artifact import save_graph
     from llmopt.compiler.lower import kv_cache_spec, lower_to_onnx, lowering_options
-    from llmopt.runtime.assembly import graph_executor
+    from llmopt.runtime.executors.choose import graph_executor
     from llmopt.runtime.manifest import GraphSpec, KVCacheSpec
 
     options = lowering_options(recipe, ir.arch)

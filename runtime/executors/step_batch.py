@@ -3,7 +3,8 @@
 Sequences are packed: sequence b's query tokens are the rows
 `query_start[b] .. query_start[b] + query_lens[b] - 1` of the step, and `slot_mapping`
 and `logits_indices` index those packed rows. Each executor turns this into its own
-layout (OrtExecutor: the right-padded [B, S] tensors of the paged-KV contract).
+layout through `executors.inputs` (the blocks contract's right-padded [B, S] tensors, a
+row per lane, the native step's packed per-token arrays).
 
 A sequence's query tokens normally continue each other. With a draft tree
 (`query_parents`) a token follows its parent instead: it sits at the position after
@@ -14,7 +15,7 @@ siblings get different slots; an executor that can run this says `tree_attention
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -99,12 +100,10 @@ def ancestor_masks(parents: Sequence[int]) -> np.ndarray:
 
 
 class Executor(Protocol):
+    pools: Mapping[str, np.ndarray]  # the KV pools it reads and writes (`kv.pools`)
+
     def execute(self, batch: StepBatch) -> np.ndarray:
         """Run one step: write its KV into the pool, return float32 logits [N, vocab]."""
-        ...
-
-    def copy_block(self, source: int, destination: int) -> None:
-        """Copy one block's entries of every pool tensor."""
         ...
 
 

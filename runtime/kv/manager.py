@@ -3,25 +3,45 @@
 A request's token at position p lives at slot `block_table[p // block_size] * block_size
 + p % block_size`. Its table grows as tokens are scheduled; a new request may start from
 blocks another request already computed (prefix caching of full blocks).
+
+With `lane_blocks` (the lanes KV layout) the pool is cut into lanes of `lane_blocks`
+blocks; a running request owns one lane, and its block j is its lane's block j, so its
+keys and values are contiguous and the graph's fused attention reads them in place (see
+`llmopt.runtime.contract`). Block ids, hashes, the prefix cache and preemption work as
+with free placement, with one difference: a prefix-cache hit held by another lane is
+copied into the request's own lane (every graph's pools, `copy_listeners`, at
+admission), which costs a memcpy instead of the prefill.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import numpy as np
 
 from llmopt.runtime.kv.block_pool import Block, BlockPool, hash_block_tokens
-from llmopt.runtime.kv.paging import cdiv, slots_of
+from llmopt.runtime.kv.paging import cdiv, lane_block, lane_position, num_lanes, slots_of
 from llmopt.runtime.request import Request
+
+CopyBlock = Callable[[int, int], None]  # (source block id, destination block id)
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 lane_blocks: int | None = None):
+        """`lane_blocks`: the lanes layout's lane length in blocks (None: free placement)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[Block]] = {}
+        self.lane_blocks = lane_blocks
+        if lane_blocks is not None:
+            self.num_lanes = num_lanes(num_blocks, lane_blocks)
+            self.lanes: dict[str, int] = {}  # request id -> its lane
+            self.free_lanes: set[int] = set(range(self.num_lanes))
+        self.copy_listeners: list[CopyBlock] = []  # every graph's KV pools (lanes copies)
         # How many leading blocks of each request are registered in the prefix cache, and
         # how many of those are marked as holding the draft model's KV too.
         self.num_cached_blocks: dict[str, int] = {}
@@ -52,13 +72,15 @@ class KVCacheManager:
         return num_blocks * self.block_size
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[Block] = ()
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[Block] = ()
     ) -> bool:
         """Grow the block table to hold `num_new_tokens` more tokens; False if blocks run out.
 
         `new_computed_blocks` are prefix-cache hits from `get_computed_blocks` for a
         request being admitted; they go first in its table.
         """
+        if self.lane_blocks is not None:
+            return self._allocate_in_lane(request, num_new_tokens, new_computed_blocks)
         table = self.block_tables.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
@@ -103,6 +125,9 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         self.num_draft_marked_blocks.pop(request.request_id, None)
         self.block_pool.free(reversed(table))
+        lane = self.lanes.pop(request.request_id, None) if self.lane_blocks is not None else None
+        if lane is not None:
+            self.free_lanes.add(lane)
 
     def block_ids(self, request: Request) -> list[int]:
         return [block.block_id for block in self.block_tables.get(request.request_id, [])]
@@ -111,6 +136,67 @@ class KVCacheManager:
         """Pool slots of positions start .. start + num_tokens - 1 of the request."""
         return np.asarray(slots_of(self.block_ids(request), start, num_tokens, self.block_size),
                           dtype=np.int64)
+
+    # The lanes layout (lane_blocks set).
+    def lane_block(self, lane: int, index: int) -> int:
+        return lane_block(lane, index, self.lane_blocks)
+
+    def _allocate_in_lane(self, request: Request, num_new_tokens: int,
+                          new_computed_blocks: Sequence[Block]) -> bool:
+        """`allocate_slots` in the lanes layout: the request's table runs through its lane."""
+        table = self.block_tables.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        lane = self.lanes.get(request.request_id)
+        if num_required > self.lane_blocks or (lane is None and not self.free_lanes):
+            return False
+        if lane is None:
+            lane = self._assign_lane(request, new_computed_blocks)
+            table = self.block_tables[request.request_id]
+        own = range(len(table), num_required)
+        table.extend(self.block_pool.take(self.lane_block(lane, j) for j in own))
+        return True
+
+    def _assign_lane(self, request: Request, hits: Sequence[Block]) -> int:
+        """Give `request` a free lane, its table starting with the prefix-cache hits:
+        in place where the lane holds them, copied from their lanes otherwise."""
+        lane = self._pick_lane(hits)
+        self.free_lanes.remove(lane)
+        self.lanes[request.request_id] = lane
+        table = self.block_tables.setdefault(request.request_id, [])
+        for index, hit in enumerate(hits):
+            own = self.lane_block(lane, index)
+            if hit.block_id == own:
+                self.block_pool.touch([hit])
+                table.append(hit)
+                continue
+            [block] = self.block_pool.take([own])
+            for copy in self.copy_listeners:
+                copy(hit.block_id, own)
+            table.append(block)
+        self.num_cached_blocks[request.request_id] = len(hits)
+        return lane
+
+    def _pick_lane(self, hits: Sequence[Block]) -> int:
+        """The free lane holding most of the hits in place; else the lowest free lane that
+        caches nothing; else the lowest free lane.
+
+        A step runs as one graph call over the lanes from its lowest running lane to its
+        highest, and every idle lane in between still costs a row of every matmul (at
+        int8 activations about as much as a real one): taking the lowest lanes keeps the
+        running ones packed. Empty lanes go first so that cached prefixes live longest;
+        once every free lane caches something, the lowest one's prefix is given up.
+        """
+        in_place: dict[int, int] = {}
+        for index, hit in enumerate(hits):
+            lane, offset = lane_position(hit.block_id, self.lane_blocks)
+            if offset == index and lane in self.free_lanes:
+                in_place[lane] = in_place.get(lane, 0) + 1
+        if in_place:
+            return max(in_place, key=in_place.__getitem__)
+        empty = [lane for lane in self.free_lanes
+                 if self.block_pool.blocks[self.lane_block(lane, 0)].block_hash is None]
+        return min(empty or self.free_lanes)
 
     def _block_hashes(self, request: Request) -> list[bytes]:
         """The request's chained block hashes, extended over every full block of known tokens."""

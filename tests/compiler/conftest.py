@@ -19,8 +19,7 @@ from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.lower import cache_tensors, kv_cache_spec
 from llmopt.runtime import contract as C
 from llmopt.runtime.kv.paging import step_blocks
-from llmopt.runtime.kv.sink_store import SinkStore
-from llmopt.runtime.kv.tail_store import TailStore
+from llmopt.runtime.kv.stores import SinkStore, TailStore
 from llmopt.runtime.manifest import KVCacheSpec
 
 # Test modules share helpers by name (`from test_lower import ...`) under importlib mode.

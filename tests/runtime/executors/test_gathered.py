@@ -2,8 +2,10 @@ import numpy as np
 import pytest
 from toy_artifact import VOCAB, build_artifact, manifest_dict, next_token
 
-from llmopt.runtime.executors.gathered import OrtExecutor, contract_inputs
+from llmopt.runtime.executors.gathered import OrtExecutor
+from llmopt.runtime.executors.inputs import contract_inputs
 from llmopt.runtime.executors.step_batch import StepBatch
+from llmopt.runtime.kv.pools import BlockPools
 from llmopt.runtime.manifest import KVCacheSpec
 
 
@@ -50,8 +52,8 @@ def executor(tmp_path_factory) -> OrtExecutor:
     path = build_artifact(tmp_path_factory.mktemp("toy"))
     spec = KVCacheSpec.model_validate(manifest_dict()["kv_cache"])
     return OrtExecutor(
-        path / "model.onnx", spec, num_blocks=8, block_size=4, max_position=256, num_threads=1
-    )
+        path / "model.onnx", BlockPools(spec, num_blocks=8, block_size=4), max_position=256,
+        num_threads=1)
 
 
 def test_executor_writes_the_pool_in_place_and_reads_it_back(executor):
@@ -83,7 +85,8 @@ def test_executor_rejects_a_graph_that_does_not_match_the_manifest(tmp_path):
         {"layers": [{"tensors": [{"name": "key", "dtype": "float32", "slot_shape": [1]}]}]}
     )
     with pytest.raises(ValueError, match=r"unexpected inputs \['past.0.value'\]"):
-        OrtExecutor(path / "model.onnx", spec, num_blocks=4, block_size=4, max_position=64)
+        OrtExecutor(path / "model.onnx", BlockPools(spec, num_blocks=4, block_size=4),
+                    max_position=64)
 
 
 def test_unknown_optimization_level_is_an_error(tmp_path):
@@ -92,16 +95,14 @@ def test_unknown_optimization_level_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="unknown graph optimization level 'fast'"):
         OrtExecutor(
             path / "model.onnx",
-            spec,
-            num_blocks=4,
-            block_size=4,
+            BlockPools(spec, num_blocks=4, block_size=4),
             max_position=64,
             optimization_level="fast",
         )
 
 
 def test_padding_groups_keep_decodes_apart_from_long_prefill_chunks():
-    from llmopt.runtime.executors.gathered import padding_groups
+    from llmopt.runtime.executors.ort import padding_groups
 
     assert padding_groups([1, 1, 1]) == [[0, 1, 2]]
     assert padding_groups([1, 512, 1, 1]) == [[1], [0, 2, 3]]
@@ -115,7 +116,7 @@ def test_padding_groups_keep_decodes_apart_from_long_prefill_chunks():
 
 def test_a_mixed_step_gives_the_logits_of_separate_steps(executor):
     """Prefill chunks and decodes split into several graph calls, logits in batch order."""
-    from llmopt.runtime.executors.gathered import select_sequences
+    from llmopt.runtime.executors.ort import select_sequences
 
     batch = StepBatch(
         token_ids=[[5], [1, 2, 3, 4, 5, 6, 7, 8], [9]],

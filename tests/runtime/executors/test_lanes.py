@@ -3,7 +3,8 @@
 import numpy as np
 
 from llmopt.runtime import contract
-from llmopt.runtime.executors.lanes import lane_inputs, plan_calls
+from llmopt.runtime.executors.inputs import lane_inputs
+from llmopt.runtime.executors.lanes import plan_calls
 from llmopt.runtime.executors.step_batch import SequenceStep, make_step_batch
 
 
