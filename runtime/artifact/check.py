@@ -12,9 +12,9 @@ import re
 from pathlib import Path
 
 from llmopt.runtime import contract as C
-from llmopt.runtime import onnx_signature
+from llmopt.runtime.artifact import onnx_signature
+from llmopt.runtime.artifact.onnx_signature import GraphSignature
 from llmopt.runtime.manifest import CacheTensor, KVCacheSpec, Manifest
-from llmopt.runtime.onnx_signature import GraphSignature
 
 _PAST_INPUT = re.compile(r"past\.(\d+)\.(.+)")
 

@@ -7,7 +7,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from llmopt.runtime.onnx_signature import ProtobufError, read_signature
+from llmopt.runtime.artifact.onnx_signature import ProtobufError, read_signature
 
 
 def onnx_signature(model: onnx.ModelProto):

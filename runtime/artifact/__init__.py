@@ -1,4 +1,5 @@
-"""Loading an artifact directory: its manifest, checked for format version and file hashes."""
+"""Loading an artifact directory: its manifest, checked for format version and file hashes
+(`check`: against its own graphs, read by `onnx_signature`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from llmopt.runtime.artifact_check import ManifestMismatch, check_manifest_against_graphs
+from llmopt.runtime.artifact.check import ManifestMismatch, check_manifest_against_graphs
 from llmopt.runtime.contract import FORMAT_VERSION
 from llmopt.runtime.manifest import MANIFEST_FILE, Manifest
 
