@@ -10,7 +10,6 @@ from llmopt.runtime.executors.choose import graph_executor, kernels_name
 from llmopt.runtime.executors.step_batch import Executor
 from llmopt.runtime.kv.manager import KVCacheManager
 from llmopt.runtime.kv.paging import cdiv
-from llmopt.runtime.kv.pools import BlockPools, KVPools
 from llmopt.runtime.manifest import KVCacheSpec, Manifest
 from llmopt.runtime.speculative.speculator import build_speculator
 from llmopt.runtime.tokenizer import Tokenizer
@@ -45,16 +44,6 @@ def kv_cache_manager_for(manifest: Manifest, config: EngineConfig) -> KVCacheMan
     lane_blocks = cdiv(config.max_context, config.block_size) if "lanes" in layouts else None
     return KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
                           lane_blocks)
-
-
-def attach_pools(kv_cache_manager: KVCacheManager, pools: KVPools) -> None:
-    """Keep a graph's pools in step with the manager: lanes' prefix-hit copies, and the rows
-    the blocks layout keeps per block (sinks, tails) dropped when a block is reused."""
-    if kv_cache_manager.lane_blocks is not None:
-        kv_cache_manager.copy_listeners.append(pools.copy_block)
-    if isinstance(pools, BlockPools):
-        kv_cache_manager.block_pool.reuse_listeners.append(pools.forget_block)
-        kv_cache_manager.block_pool.release_listeners.append(pools.release_block)
 
 
 def engine_config(manifest: Manifest, options: EngineOptions) -> EngineConfig:
@@ -109,7 +98,7 @@ def build_engine(path: Path, manifest: Manifest, tokenizer: Tokenizer,
             lane_blocks=kv_cache_manager.lane_blocks,
             max_position=max_position, num_threads=threads,
             optimization_level=options.optimization_level)
-        attach_pools(kv_cache_manager, executor.pools)
+        kv_cache_manager.attach(executor.pools)
         return executor
 
     target = executor_for("target", manifest.kv_cache, manifest.model.max_position)

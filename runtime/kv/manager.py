@@ -9,8 +9,8 @@ blocks; a running request owns one lane, and its block j is its lane's block j, 
 keys and values are contiguous and the graph's fused attention reads them in place (see
 `llmopt.runtime.contract`). Block ids, hashes, the prefix cache and preemption work as
 with free placement, with one difference: a prefix-cache hit held by another lane is
-copied into the request's own lane (every graph's pools, `copy_listeners`, at
-admission), which costs a memcpy instead of the prefill.
+copied into the request's own lane (every attached graph's pools, at admission),
+which costs a memcpy instead of the prefill.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import numpy as np
 
 from llmopt.runtime.kv.block_pool import Block, BlockPool, hash_block_tokens
 from llmopt.runtime.kv.paging import cdiv, lane_block, lane_position, num_lanes, slots_of
+from llmopt.runtime.kv.pools import BlockPools, KVPools
 from llmopt.runtime.request import Request
 
 CopyBlock = Callable[[int, int], None]  # (source block id, destination block id)
@@ -41,11 +42,22 @@ class KVCacheManager:
             self.num_lanes = num_lanes(num_blocks, lane_blocks)
             self.lanes: dict[str, int] = {}  # request id -> its lane
             self.free_lanes: set[int] = set(range(self.num_lanes))
-        self.copy_listeners: list[CopyBlock] = []  # every graph's KV pools (lanes copies)
+        self.pools: list[KVPools] = []  # every graph's KV pools (`attach`)
+        self.copy_listeners: list[CopyBlock] = []  # called for lanes' prefix-hit copies
         # How many leading blocks of each request are registered in the prefix cache, and
         # how many of those are marked as holding the draft model's KV too.
         self.num_cached_blocks: dict[str, int] = {}
         self.num_draft_marked_blocks: dict[str, int] = {}
+
+    def attach(self, pools: KVPools) -> None:
+        """Keep a graph's pools in step with the tables: lanes' prefix-hit copies, and the
+        rows the blocks layout keeps per block (sinks, tails) dropped when a block is reused."""
+        self.pools.append(pools)
+        if self.lane_blocks is not None:
+            self.copy_listeners.append(pools.copy_block)
+        if isinstance(pools, BlockPools):
+            self.block_pool.reuse_listeners.append(pools.forget_block)
+            self.block_pool.release_listeners.append(pools.release_block)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """Longest run of cached full blocks that starts the request's known tokens.
