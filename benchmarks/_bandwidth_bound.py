@@ -9,11 +9,18 @@ read whole. KV-cache reads grow with the context and are reported separately, pe
 from __future__ import annotations
 
 import json
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from _common import build_c_probe, probe_values
+
+READ_PROBE = Path(__file__).parent / "probes" / "probe_read_rate.c"
+READ_PROBE_FLAGS = ["-O2", "-fopenmp"]
 
 # (op type, input index) of ONNX inputs read one row per token: indexed by id or position.
 GATHERED_INPUTS = {
@@ -51,20 +58,19 @@ def _timed_reads(nbytes: int, repeats: int, read: Callable[[], Any], expected: A
 
 
 def native_read_bandwidth_gb_s(threads: int, mib: int, repeats: int) -> list[float] | None:
-    """GB/s of `repeats` reads of a `mib` MiB array by the native kernels' read loop (64-byte
-    loads, prefetched ahead, as the native step streams its weights; split over `threads`),
-    or None where this install has no native kernels."""
-    import numpy as np
-
-    from llmopt.runtime.native.library import kernels
-
-    lib = kernels()
-    if lib is None or not lib.llmopt_native_supported():
+    """GB/s of `repeats` reads of a `mib` MiB array by a loop like the native step's weight
+    stream (probes/probe_read_rate.c: 64-byte loads, prefetched ahead; split over `threads`),
+    or None where the probe cannot run (no C compiler, or a CPU without AVX-512)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            binary = build_c_probe(READ_PROBE, READ_PROBE_FLAGS, Path(tmp))
+        except (SystemExit, subprocess.CalledProcessError):
+            return None
+        result = subprocess.run([str(binary), str(mib), str(threads), str(repeats)],
+                                capture_output=True, text=True)
+    if result.returncode or len(result.stdout.split()) < 2:
         return None
-    data = np.ones(mib * 2**20, dtype=np.uint8)  # written once, so every page is resident
-    return _timed_reads(data.nbytes, repeats,
-                        lambda: lib.llmopt_native_read(data.ctypes.data, data.nbytes, threads),
-                        0x0101010101010101)  # the OR of every 8-byte word of ones
+    return list(probe_values(result.stdout).values())
 
 
 # ---- bytes per decode token ----------------------------------------------------------

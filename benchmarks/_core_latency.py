@@ -1,11 +1,9 @@
 """How far apart the cores a multi-thread run uses are: probe_core_latency.c's cache-line
 round trip between two threads pinned to the first two CPUs this process may use.
 
-On the 2-vCPU AMD EPYC VM of sessions 27-30 it reads ~55 ns for stretches of minutes and
-~330 ns for others (the host places the vCPUs apart), and a 2-thread batch-16 step of the
-native kernels takes ~1.3x as long in the second state while 1-thread runs do not move:
-bench_int4 runs the probe before and after every multi-thread worker and reports the
-batch-16 / batch-1 ratio round by round beside it.
+A VM's host may place its vCPUs near or apart for minutes at a time, which moves a
+multi-thread step and not a 1-thread one: bench_int4 runs the probe before and after every
+multi-thread worker and reports the batch-16 / batch-1 ratio round by round beside it.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import time
 import numpy as np
 from _common import RESULTS_DIR, machine_info, write_json
 
-from llmopt.runtime.native.library import kernels, use_amx
+from llmopt.runtime.native.library import amx_available, default_knobs, kernels
 from llmopt.runtime.native.weights import quantized_matrix
 
 SHAPES = {"qkv": (960, 576, 4), "o": (576, 576, 4), "gate_up": (3072, 576, 4),
@@ -44,11 +44,11 @@ def random_matrix(n: int, k: int, bits: int, block: int, rng: np.random.Generato
 
 
 def timed_ms(lib: ctypes.CDLL, matrix, x: np.ndarray, y: np.ndarray, threads: int,
-             calls: int) -> float:
+             calls: int, knobs) -> float:
     started = time.perf_counter()
     for _ in range(calls):
         lib.llmopt_linear(ctypes.byref(matrix), x.ctypes.data, x.shape[0], y.ctypes.data,
-                          threads)
+                          threads, knobs)
     return 1000 * (time.perf_counter() - started) / calls
 
 
@@ -60,9 +60,10 @@ def main() -> None:
                         help="columns per quantization block")
     args = parser.parse_args()
     lib = kernels()
-    if lib is None or not use_amx(True):
+    if lib is None or not amx_available():
         raise SystemExit("this install has no native kernels, or this CPU no AMX int8 tiles")
-    default_min_rows = lib.llmopt_native_amx_min_rows(1)
+    knobs = default_knobs()
+    knobs.amx_min_rows = 1
     rng = np.random.default_rng(0)
     rows_out = []
     print(f"{'projection':<14}{'rows':>6}{'VNNI ms':>10}{'AMX ms':>10}{'AMX/VNNI':>10}")
@@ -75,9 +76,9 @@ def main() -> None:
             best = {False: float("inf"), True: float("inf")}
             for round_ in range(10):
                 for amx in (False, True) if round_ % 2 else (True, False):
-                    use_amx(amx)
+                    knobs.amx = amx
                     best[amx] = min(best[amx], timed_ms(lib, matrix, x, outputs[amx],
-                                                        args.threads, calls))
+                                                        args.threads, calls, knobs))
             if not np.array_equal(outputs[False], outputs[True]):
                 raise SystemExit(f"{name} at {rows} rows: AMX and VNNI results differ")
             ratio = best[True] / best[False]
@@ -85,8 +86,6 @@ def main() -> None:
             rows_out.append({"projection": name, "n": n, "k": k, "bits": bits, "rows": rows,
                              "vnni_ms": best[False], "amx_ms": best[True],
                              "amx_over_vnni": ratio})
-    use_amx(True)
-    lib.llmopt_native_amx_min_rows(default_min_rows)
     name = "amx_projections" + ("" if args.block == 32 else f"_block{args.block}")
     write_json(RESULTS_DIR / f"{name}.json", {"machine": machine_info(), "threads": args.threads,
                                               "block": args.block, "rows": rows_out})

@@ -1,9 +1,9 @@
 """#14's batch-scaling line measured in pairs: batch 16's aggregate over batch 1's, each
 batch-16 run right after a batch-1 run in the same process, so both meet the same machine
 phase. bench_int4.py runs all of a system's batch sizes in one worker, one after another, and
-divides medians over rounds: on a VM whose memory speed swings 2x within seconds, batch 1
+divides medians over rounds: on a VM whose memory speed swings within seconds, batch 1
 (bound by memory) and batch 16 (bound by compute) can land in different phases, and that
-ratio then reads anywhere from 2.8x to 4.5x on one build (session 23).
+ratio then swings widely on one build.
 
     python benchmarks/batch_scaling_pairs.py ART [--threads 1] [--pairs 9] [--old OLD.so]
 

@@ -43,12 +43,12 @@ from _common import REPO_ROOT, RESULTS_DIR, machine_info
 from llmopt.compiler.calibration import calibration_windows
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.loader import load_checkpoint
+from llmopt.compiler.pass_manager import PassContext
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes import gqa_regroup
 from llmopt.passes.gqa_regroup.fit import fit_end_to_end
-from llmopt.passes.registry import PassContext
-from llmopt.runtime.tools.evaluate import windows_of
+from llmopt.runtime.evaluate import windows_of
 
 DATA = REPO_ROOT.parent / "shared" / "data"
 VALID, TEST = DATA / "wikitext2-valid.tokens.txt", DATA / "wikitext2-test.raw.txt"

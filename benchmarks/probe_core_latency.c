@@ -1,12 +1,10 @@
-/* How far apart two of this machine's cores are (#14, session 30): one cache line passed
+/* How far apart two of this machine's cores are (#14): one cache line passed
    back and forth between two threads pinned to the first two CPUs the process may use,
    the median round trip of 7 runs of 20,000 in nanoseconds, printed as
    "round_trip_ns VALUE" ("one_cpu 1" where the process has a single CPU).
 
-   On the 2-vCPU AMD EPYC VM of sessions 27-30 this reads ~55 ns for stretches and ~330 ns
-   for others (the host moves the vCPUs apart), and a 2-thread batch-16 step of the native
-   kernels takes ~1.3x as long in the second state: bench_int4 records it beside every
-   multi-thread run. */
+   A VM's host may move its vCPUs apart for minutes at a time, which slows a multi-thread
+   step: bench_int4 records the round trip beside every multi-thread run. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <sched.h>

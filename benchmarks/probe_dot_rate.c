@@ -1,4 +1,4 @@
-/* The int8 dot-product ceiling of this core (#14, session 27): VPDPBUSD issued as fast as
+/* The int8 dot-product ceiling of this core (#14): VPDPBUSD issued as fast as
    the core takes it, and the native step's 4-bit slice body (runtime/native/kernels.c's
    tile8_q4: unpack four vectors of nibbles into eight code vectors, then 64 dots of
    broadcast activation codes) on data in L1. Each chain variant runs `reps` passes of 12

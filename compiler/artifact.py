@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 
 from llmopt.compiler.ir import ModelIR
-from llmopt.compiler.lower import kv_cache_spec, lowering_options
+from llmopt.compiler.lower import LoweredGraph
 from llmopt.compiler.native_plan import native_plan
 from llmopt.compiler.onnx_graph import save_with_external_data
 from llmopt.compiler.preflight import check_output_directory
@@ -64,24 +64,24 @@ def _replace(staging: Path, out: Path) -> None:
 def write_artifact(
     directory: Path,
     ir: ModelIR,
-    graphs: dict[str, tuple[onnx.ModelProto, str]],
+    graphs: dict[str, LoweredGraph],
     recipe: Recipe,
     pass_reports: list[dict[str, Any]],
 ) -> Manifest:
-    """Write graphs (name -> (model, operator set)), tokenizer and manifest into `directory`."""
-    graph_specs = {}
-    for name, (model, operator_set) in graphs.items():
-        graph_specs[name] = save_graph(model, directory / f"{name}.onnx", operator_set)
+    """Write the lowered graphs ("target", and "draft" when the IR pairs a draft model),
+    tokenizer and manifest into `directory`."""
+    graph_specs = {name: save_graph(lowered, directory / f"{name}.onnx")
+                   for name, lowered in graphs.items()}
     for file, content in ir.tokenizer_files.items():
         (directory / file).write_bytes(content)
-    speculative = _speculative_spec(directory, ir, recipe)
+    speculative = _speculative_spec(directory, ir, recipe, graphs.get("draft"))
     for file in directory.iterdir():
         file.chmod(0o644)
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         model=_model_spec(ir, recipe),
         graphs=graph_specs,
-        kv_cache=kv_cache_spec(ir.arch, lowering_options(recipe, ir.arch).kv_layout),
+        kv_cache=graphs["target"].kv_cache,
         runtime=recipe.runtime.model_dump(),
         tokenizer=_tokenizer_spec(ir),
         generation=ir.generation_defaults,
@@ -96,7 +96,8 @@ def write_artifact(
     return manifest
 
 
-def _speculative_spec(directory: Path, ir: ModelIR, recipe: Recipe) -> SpeculativeSpec | None:
+def _speculative_spec(directory: Path, ir: ModelIR, recipe: Recipe,
+                      draft: LoweredGraph | None) -> SpeculativeSpec | None:
     """The manifest's `speculative` section; writes the draft's token map beside it."""
     bundle = ir.draft
     if bundle is None:
@@ -114,7 +115,7 @@ def _speculative_spec(directory: Path, ir: ModelIR, recipe: Recipe) -> Speculati
         spec["model"] = {
             "kind": bundle.kind,
             "graph": "draft",
-            "kv_cache": kv_cache_spec(arch, lowering_options(recipe, arch).kv_layout),
+            "kv_cache": draft.kv_cache,
             "vocab_size": arch.vocab_size,
             "max_position": min(arch.max_position, recipe.runtime.max_context),
             "token_map": token_map,
@@ -122,16 +123,16 @@ def _speculative_spec(directory: Path, ir: ModelIR, recipe: Recipe) -> Speculati
     return SpeculativeSpec.model_validate(spec)
 
 
-def save_graph(model: onnx.ModelProto, path: Path, operator_set: str) -> dict[str, Any]:
-    """Write a graph (weights in a file beside it) and return its manifest entry
+def save_graph(lowered: LoweredGraph, path: Path) -> dict[str, Any]:
+    """Write a lowered graph (weights in a file beside it) and return its manifest entry
     (`GraphSpec`'s fields), native plan included."""
+    model, options = lowered.model, lowered.options
     data_file = save_with_external_data(model, path)
-    props = {p.key: p.value for p in model.metadata_props}
     return {"file": path.name, "data_file": data_file, "opset": _opset(model),
-            "operator_set": operator_set, "nodes": len(model.graph.node),
-            "nodes_per_layer": int(props.get("llmopt.nodes_per_layer", 0)),
-            "nbits_accuracy_level": int(props.get("llmopt.nbits_accuracy_level", 0)),
-            "native": native_plan(model)}
+            "operator_set": options.operator_set, "nodes": len(model.graph.node),
+            "nodes_per_layer": lowered.nodes_per_layer,
+            "nbits_accuracy_level": options.nbits_accuracy_level,
+            "native": native_plan(model, options.nbits_accuracy_level).to_manifest()}
 
 
 def _opset(model: onnx.ModelProto) -> int:

@@ -21,6 +21,7 @@ import torch
 from onnx import numpy_helper
 
 from llmopt.compiler.ir import ArchSpec, LayerSpec, ModelIR, RopeSpec
+from llmopt.compiler.nf4 import read_codebook_linear
 from llmopt.compiler.quant_format import (
     QuantizedLinear,
     join_fractional_zeros,
@@ -89,8 +90,10 @@ def _quantized_nodes(graph: onnx.ModelProto) -> dict[str, dict]:
     nodes = {}
     for node in graph.graph.node:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        if node.op_type == "MatMulNBits":
+        if node.op_type in ("MatMulNBits", "MatMulBnb4"):
             nodes[node.input[1].removesuffix(".B")] = attrs
+        elif node.op_type == "Gather" and node.input[0].endswith(".codebook"):  # standard NF4
+            nodes[node.input[0].removesuffix(".codebook")] = attrs
         elif node.op_type == "DequantizeLinear" and node.input[0].endswith(".x"):
             nodes[node.input[0].removesuffix(".x")] = attrs
     return nodes
@@ -142,6 +145,8 @@ def _read_linear(ir: ModelIR, initializers: dict[str, np.ndarray], nodes: dict[s
 def _quantized(initializers: dict[str, np.ndarray], nodes: dict[str, dict],
                name: str) -> QuantizedLinear:
     attrs = nodes[name]
+    if f"{name}.absmax" in initializers or f"{name}.codebook" in initializers:
+        return read_codebook_linear(initializers, name, attrs)
     if f"{name}.B" in initializers:
         arrays = {key: initializers[f"{name}.{key}"] for key in ("B", "scales", "zero_points")
                   if f"{name}.{key}" in initializers}

@@ -26,6 +26,7 @@ entry, so the two may differ.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from llmopt.compiler.quant_format import QuantizedLinear
+from llmopt.compiler.weight_store import QuantizedStore, WeightStore
 from llmopt.runtime.tokenizer_spec import TokenizerSpec
 
 Activation = Literal["silu", "gelu_tanh"]
@@ -125,7 +127,7 @@ class ArchSpec:
 @dataclass
 class ModelIR:
     arch: ArchSpec
-    weights: dict[str, torch.Tensor]
+    weights: MutableMapping[str, torch.Tensor]  # a WeightStore: read on access
     source: str  # where the checkpoint came from
     tokenizer_files: dict[str, bytes] = field(default_factory=dict)  # name -> content
     # How the runtime tokenizes, as transformers does on the source (the manifest's section).
@@ -135,8 +137,16 @@ class ModelIR:
     # Linear name ("layers.0.q_proj", "lm_head") -> its integer weights. The float weight
     # in `weights` is kept equal to their dequantization, so the reference model computes
     # exactly what the quantized graph computes (fake quantization).
-    quantized: dict[str, QuantizedLinear] = field(default_factory=dict)
+    quantized: MutableMapping[str, QuantizedLinear] = field(default_factory=dict)
     draft: DraftBundle | None = None  # set by the `draft` pass; lowered as graph "draft"
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Weights given as a plain dict (tests, small sources) become the stores passes expect.
+        if name == "weights" and not isinstance(value, WeightStore):
+            value = WeightStore(overlay=value)
+        elif name == "quantized" and not isinstance(value, QuantizedStore):
+            value = QuantizedStore(dict(value))
+        super().__setattr__(name, value)
 
     @property
     def chat_template(self) -> str | None:
@@ -160,15 +170,18 @@ class ModelIR:
 
     def copy(self) -> ModelIR:
         """A new IR sharing tensors: passes rewrite the copy and leave their input intact."""
-        return dataclasses.replace(self, weights=dict(self.weights),
+        return dataclasses.replace(self, weights=self.weights.copy(),
                                    annotations=dict(self.annotations),
-                                   quantized=dict(self.quantized))
+                                   quantized=self.quantized.copy())
 
     def set_quantized(self, linear: str, q: QuantizedLinear) -> None:
-        self.quantized[linear] = q
+        """Record `linear`'s integer weights; its float weight becomes their dequantization,
+        computed when read (never a resident float copy)."""
+        store = self.quantized
+        store[linear] = q
         key = "embed_tokens" if linear == "lm_head" and self.arch.tie_word_embeddings else (
             f"{linear}.weight")
-        self.weights[key] = q.dequantize()
+        self.weights.set_lazy(key, lambda: store[linear].dequantize(), q.shape)
 
     def lm_head(self) -> torch.Tensor:
         if self.arch.tie_word_embeddings:
@@ -176,7 +189,7 @@ class ModelIR:
         return self.weights["lm_head.weight"]
 
     def num_parameters(self) -> int:
-        return sum(t.numel() for t in self.weights.values())
+        return self.weights.numel()
 
 
 @dataclass

@@ -37,6 +37,7 @@ from llmopt.compiler.source_tokenizer import (
     read_source_tokenizer,
 )
 from llmopt.compiler.tokenizer_check import check_tokenizer
+from llmopt.compiler.weight_store import SafetensorsSource, SourceTensor, WeightStore
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -61,6 +62,9 @@ def load_checkpoint(model: str) -> ModelIR:
         # AutoModel would need each format's own kernels package: read the tensors ourselves.
         state_dict, quantized = read_quantized_checkpoint(ref.location, dict(quantization))
         generation_config = _generation_config(ref.location, config)
+    elif (source := safetensors_source(ref, family, arch)) is not None:
+        # Read lazily, a tensor at a time, in the checkpoint's dtype until asked for.
+        state_dict, generation_config = source, _generation_config(ref.location, config)
     else:
         try:
             hf_model = AutoModelForCausalLM.from_pretrained(
@@ -69,7 +73,8 @@ def load_checkpoint(model: str) -> ModelIR:
         except NotImplementedError as exc:  # e.g. a GGUF combination transformers lacks
             raise UnsupportedModelError(f"transformers cannot load {model}: {exc}") from exc
         state_dict, generation_config = hf_model.state_dict(), hf_model.generation_config
-    weights = map_weights(state_dict, family, arch)
+    weights = (WeightStore(source=state_dict) if isinstance(state_dict, SafetensorsSource)
+               else map_weights(state_dict, family, arch))
     _check_eos(arch, generation_config)
     notes = generation_notes(tokenizer.hf, ref.location, ref.gguf_file, generation_config)
     ir = ModelIR(
@@ -174,6 +179,50 @@ def map_weights(
             tensor = tensor + family.norm_offset
         weights[name] = tensor
     return weights
+
+
+def safetensors_source(ref: CheckpointRef, family: ArchFamily,
+                       arch: ArchSpec) -> SafetensorsSource | None:
+    """A local directory's safetensors as IR weights read on access, or None when the
+    directory needs transformers to load it (other formats, renamed or missing tensors)."""
+    from safetensors import safe_open
+
+    directory = Path(ref.location)
+    files = sorted(directory.glob("*.safetensors")) if ref.gguf_file is None else []
+    if not directory.is_dir() or not files:
+        return None
+    tensors: dict[str, SourceTensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            keys = f.keys()
+            for key in keys:
+                try:
+                    name = _ir_name(key, family)
+                except UnsupportedModelError:
+                    return None  # let transformers say what it makes of the name
+                if name == "lm_head.weight" and arch.tie_word_embeddings:
+                    continue
+                offset = family.norm_offset if family.norm_offset and is_norm(name) else 0.0
+                shape = tuple(f.get_slice(key).get_shape())
+                tensors[name] = SourceTensor(file, key, shape, offset)
+    if not arch.tie_word_embeddings and "lm_head.weight" not in tensors:
+        return None
+    return SafetensorsSource(dict(sorted(tensors.items(), key=lambda kv: _model_order(kv[0]))))
+
+
+# A layer's tensors in the order transformers' modules register them.
+_LAYER_ORDER = tuple(f"{p}_proj.{s}" for p in "qkvo" for s in ("weight", "bias")) + (
+    "q_norm", "k_norm", "gate_proj.weight", "up_proj.weight", "down_proj.weight",
+    "attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")
+
+
+def _model_order(name: str) -> tuple[int, int, int]:
+    """The state dict's order (files sort by name): embedding, layers, final norm, head."""
+    if name.startswith("layers."):
+        index, rest = name.removeprefix("layers.").split(".", 1)
+        rank = _LAYER_ORDER.index(rest) if rest in _LAYER_ORDER else len(_LAYER_ORDER)
+        return (1, int(index), rank)
+    return ({"embed_tokens": 0, "final_norm": 2}.get(name, 3), 0, 0)
 
 
 def _ir_name(hf_name: str, family: ArchFamily) -> str:

@@ -1,14 +1,17 @@
-"""Lower ModelIR to one ONNX decoder graph with the paged-KV contract.
+"""Lower ModelIR once to an ONNX decoder graph with the paged-KV contract, returning what
+the artifact writer and the draft's measurement need of it (`LoweredGraph`).
 
-See `llmopt.runtime.contract` for the inputs and outputs. Attention gathers only the
-blocks named in the block tables, concatenates the step's own keys/values, and masks
-by context length, causality and sliding window. The mask is built once per step and
-shared by every layer with the same window.
+See `llmopt.runtime.contract` for the inputs and outputs. Blocks layout: attention gathers
+only the blocks named in the block tables, concatenates the step's own keys/values, and
+masks by context length, causality and sliding window (`masks`; each mask is built once
+per step and shared by every layer with the same window). Lanes layout: one
+GroupQueryAttention node per layer reads and appends each sequence's lane in place.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,7 +22,6 @@ from onnx import TensorProto
 from llmopt.compiler.ir import ArchSpec, LayerSpec, ModelIR
 from llmopt.compiler.kv_cache_format import (
     KVSide,
-    block_side,
     emit_block_decode,
     emit_block_encode,
     emit_decode,
@@ -30,7 +32,16 @@ from llmopt.compiler.kv_cache_format import (
     kv_sides,
     static_scale_initializer,
 )
+from llmopt.compiler.kv_layout import (
+    cache_tensors,
+    kv_cache_spec,
+    kv_layout_for,
+    sink_tensors,
+    tail_tensors,
+)
 from llmopt.compiler.lower_ops import OPERATOR_SETS, StandardOps
+from llmopt.compiler.masks import StepBlocks, additive_mask, sink_mask
+from llmopt.compiler.nf4 import codebook_matmul
 from llmopt.compiler.onnx_graph import MS_DOMAIN, NP_TO_ONNX, GraphBuilder
 from llmopt.compiler.quant_format import (
     QuantizedLinear,
@@ -41,12 +52,12 @@ from llmopt.compiler.quant_format import (
     split_fractional_zeros,
 )
 from llmopt.runtime import contract as C
+from llmopt.runtime.manifest import KVCacheSpec
 
 if TYPE_CHECKING:
     from llmopt.compiler.recipe import Recipe
 
 WEIGHT_DTYPES = {"float32": np.float32, "float16": np.float16}
-_NEG_INF = np.float32(-np.inf)
 
 
 @dataclass(frozen=True)
@@ -79,108 +90,44 @@ def lowering_options(recipe: Recipe, arch: ArchSpec) -> LoweringOptions:
     )
 
 
-def kv_layout_for(choice: str, operator_set: str, arch: ArchSpec) -> str:
-    """The KV layout a target gets: lanes wherever GroupQueryAttention can run the model
-    (`auto`), else blocks; asking for lanes where it cannot is an error naming why."""
-    reason = lanes_unsupported(operator_set, arch)
-    if choice == "auto":
-        return "blocks" if reason else "lanes"
-    if choice == "lanes" and reason:
-        raise ValueError(f"target.kv_layout: lanes {reason}")
-    return choice
+@dataclass(frozen=True)
+class LoweredGraph:
+    """A model lowered once: its graph, the options it was lowered with, and what the
+    manifest records of it."""
+
+    model: onnx.ModelProto
+    options: LoweringOptions
+    kv_cache: KVCacheSpec  # the manifest's `kv_cache` section for `options.kv_layout`
+    nodes_per_layer: int  # the most nodes a layer past the first takes
 
 
-def lanes_unsupported(operator_set: str, arch: ArchSpec) -> str | None:
-    """Why GroupQueryAttention cannot run this model in place (None: it can)."""
-    if operator_set != "onnxruntime":
-        return "needs the onnxruntime operator set (GroupQueryAttention is a contrib operator)"
-    for index, spec in enumerate(arch.layers):
-        if spec.kv_sink_tokens:
-            return ("needs no sink tokens (GroupQueryAttention attends to every position as "
-                    f"stored; layer {index} keeps {spec.kv_sink_tokens} unrounded)")
-        if not lane_storable(spec):
-            return ("needs float32, or int8/int4 with static channel scales on both sides "
-                    f"(layer {index} stores {spec.kv_dtype})")
-        if spec.num_heads % spec.num_kv_heads:
-            return f"needs query heads in whole groups per KV head (layer {index})"
-        if spec.head_dim % 16:  # ONNX Runtime's CPU kernel refuses other sizes
-            return f"needs a head size that is a multiple of 16 (layer {index}: {spec.head_dim})"
-    return None
-
-
-def lane_storable(spec: LayerSpec) -> bool:
-    """Whether ONNX Runtime's CPU GroupQueryAttention stores this layer's KV dtype in place:
-    float32 as is; float16, with the queries and the attention output in float16 too (the
-    node has one type; under float32 queries a float16 cache makes ONNX Runtime 1.32 rewrite
-    every row's lane from the step's first position to the end, clobbering idle lanes);
-    int8 and int4 (two codes a byte, low nibble first, code + 8: the static int4 of
-    kv_cache_format) with one static scale per channel."""
-    static = spec.kv_key_scales == "channel" and spec.kv_value_scales == "channel"
-    return spec.kv_dtype in ("float32", "float16") or (
-        spec.kv_dtype in ("int8", "int4") and static)
-
-
-def kv_cache_spec(arch: ArchSpec, layout: str) -> dict:
-    """The manifest's `kv_cache` section for a model lowered with `layout`."""
-    return {"layout": layout,
-            "layers": [{"tensors": cache_tensors(spec, layout), "sink": sink_tensors(spec),
-                        "tail": tail_tensors(spec)} for spec in arch.layers],
-            "sink_tokens": max(spec.kv_sink_tokens for spec in arch.layers),
-            "block_size": max((spec.kv_block_size for spec in arch.layers if spec.kv_block_size),
-                              default=None)}
-
-
-def sink_tensors(spec: LayerSpec) -> list[dict]:
-    """The manifest's sink tensors of one layer: its keys and values in float32 for the
-    first `kv_sink_tokens` positions (none when it keeps no sinks)."""
-    width = spec.num_kv_heads * spec.head_dim
-    return [{"name": name, "dtype": "float32", "slot_shape": [width]}
-            for name in ("key", "value")] if spec.kv_sink_tokens else []
-
-
-def tail_tensors(spec: LayerSpec) -> list[dict]:
-    """The manifest's tail tensors of one layer: its keys in float32 while their block
-    fills (per-block key scales only)."""
-    width = spec.num_kv_heads * spec.head_dim
-    return ([{"name": "key", "dtype": "float32", "slot_shape": [width]}]
-            if kv_sides(spec)[0].per_block else [])
+def lower(ir: ModelIR, recipe: Recipe, data_file: Path | None = None) -> LoweredGraph:
+    """Lower a model (the target, or its draft) as the recipe's target asks; with
+    `data_file`, weights stream into it layer by layer instead of staying in the graph."""
+    options = lowering_options(recipe, ir.arch)
+    lowering = _DecoderLowering(ir, options, data_file)
+    model = lowering.build()
+    kv_cache = KVCacheSpec.model_validate(kv_cache_spec(ir.arch, options.kv_layout))
+    return LoweredGraph(model, options, kv_cache, lowering.nodes_per_layer)
 
 
 def lower_to_onnx(ir: ModelIR, options: LoweringOptions) -> onnx.ModelProto:
     return _DecoderLowering(ir, options).build()
 
 
-def cache_tensors(spec: LayerSpec, layout: str = "blocks") -> list[dict]:
-    """The manifest's description of one layer's pool tensors (keys', then values').
-
-    Blocks: a slot holds all KV heads of a token side by side, [kv_heads * head_dim]
-    (packed for int4, plus per-group scales for dynamically scaled dtypes; see
-    kv_cache_format). Lanes: keys and values as the layer stores them (float32, float16,
-    or int8/int4 codes with static scales baked into the graph), [kv_heads, head_dim] per
-    token ([kv_heads, head_dim / 2] bytes for int4).
-    """
-    if layout == "lanes":
-        dtype = kv_sides(spec)[0].tensors()[0]["dtype"]  # the codes' dtype
-        dim = spec.head_dim // 2 if spec.kv_dtype == "int4" else spec.head_dim
-        return [{"name": name, "dtype": dtype, "slot_shape": [spec.num_kv_heads, dim]}
-                for name in ("key", "value")]
-    return [t for side in kv_sides(spec) for t in (
-        [{**b, "per": "block"} for b in block_side(side, spec.kv_block_size).tensors()]
-        if side.per_block else side.tensors())]
-
-
 class _DecoderLowering:
-    def __init__(self, ir: ModelIR, options: LoweringOptions):
+    def __init__(self, ir: ModelIR, options: LoweringOptions, data_file: Path | None = None):
         self.ir, self.arch, self.options = ir, ir.arch, options
         ops_type = OPERATOR_SETS[options.operator_set]
-        self.g = GraphBuilder("llmopt_decoder", ops_type.opset)
+        self.g = GraphBuilder("llmopt_decoder", ops_type.opset, data_file)
         self.ops: StandardOps = ops_type(self.g, self.arch.norm_eps)
         self._masks: dict[int | None, str] = {}
         self._sink_masks: dict[int, str] = {}
-        self._blocks: _StepBlocks | None = None  # per-block key scales: built once
+        self._blocks: StepBlocks | None = None  # per-block key scales: built once
         self._past_len: str | None = None  # gathered past positions M * block_size, [1]
         self._positions: str | None = None  # lanes: the step's positions, built once
         self.lanes = options.kv_layout == "lanes"
+        self.nodes_per_layer = 0  # set by build()
 
     def build(self) -> onnx.ModelProto:
         self._declare_io()
@@ -196,8 +143,9 @@ class _DecoderLowering:
         model = self.g.model()
         # Per-node overhead matters on a small CPU: record what each layer costs in nodes
         # (the first layer also builds the step's shared masks and rotary inputs).
+        self.nodes_per_layer = max(layer_nodes[1:], default=0)
         onnx.helper.set_model_props(model, {
-            "llmopt.nodes_per_layer": str(max(layer_nodes[1:], default=0)),
+            "llmopt.nodes_per_layer": str(self.nodes_per_layer),
             "llmopt.nbits_accuracy_level": str(self.options.nbits_accuracy_level),
         })
         return model
@@ -266,7 +214,7 @@ class _DecoderLowering:
     def _stored(self, name: str, array: np.ndarray) -> str:
         """Initializer in the storage dtype, cast to float32 for compute when narrower."""
         dtype = WEIGHT_DTYPES[self.options.weight_dtype]
-        stored = self.g.weight(name, array.astype(dtype))
+        stored = self.g.weight(name, array.astype(dtype, copy=False))
         if dtype == np.float32:
             return stored
         return self.g.op("Cast", [stored], name=name + ".f32", to=TensorProto.FLOAT)
@@ -290,6 +238,8 @@ class _DecoderLowering:
 
     def _quantized_matmul(self, x: str, name: str, q: QuantizedLinear) -> str:
         """x @ wᵀ for integer weights, in the form the target's operators take."""
+        if q.codebook is not None:  # NF4 / FP4
+            return codebook_matmul(self.g, self.ops.operator_set, x, name, q)
         if not q.integer_zeros():  # fractional zero points: symmetric codes + group offsets
             symmetric, offset = split_fractional_zeros(q)
             g, k = self.g, q.shape[1]
@@ -299,8 +249,8 @@ class _DecoderLowering:
             return g.op("Add", [self._quantized_matmul(x, name, symmetric), correction])
         form = self.options.quantized_matmul or self.ops.quantized_matmul
         if form == "matmul_nbits" and q.bits == 8 and self.options.nbits_accuracy_level == 0:
-            # ONNX Runtime's 8-bit MatMulNBits with float activations runs ~15x slower than
-            # a float32 MatMul here (measured on SmolLM2's shapes): exact float weights win.
+            # ONNX Runtime's 8-bit MatMulNBits with float activations is much slower than
+            # a float32 MatMul: exact float weights win.
             return self.g.op("MatMul", [x, self._stored(name, q.dequantize().numpy().T)])
         if form == "dequantize_linear":
             inputs = [self.g.weight(f"{name}.{key}", value)
@@ -334,6 +284,7 @@ class _DecoderLowering:
         float32 table in the artifact or in memory."""
         q = self.ir.quantized.get("lm_head")
         return (q is not None and self.arch.tie_word_embeddings and q.integer_zeros()
+                and q.codebook is None
                 and self.ops.operator_set == "onnxruntime"
                 and not q.shape[1] % q.group_size and not q.group_size & (q.group_size - 1))
 
@@ -533,18 +484,9 @@ class _DecoderLowering:
         return g.op("Where", [is_sink, unrounded, read], name=f"{tensor}s_with_sinks")
 
     def _sink_mask(self, sinks: int) -> str:
-        """Which of the keys attention reads are sink positions, [B, Lp + S, 1]; built once
-        per step."""
+        """Which of the keys attention reads are sink positions; built once per step."""
         if sinks not in self._sink_masks:
-            g = self.g
-            past_len = self._past_length()
-            past_pos = g.op("Range", [g.const(0), g.op("Squeeze", [past_len]), g.const(1)])
-            batch = g.op("Shape", [C.POSITION_IDS], start=0, end=1)
-            past_pos = g.op("Expand", [past_pos, g.op("Concat", [batch, past_len], axis=0)])
-            positions = g.op("Concat", [past_pos, C.POSITION_IDS], axis=1)  # [B, Lp + S]
-            is_sink = g.op("Less", [g.op("Unsqueeze", [positions, g.const([2])]),
-                                    g.const(sinks)], name="is_sink")
-            self._sink_masks[sinks] = is_sink
+            self._sink_masks[sinks] = sink_mask(self.g, self._past_length(), sinks)
         return self._sink_masks[sinks]
 
     def _block_scaled_kv(self, index: int, k: str, v: str, spec: LayerSpec
@@ -553,7 +495,7 @@ class _DecoderLowering:
         [complete past blocks | the step's blocks read back | the step's blocks unrounded].
 
         The step's blocks run from the one holding context_lens[b] on: the tail store's
-        rows of it, then the step's keys (`_StepBlocks`). A query sees past blocks and
+        rows of it, then the step's keys (`StepBlocks`). A query sees past blocks and
         earlier step blocks through their scales, its own block unrounded (the mask picks
         one copy of each key); values are stored per token as usual."""
         g, bs = self.g, spec.kv_block_size
@@ -575,9 +517,9 @@ class _DecoderLowering:
         values = g.op("Concat", [past_values, step_values, step_values], axis=1)
         return keys, values, step.mask(spec.sliding_window)
 
-    def _step_blocks(self, block_size: int) -> _StepBlocks:
+    def _step_blocks(self, block_size: int) -> StepBlocks:
         if self._blocks is None:
-            self._blocks = _StepBlocks(self.g, block_size, self._past_length())
+            self._blocks = StepBlocks(self.g, block_size, self._past_length())
         return self._blocks
 
     def _gathered(self, index: int, name: str, slot_shape: list[int]) -> str:
@@ -605,10 +547,7 @@ class _DecoderLowering:
     def _mask(self, window: int | None) -> str:
         """Additive mask [B, 1, S, L], built once per window size and shared by layers."""
         if window not in self._masks:
-            g = self.g
-            allowed = _AllowedKeys(g, self._past_length()).build(window)
-            bias = g.op("Where", [allowed, g.const(0.0, np.float32), g.const(_NEG_INF, np.float32)])
-            self._masks[window] = g.op("Unsqueeze", [bias, g.const([1])], name="mask")
+            self._masks[window] = additive_mask(self.g, self._past_length(), window)
         return self._masks[window]
 
     def _head(self, hidden: str) -> None:
@@ -629,128 +568,6 @@ class _DecoderLowering:
             logits = g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, cap])]), cap])
         g.op_into("Identity", [logits], [C.LOGITS])
 
-
-class _AllowedKeys:
-    """Which keys each query may see, [B, S, L] bool, L = gathered past + step tokens.
-
-    Past key p (its position, since blocks hold a sequence in order) is visible when
-    p < context_len and inside the window; the step's key j is visible to query i when
-    j <= i (index causality, so right padding never leaks) and inside the window.
-    """
-
-    def __init__(self, g: GraphBuilder, past_len: str):
-        self.g, self.past_len = g, past_len
-
-    def build(self, window: int | None) -> str:
-        g = self.g
-        q_pos = g.op("Unsqueeze", [C.POSITION_IDS, g.const([2])])  # [B, S, 1]
-        past = self._past(q_pos, window)
-        new = self._new(q_pos, window)
-        return g.op("Concat", [past, new], axis=2, name="allowed")
-
-    def _past(self, q_pos: str, window: int | None) -> str:
-        g = self.g
-        length = g.op("Squeeze", [self.past_len])
-        k_pos = g.op("Range", [g.const(0), length, g.const(1)])  # [Lp]
-        ctx = g.op("Unsqueeze", [C.CONTEXT_LENS, g.const([1, 2])])  # [B, 1, 1]
-        allowed = g.op("Less", [k_pos, ctx])  # [B, 1, Lp]
-        if window is not None:
-            allowed = g.op("And", [allowed, self._in_window(q_pos, k_pos, window)])
-        return self._expand(allowed, q_pos, length)
-
-    def _new(self, q_pos: str, window: int | None) -> str:
-        g = self.g
-        seq = g.op("Squeeze", [g.op("Shape", [C.INPUT_IDS], start=1, end=2)])
-        index = g.op("Range", [g.const(0), seq, g.const(1)])
-        causal = g.op("LessOrEqual", [index, g.op("Unsqueeze", [index, g.const([1])])])  # [S, S]
-        if window is not None:
-            k_pos = g.op("Unsqueeze", [C.POSITION_IDS, g.const([1])])  # [B, 1, S]
-            causal = g.op("And", [causal, self._in_window(q_pos, k_pos, window)])
-        return self._expand(causal, q_pos, seq)
-
-    def _in_window(self, q_pos: str, k_pos: str, window: int) -> str:
-        distance = self.g.op("Sub", [q_pos, k_pos])
-        return self.g.op("Less", [distance, self.g.const(window)])
-
-    def _expand(self, mask: str, q_pos: str, length: str) -> str:
-        """Broadcast to [B, S, length] so the two halves concatenate."""
-        g = self.g
-        batch_seq = g.op("Shape", [C.POSITION_IDS])
-        shape = g.op("Concat", [batch_seq, g.op("Unsqueeze", [length, g.const([0])])], axis=0)
-        return g.op("Expand", [mask, shape])
-
-
-class _StepBlocks:
-    """Where a step's blocks come from, and what each query sees, for per-block key scales.
-
-    Sequence b continues block c_b = context_lens[b] // bs, of which t_b = context_lens[b]
-    % bs rows are in the tail store. The step's blocks are A = ceil((max t + S) / bs) * bs
-    positions from c_b * bs: row a is the tail's row a (a < t_b) or the step's row a - t_b.
-    Keys are laid out [past M * bs | step blocks read back (A) | step blocks unrounded (A)].
-    """
-
-    def __init__(self, g: GraphBuilder, block_size: int, past_len: str):
-        self.g, self.bs, self.past_len = g, block_size, past_len
-        bs = g.const(block_size)
-        ctx = C.CONTEXT_LENS
-        self.t = g.op("Mod", [ctx, bs])  # [B] rows of the continued block in the tail
-        self.start = g.op("Sub", [ctx, self.t])  # [B] its first position
-        self.seq = g.op("Shape", [C.INPUT_IDS], start=1, end=2)  # [1]
-        rows = g.op("Add", [g.op("ReduceMax", [self.t], keepdims=1), self.seq])
-        blocks = g.op("Div", [g.op("Add", [rows, g.const([block_size - 1])]), bs])
-        self.length = g.op("Mul", [blocks, bs])  # [1] A
-        a = g.op("Range", [g.const(0), g.op("Squeeze", [self.length]), g.const(1)])
-        self.a = g.op("Unsqueeze", [a, g.const([0])])  # [1, A]
-        t = g.op("Unsqueeze", [self.t, g.const([1])])  # [B, 1]
-        in_tail = g.op("Less", [self.a, t])  # [B, A]
-        from_step = g.op("Sub", [self.a, t])  # the step's row, where not in the tail
-        self.key_index = self._rows(g.op("Where", [in_tail, self.a, g.op("Add", [
-            from_step, bs])]), g.op("Add", [self.seq, bs]))  # into [tail (bs) | step (S)]
-        start = g.op("Unsqueeze", [self.start, g.const([1])])
-        self.value_index = self._rows(g.op("Where", [in_tail, g.op("Add", [start, self.a]),
-                                                     g.op("Add", [from_step, self.past_len])]),
-                                      g.op("Add", [self.past_len, self.seq]))
-        self._masks: dict[int | None, str] = {}
-
-    def _rows(self, index: str, length: str) -> str:
-        """[B, A] row indices clipped into [0, length) as GatherND's [B, A, 1]."""
-        g = self.g
-        last = g.op("Sub", [length, g.const([1])])
-        clipped = g.op("Min", [g.op("Max", [index, g.const(0)]), last])
-        return g.op("Unsqueeze", [clipped, g.const([2])])
-
-    def aligned(self, x: str, index: str) -> str:
-        """x [B, L, W] gathered into the step's blocks, [B, A, W]."""
-        return self.g.op("GatherND", [x, index], batch_dims=1)
-
-    def mask(self, window: int | None) -> str:
-        """Additive [B, 1, S, M * bs + 2A], built once per window size."""
-        if window not in self._masks:
-            g = self.g
-            q_pos = g.op("Unsqueeze", [C.POSITION_IDS, g.const([2])])  # [B, S, 1]
-            start = g.op("Unsqueeze", [self.start, g.const([1, 2])])  # [B, 1, 1]
-            past_len = g.op("Squeeze", [self.past_len])
-            k_pos = g.op("Range", [g.const(0), past_len, g.const(1)])  # [Lp]
-            past = g.op("Less", [k_pos, start])  # complete blocks before the step's
-            a_pos = g.op("Add", [start, g.op("Unsqueeze", [self.a, g.const([0])])])  # [B,1,A]
-            causal = g.op("LessOrEqual", [a_pos, q_pos])  # [B, S, A]
-            block = g.const(self.bs)
-            earlier = g.op("Less", [g.op("Div", [a_pos, block]), g.op("Div", [q_pos, block])])
-            read = g.op("And", [causal, earlier])
-            unrounded = g.op("And", [causal, g.op("Not", [earlier])])
-            if window is not None:
-                past = g.op("And", [past, self._in_window(q_pos, k_pos, window)])
-                in_window = self._in_window(q_pos, a_pos, window)
-                read = g.op("And", [read, in_window])
-                unrounded = g.op("And", [unrounded, in_window])
-            shape = g.op("Concat", [g.op("Shape", [C.POSITION_IDS]), self.past_len], axis=0)
-            allowed = g.op("Concat", [g.op("Expand", [past, shape]), read, unrounded], axis=2)
-            bias = g.op("Where", [allowed, g.const(0.0, np.float32), g.const(_NEG_INF, np.float32)])
-            self._masks[window] = g.op("Unsqueeze", [bias, g.const([1])], name="block_mask")
-        return self._masks[window]
-
-    def _in_window(self, q_pos: str, k_pos: str, window: int) -> str:
-        return self.g.op("Less", [self.g.op("Sub", [q_pos, k_pos]), self.g.const(window)])
 
 
 def _np(tensor: torch.Tensor) -> np.ndarray:

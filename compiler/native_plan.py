@@ -15,8 +15,9 @@ to float16: `_quantized_kv` and `_float16_kv` read those chains). The plan is re
 saved graph itself, so it describes exactly what ONNX Runtime runs; a graph with anything
 else gets `{"unsupported": reason}` and the runtime keeps ONNX Runtime.
 
-A tensor is `{"dtype", "shape", "offset", "length"}` in the graph's weights file, or
-`{"dtype", "shape", "values"}` for one small enough to stay inside the ONNX file.
+The plan is typed (runtime/native/plan.py's NativePlan, or Unsupported); the manifest
+holds its `to_manifest()`. A tensor lies at an offset of the graph's weights file, or has
+its values inline when small enough to stay inside the ONNX file.
 """
 
 from __future__ import annotations
@@ -28,30 +29,51 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from llmopt.compiler.nf4 import FP4_CODE, NF4_CODE
 from llmopt.runtime import contract as C
+from llmopt.runtime.native.plan import (
+    EmbeddingRows,
+    LaneKV,
+    LayerPlan,
+    NativePlan,
+    QuantizedMatrix,
+    Tensor,
+)
+from llmopt.runtime.native.plan import (
+    Unsupported as UnsupportedPlan,
+)
 
 _BLOCKS = (32, 64, 128)  # the kernels' quantization blocks, for weights and activations
 _SLICE = 32  # the columns of the kernels' packed layout: every K is a multiple
 _VECTOR = 16  # float32 lanes of the kernels' vectors: every width is a multiple
 
 
+# MatMulBnb4's quant_type -> its code book (ONNX Runtime's built-in FP4 and NF4 tables).
+BNB4_CODEBOOKS = {0: tuple(FP4_CODE.tolist()), 1: tuple(NF4_CODE.tolist())}
+
+
 class Unsupported(Exception):
     pass
 
 
-def native_plan(model: onnx.ModelProto) -> dict[str, Any]:
-    """The plan of a saved graph (its initializers already moved to external data)."""
+def native_plan(model: onnx.ModelProto, accuracy_level: int | None = None
+                ) -> NativePlan | UnsupportedPlan:
+    """The plan of a saved graph (its initializers already moved to external data);
+    `accuracy_level`: the recipe's, which MatMulBnb4 nodes (float activations in the graph)
+    do not record: at 4 the native step runs them on int8 activations too."""
     try:
-        return _Planner(model.graph).plan()
+        return _Planner(model.graph, accuracy_level).plan()
     except Unsupported as reason:
-        return {"unsupported": str(reason)}
+        return UnsupportedPlan(str(reason))
 
 
 class _Planner:
-    def __init__(self, graph: onnx.GraphProto):
+    def __init__(self, graph: onnx.GraphProto, accuracy_level: int | None = None):
         self.nodes = list(graph.node)
         self.tensors = {t.name: t for t in graph.initializer}
-        self.by_weight = {n.input[1]: n for n in self.nodes if n.op_type == "MatMulNBits"}
+        self.by_weight = {n.input[1]: n for n in self.nodes
+                          if n.op_type in ("MatMulNBits", "MatMulBnb4")}
+        self.accuracy_level = accuracy_level
         self.producer = {out: n for n in self.nodes for out in n.output}
         self.consumers: dict[str, list[onnx.NodeProto]] = {}
         for n in self.nodes:
@@ -61,12 +83,12 @@ class _Planner:
         self.biases = {n.input[1]: self._bias(n) for n in self.by_weight.values()}
         self.head_norms: dict[str, tuple[str, str]] = {}  # attention output -> q, k norms
 
-    def plan(self) -> dict[str, Any]:
+    def plan(self) -> NativePlan:
         attention = [n for n in self.nodes if n.op_type == "GroupQueryAttention"]
         if not attention:
             raise Unsupported("not a lanes graph (no GroupQueryAttention)")
         layers = len(attention)
-        if any(_attrs(n).get("accuracy_level", 0) != 4 for n in self.by_weight.values()):
+        if any(self._accuracy_level(n) != 4 for n in self.by_weight.values()):
             raise Unsupported("float activations (nbits_accuracy_level 0): the native step "
                               "multiplies int8 activations")
         kv = [self._lane_kv(n) for n in attention]
@@ -77,20 +99,14 @@ class _Planner:
         eps = {round(_attrs(n)["epsilon"], 12) for n in norms}
         if len(eps) != 1:
             raise Unsupported(f"the norms use different epsilons {sorted(eps)}")
-        plan = {
-            "eps": eps.pop(), "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-            "attn_scale": scale, "rope": {"cos": self._tensor(cos), "sin": self._tensor(sin)},
-            "embed": self._embedding(),
-            "layers": [self._layer(i, kv[i], attention[i]) for i in range(layers)],
-            "final_norm": self._tensor("final_norm"),
-            "head": self._matmul(self._node_of("lm_head.B")),
-        }
-        if window is not None:  # runtime/native/library.py's unavailable_reason checks it
-            plan["window"] = window
-        hidden = plan["layers"][0]["o"]["n"]
-        plan["hidden"] = hidden
-        plan["intermediate"] = plan["layers"][0]["down"]["k"]
-        plan["vocab"] = plan["head"]["n"]
+        rope = (self._tensor(cos), self._tensor(sin))
+        embed = self._embedding()
+        planned = tuple(self._layer(i, kv[i], attention[i]) for i in range(layers))
+        final_norm, head = self._tensor("final_norm"), self._matmul(self._node_of("lm_head.B"))
+        hidden = planned[0].o.n
+        # a window: runtime/native/library.py's unavailable_reason checks it
+        plan = NativePlan(eps.pop(), heads, kv_heads, head_dim, scale, *rope, embed, planned,
+                          final_norm, head, hidden, planned[0].down.k, head.n, window)
         if hidden % _VECTOR or head_dim % _VECTOR or head_dim > 256:
             raise Unsupported(f"hidden size {hidden} or head_dim {head_dim} is not a multiple "
                               f"of {_VECTOR} (head_dim up to 256)")
@@ -98,7 +114,7 @@ class _Planner:
             raise Unsupported(f"{heads // kv_heads} query heads of {head_dim} share a KV head")
         return plan
 
-    def _check_node_counts(self, layers: int, quantized: list[dict[str, Any]]) -> None:
+    def _check_node_counts(self, layers: int, quantized: list[LaneKV]) -> None:
         offset = sum(o is not None for o in self.offsets.values())  # two MatMuls and an Add
         biases = sum(b is not None for b in self.biases.values())  # an Add each
         expected = Counter({
@@ -108,11 +124,11 @@ class _Planner:
             "Reshape": 1, "Identity": 1, "MatMul": 2 * offset})
         for kv in quantized:  # the chain `_quantized_kv` or `_float16_kv` read
             expected.update({"Split": 1, "RotaryEmbedding": 2})
-            if kv["bits"] == 16:
+            if kv.bits == 16:
                 expected.update({"Cast": 4})
             else:
                 expected.update({"Div": 2, "Round": 2, "Clip": 2, "Mul": 2})
-            if kv["rotation"]:
+            if kv.rotation is not None:
                 expected.update({"Reshape": 4, "MatMul": 2})
         if self.head_norms:  # per layer: a Reshape, a norm and a Reshape for each side
             expected.update({"Reshape": 4 * len(self.head_norms),
@@ -123,6 +139,7 @@ class _Planner:
             expected.update({"Add": 2, "Sub": 1, "Cast": 1, "Unsqueeze": 1, "Gather": 1,
                              "Shape": 1, "Range": 1, "Min": 1})
         counts = Counter(n.op_type for n in self.nodes)
+        counts["MatMulNBits"] += counts.pop("MatMulBnb4", 0)  # either form of a projection
         if counts["MatMul"] > expected["MatMul"]:
             raise Unsupported("float projections (MatMul): the native step multiplies int4/int8 "
                               "codes")
@@ -133,7 +150,7 @@ class _Planner:
                 op for op in expected if counts[op] != expected[op])
             raise Unsupported(f"a graph the native step does not know ({', '.join(extra)})")
 
-    def _attention(self, nodes: list[onnx.NodeProto], kv: list[dict[str, Any] | None]
+    def _attention(self, nodes: list[onnx.NodeProto], kv: list[LaneKV | None]
                    ) -> tuple[int, int, float, str, str, int | None]:
         """The attention nodes' shared shape, rotary tables and sliding window (None: none),
         noting Qwen3's head norms (head_norms) on the way."""
@@ -157,7 +174,7 @@ class _Planner:
             raise Unsupported("layers with different attention shapes or sliding windows")
         return shapes.pop()
 
-    def _lane_kv(self, node: onnx.NodeProto) -> dict[str, Any] | None:
+    def _lane_kv(self, node: onnx.NodeProto) -> LaneKV | None:
         """How a GroupQueryAttention node's lanes hold keys and values (None: float32)."""
         if "k_quant_type" in _attrs(node):
             return self._quantized_kv(node)
@@ -166,15 +183,14 @@ class _Planner:
             return self._float16_kv(node)
         return None
 
-    def _float16_kv(self, node: onnx.NodeProto) -> dict[str, Any]:
+    def _float16_kv(self, node: onnx.NodeProto) -> LaneKV:
         """A float16 lanes layer (lower.py's `_lane_attention`): the node's queries, keys and
         values cast to float16 after rotary (and rotation), its output cast back."""
         q, k, values = (self._uncast(name, onnx.TensorProto.FLOAT16) for name in node.input[:3])
         out = self.consumers.get(node.output[0], [])
         if len(out) != 1 or self._uncast(out[0].output[0]) != node.output[0]:
             raise Unsupported("a float16 attention output not cast back to float32")
-        return {"bits": 16, "key_scale": None, "value_scale": None,
-                "rotation": self._lane_rotation(node, q, k, values)}
+        return LaneKV(16, None, None, self._lane_rotation(node, q, k, values))
 
     def _uncast(self, name: str, to: int = onnx.TensorProto.FLOAT) -> str:
         """The input of the Cast to `to` that produces `name` (`name` if none does)."""
@@ -185,7 +201,7 @@ class _Planner:
             raise Unsupported(f"{name}: a cast to an unexpected type")
         return node.input[0]
 
-    def _quantized_kv(self, node: onnx.NodeProto) -> dict[str, Any]:
+    def _quantized_kv(self, node: onnx.NodeProto) -> LaneKV:
         """A quantized lanes layer (lower.py's `_lane_attention`): the queries and keys
         rotary-embedded (and rotated) from the Split of the fused projection, keys and values
         rounded to their codes with the static per-channel scales the node stores them with."""
@@ -201,11 +217,10 @@ class _Planner:
         for name in (key_scale, value_scale):
             if self.tensors[name].data_type != onnx.TensorProto.FLOAT:
                 raise Unsupported(f"{name} is not float32")
-        return {"bits": bits, "key_scale": self._tensor(key_scale),
-                "value_scale": self._tensor(value_scale), "rotation": rotation}
+        return LaneKV(bits, self._tensor(key_scale), self._tensor(value_scale), rotation)
 
     def _lane_rotation(self, node: onnx.NodeProto, queries: str, keys: str,
-                       values: str) -> dict[str, Any] | None:
+                       values: str) -> Tensor | None:
         """The rotation of the node's queries and keys, if any, once checked that they and
         the values come from one Split of the fused projection, the queries and keys
         rotary-embedded (and rotated) alike."""
@@ -296,43 +311,43 @@ class _Planner:
             return []
         return numpy_helper.to_array(tensor).reshape(-1).tolist()
 
-    def _embedding(self) -> dict[str, Any]:
+    def _embedding(self) -> Tensor | EmbeddingRows:
         gather = next(n for n in self.nodes if C.INPUT_IDS in n.input)
         if gather.op_type == "Gather":
-            return {"table": self._tensor(gather.input[0])}
+            return self._tensor(gather.input[0])
         attrs = _attrs(gather)
         if attrs.get("block_size") not in _BLOCKS or attrs.get("bits") not in (4, 8):
             raise Unsupported("a quantized embedding in blocks other than 32, 64 or 128")
         codes = self._dims(gather.input[0])
-        return {"codes": {"codes": self._tensor(gather.input[0]),
-                          "scales": self._tensor(gather.input[2]),
-                          "zeros": self._tensor(gather.input[3]) if len(gather.input) > 3
-                          and gather.input[3] else None,
-                          "bits": attrs["bits"], "block": attrs["block_size"], "n": codes[0],
-                          "k": codes[1] * 8 // attrs["bits"]}}
+        zeros = gather.input[3] if len(gather.input) > 3 and gather.input[3] else None
+        return EmbeddingRows(self._tensor(gather.input[0]), self._tensor(gather.input[2]),
+                             self._tensor(zeros) if zeros else None, attrs["bits"],
+                             attrs["block_size"], codes[0], codes[1] * 8 // attrs["bits"])
 
-    def _layer(self, i: int, kv: dict[str, Any] | None, attention: onnx.NodeProto
-               ) -> dict[str, Any]:
+    def _layer(self, i: int, kv: LaneKV | None, attention: onnx.NodeProto) -> LayerPlan:
         p = f"layers.{i}."
         norms = self.head_norms.get(attention.output[0])
-        return {
-            "attn_norm": self._tensor(p + "attn_norm"), "mlp_norm": self._tensor(p + "mlp_norm"),
-            "qkv": self._matmul(self._node_of(p + "q_proj_k_proj_v_proj.B")),
-            "o": self._matmul(self._node_of(p + "o_proj.B")),
-            "gate_up": self._matmul(self._node_of(p + "gate_proj_up_proj.B")),
-            "down": self._matmul(self._node_of(p + "down_proj.B")),
-            "kv": kv,  # None: float32 lanes
-            # RMS norms of each query and key head before rotary (Qwen3), or None
-            "q_norm": self._tensor(norms[0]) if norms else None,
-            "k_norm": self._tensor(norms[1]) if norms else None,
-        }
+        norm_tensors = (self._tensor(p + "attn_norm"), self._tensor(p + "mlp_norm"))
+        matrices = [self._matmul(self._node_of(p + weight)) for weight in (
+            "q_proj_k_proj_v_proj.B", "o_proj.B", "gate_proj_up_proj.B", "down_proj.B")]
+        # kv None: float32 lanes; norms: RMS norms of each query and key head (Qwen3)
+        return LayerPlan(*norm_tensors, *matrices, kv=kv,
+                         q_norm=self._tensor(norms[0]) if norms else None,
+                         k_norm=self._tensor(norms[1]) if norms else None)
 
     def _node_of(self, weight: str) -> onnx.NodeProto:
         if weight not in self.by_weight:
             raise Unsupported(f"no int-coded projection {weight.removesuffix('.B')}")
         return self.by_weight[weight]
 
-    def _matmul(self, node: onnx.NodeProto) -> dict[str, Any]:
+    def _accuracy_level(self, node: onnx.NodeProto) -> int | None:
+        if node.op_type == "MatMulBnb4":
+            return self.accuracy_level
+        return _attrs(node).get("accuracy_level", 0)
+
+    def _matmul(self, node: onnx.NodeProto) -> QuantizedMatrix:
+        if node.op_type == "MatMulBnb4":
+            return self._codebook_matmul(node)
         attrs = _attrs(node)
         if attrs["block_size"] not in _BLOCKS or attrs["bits"] not in (4, 8):
             raise Unsupported(f"{node.input[1]}: {attrs['bits']}-bit codes in blocks of "
@@ -346,12 +361,25 @@ class _Planner:
         if len(node.input) > 4 and any(node.input[4:]):
             raise Unsupported("MatMulNBits with g_idx or bias")
         offsets, bias = self.offsets.get(node.input[1]), self.biases.get(node.input[1])
-        return {"codes": self._tensor(node.input[1]), "scales": self._tensor(node.input[2]),
-                "zeros": self._tensor(zeros) if zeros else None,
-                "offsets": self._tensor(offsets) if offsets else None,
-                "bias": self._tensor(bias) if bias else None,
-                "bits": attrs["bits"], "block": attrs["block_size"], "n": attrs["N"],
-                "k": attrs["K"]}
+        return QuantizedMatrix(self._tensor(node.input[1]), self._tensor(node.input[2]),
+                               self._tensor(zeros) if zeros else None, attrs["bits"],
+                               attrs["block_size"], attrs["N"], attrs["K"],
+                               self._tensor(offsets) if offsets else None,
+                               self._tensor(bias) if bias else None)
+
+    def _codebook_matmul(self, node: onnx.NodeProto) -> QuantizedMatrix:
+        """MatMulBnb4 (NF4 or FP4 code book, runtime/native/codebook.py)."""
+        attrs = _attrs(node)
+        if attrs["block_size"] not in _BLOCKS or attrs["K"] % attrs["block_size"]:
+            raise Unsupported(f"{node.input[1]}: code-book blocks of {attrs['block_size']} "
+                              f"(the native step takes 32, 64, 128 dividing K)")
+        if attrs["K"] % _SLICE:
+            raise Unsupported(f"{node.input[1]}: K {attrs['K']} is not a multiple of {_SLICE}")
+        bias = self.biases.get(node.input[1])
+        return QuantizedMatrix(self._tensor(node.input[1]), self._tensor(node.input[2]), None, 4,
+                               attrs["block_size"], attrs["N"], attrs["K"], None,
+                               self._tensor(bias) if bias else None,
+                               BNB4_CODEBOOKS[attrs.get("quant_type", 1)])
 
     def _bias(self, node: onnx.NodeProto) -> str | None:
         """The float32 [N] initializer lower.py's `_linear` adds to the projection's output
@@ -387,17 +415,15 @@ class _Planner:
     def _dims(self, name: str) -> list[int]:
         return list(self.tensors[name].dims)
 
-    def _tensor(self, name: str) -> dict[str, Any]:
+    def _tensor(self, name: str) -> Tensor:
         if name not in self.tensors:
             raise Unsupported(f"no weight {name}")
         t = self.tensors[name]
-        record = {"dtype": np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).name,
-                  "shape": list(t.dims)}
+        dtype, shape = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).name, tuple(t.dims)
         external = {e.key: e.value for e in t.external_data}
         if external:
-            return {**record, "offset": int(external.get("offset", 0)),
-                    "length": int(external["length"])}
-        return {**record, "values": numpy_helper.to_array(t).reshape(-1).tolist()}
+            return Tensor(dtype, shape, int(external.get("offset", 0)), int(external["length"]))
+        return Tensor(dtype, shape, values=tuple(numpy_helper.to_array(t).reshape(-1).tolist()))
 
 
 def _attrs(node: onnx.NodeProto) -> dict[str, Any]:

@@ -2,20 +2,33 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+from onnx.external_data_helper import uses_external_data
 
 MS_DOMAIN = "com.microsoft"
+# Initializers at least this large (as `sys.getsizeof` counts their bytes, which is what
+# onnx's own converter compares) go to the weights file.
+EXTERNAL_THRESHOLD = 1024
 
 
 class GraphBuilder:
-    """Appends nodes with fresh output names; constants and weights become initializers."""
+    """Appends nodes with fresh output names; constants and weights become initializers.
 
-    def __init__(self, name: str, opset: int):
+    With `data_file`, each large initializer is appended to that file as it is added (the
+    layout `onnx.save_model(..., save_as_external_data=True)` would write), so a graph of
+    any size never holds its weights in memory.
+    """
+
+    def __init__(self, name: str, opset: int, data_file: Path | None = None):
         self.name, self.opset = name, opset
+        self.data_file = data_file
+        if data_file is not None:
+            data_file.write_bytes(b"")
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: dict[str, onnx.TensorProto] = {}
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -59,9 +72,34 @@ class GraphBuilder:
         raise KeyError(f"no node produces {value!r}")
 
     def weight(self, name: str, array: np.ndarray) -> str:
-        if name not in self.initializers:
-            self.initializers[name] = numpy_helper.from_array(np.ascontiguousarray(array), name)
+        if name in self.initializers:
+            return name
+        array = np.ascontiguousarray(array)
+        external = self.data_file is not None and (
+            array.nbytes + sys.getsizeof(b"") >= EXTERNAL_THRESHOLD)
+        if external and array.dtype in NP_TO_ONNX:  # written from the array: no bytes copy
+            tensor = onnx.TensorProto(name=name, dims=array.shape,
+                                      data_type=NP_TO_ONNX[array.dtype])
+            self._append_external(tensor, memoryview(array).cast("B"))
+        else:
+            tensor = numpy_helper.from_array(array, name)
+            if external:
+                self._append_external(tensor, tensor.raw_data)
+                tensor.ClearField("raw_data")
+        self.initializers[name] = tensor
         return name
+
+    def _append_external(self, tensor: onnx.TensorProto, data: bytes | memoryview) -> None:
+        with self.data_file.open("ab") as file:
+            offset = file.tell()
+            file.write(data)
+        # The entries onnx's `set_external_data` writes, in its order (it needs raw_data).
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        del tensor.external_data[:]
+        for key, value in (("location", self.data_file.name), ("offset", offset),
+                           ("length", len(data))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, str(value)
 
     def const(self, value: object, dtype: type = np.int64) -> str:
         array = np.asarray(value, dtype=dtype)
@@ -88,8 +126,14 @@ class GraphBuilder:
 
 
 def save_with_external_data(model: onnx.ModelProto, path: Path) -> str:
-    """Write `path` plus one weights file beside it (no 2 GB protobuf limit)."""
+    """Write `path` plus one weights file beside it (no 2 GB protobuf limit); a graph built
+    with its weights already streamed there is written as it is."""
     data_name = path.name + ".data"
+    if any(uses_external_data(t) for t in model.graph.initializer):
+        if not (path.parent / data_name).is_file():
+            raise FileNotFoundError(f"{path.parent / data_name}: the graph's weights file")
+        onnx.save_model(model, str(path))
+        return data_name
     onnx.save_model(
         model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
         location=data_name, size_threshold=1024,

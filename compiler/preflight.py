@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmopt.compiler.checkpoint_ref import CheckpointRef, resolve_checkpoint
-from llmopt.passes.registry import check_order
+from llmopt.compiler.memory_estimate import (
+    GIB,
+    CompileEstimate,
+    available_memory,
+    estimate_compile,
+    read_shape,
+)
+from llmopt.compiler.pass_registry import check_order
 from llmopt.runtime.manifest import MANIFEST_FILE
 
 if TYPE_CHECKING:
@@ -41,11 +49,54 @@ def check_pass_options(recipe: Recipe) -> None:
             check(recipe)
 
 
+class InsufficientResourcesError(MemoryError):
+    """A compile that would not fit this machine's memory or disk, refused before loading."""
+
+
+def check_resources(recipe: Recipe, ref: CheckpointRef, out: Path) -> None:
+    """Refuse, in one line, a compile whose estimated peak memory or output does not fit."""
+    shape = read_shape(ref)
+    if shape is None:  # no config.json to read (a GGUF file): the loader will tell
+        return
+    estimate = estimate_compile(recipe, ref, shape)
+    available = available_memory()
+    if estimate.peak_bytes > available:
+        raise InsufficientResourcesError(
+            f"compile refused before loading: it needs about {estimate.peak_bytes / GIB:.1f} "
+            f"GiB of memory ({estimate.summary()} GiB) and {available / GIB:.1f} GiB is "
+            f"available; {_advice(recipe, ref, estimate)}")
+    free = shutil.disk_usage(_existing_parent(out)).free
+    needed = 2 * estimate.output_bytes  # the artifact and the passes' scratch beside it
+    if needed > free:
+        raise InsufficientResourcesError(
+            f"compile refused before loading: it writes about {needed / GIB:.1f} GiB "
+            f"(artifact and scratch) beside {out} and {free / GIB:.1f} GiB is free there")
+
+
+def _advice(recipe: Recipe, ref: CheckpointRef, estimate: CompileEstimate) -> str:
+    if "whole model in float32" in estimate.parts:
+        return ("give a safetensors directory (read a layer at a time) instead of "
+                f"{ref.gguf_file or 'this checkpoint'}")
+    if "calibration activations" in estimate.parts:
+        return (f"lower calibration.samples (now {recipe.calibration.samples}) or "
+                f"calibration.seq_len (now {recipe.calibration.seq_len})")
+    return "free memory or use a machine with more"
+
+
+def _existing_parent(path: Path) -> Path:
+    path = path.resolve()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
 def check_recipe(recipe: Recipe, out: Path) -> CheckpointRef:
     """The passes' order constraints, their options against the recipe, their calibration
-    text, where the artifact goes, and where the checkpoint is."""
+    text, where the artifact goes, where the checkpoint is, and whether it fits."""
     check_order([step.name for step in recipe.passes])
     check_pass_options(recipe)
     check_calibration_text(recipe)
     check_output_directory(out)
-    return resolve_checkpoint(recipe.model)
+    ref = resolve_checkpoint(recipe.model)
+    check_resources(recipe, ref, out)
+    return ref

@@ -8,13 +8,22 @@ the KL divergence is defined over — E_p[log p - log q] on text drawn from p: K
 agreement there are unbiased estimates. Perplexity is not a text perplexity there (on its
 own samples a model's perplexity is exp of its entropy, and the increase is about
 exp(KL) - 1), so it is labelled as such, and a recipe's perplexity budget needs real text.
+
+Sampling is sequential: every sampled token reads every weight once. That is cheap for a
+small model held in memory and unaffordable at real sizes, where weights are read lazily
+layer by layer (a 1B model's read costs more than a whole forward over hundreds of
+tokens). So a model above `SAMPLING_MAX_PARAMETERS` is measured instead on the prose
+passages built into the package (`runtime.bench_text`), labelled as such. Every comparison
+runs layer-major: both models' layers are read once per probe for all windows, so the
+probe costs two reads of the model plus the forward over its few windows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.pass_registry import PASSES
 from llmopt.compiler.reference import KVCache, ReferenceModel
 from llmopt.compiler.weight_quant import intra_op_threads
 from llmopt.runtime.tools.evaluate import windows_of
@@ -29,7 +39,17 @@ from llmopt.runtime.tools.evaluate import windows_of
 if TYPE_CHECKING:
     from llmopt.compiler.recipe import Recipe
 
-PROGRESS_EVERY_S = 10.0  # a measurement takes minutes on SmolLM2: say how far it got
+PROGRESS_EVERY_S = 10.0  # a measurement takes minutes on a real model: say how far it got
+# Above this many parameters the model's own samples cost more than the compile (see the
+# module docstring): the built-in passages are measured instead.
+SAMPLING_MAX_PARAMETERS = 400_000_000
+# The built-in passages' probe: a fixed token budget, so its compute stays a small share
+# of a compile at every size (its two reads of the model cost about what one weight pass
+# costs to read it).
+PASSAGE_WINDOW, PASSAGE_WINDOWS = 128, 1
+# Logits held at once while comparing (each window's log-probabilities wait for the other
+# model's): bounds the probe's memory at large vocabularies.
+LOGITS_BUDGET_BYTES = 512 << 20
 SAMPLES = "samples"  # QualityProbe.kind of the model's own samples
 NO_PERPLEXITY = "none: the LM head keeps a subset of the vocabulary"  # `perplexity_on`
 
@@ -58,8 +78,23 @@ class QualityProbe:
                                  quality.eval_windows, quality.eval_seq_len, log)
             if probe is not None:
                 return probe
+        if parameter_count(ir) > SAMPLING_MAX_PARAMETERS:
+            return cls.from_passages(ir, PASSAGE_WINDOWS, log)
         return cls.from_samples(ir, quality.sampled_sequences, quality.sampled_tokens,
                                 quality.seed, log)
+
+    @classmethod
+    def from_passages(cls, ir: ModelIR, windows: int,
+                      log: Callable[[str], None] | None = None) -> QualityProbe:
+        """Up to `windows` windows of the prose passages built into the package."""
+        from llmopt.runtime.bench_text import PASSAGES
+
+        ids = ir.text_tokenizer().encode("\n\n".join(PASSAGES), add_special_tokens=False).ids
+        length = min(PASSAGE_WINDOW, ir.arch.max_position, len(ids))
+        chosen = windows_of(ids, length, windows, source="the built-in passages")
+        return cls(chosen, log, f"{len(chosen)} windows of {length} tokens of the built-in "
+                   f"English passages (the model is too large to sample: set "
+                   f"quality.eval_text to measure on your own text)")
 
     @classmethod
     def from_text(cls, ir: ModelIR, text_file: str | Path, windows: int, seq_len: int,
@@ -100,26 +135,24 @@ class QualityProbe:
         whose LM head keeps a subset of the vocabulary (a draft's, `head_vocab`) has logits
         rows that are not token ids: KL and top-1 compare its rows, and perplexity, which
         needs the text's next token, is not measured."""
-        ref, new = ReferenceModel(before, len(self.windows[0])), ReferenceModel(after,
-                                                                                len(self.windows[0]))
-        rows_are_ids = before.lm_head().shape[0] == before.weights["embed_tokens"].shape[0]
+        length = len(self.windows[0])
+        ref, new = ReferenceModel(before, length), ReferenceModel(after, length)
         nll_before = nll_after = kl = agree = 0.0
         count = 0
+        rows_are_ids = True
         progress = _Progress(self.log, len(self.windows), "windows",
-                             f"measuring {len(self.windows)} windows of {len(self.windows[0])} "
-                             "tokens (the pass's input and output models)")
-        for window in self.windows:
-            ids = torch.tensor([window])
-            logp = torch.log_softmax(ref.forward(ids)[0, :-1], dim=-1)
-            logq = torch.log_softmax(new.forward(ids)[0, :-1], dim=-1)
-            if rows_are_ids:
-                targets = torch.tensor(window[1:])[:, None]
-                nll_before -= logp.gather(1, targets).sum().item()
-                nll_after -= logq.gather(1, targets).sum().item()
-            kl += (logp.exp() * (logp - logq)).sum().item()
-            agree += (logp.argmax(-1) == logq.argmax(-1)).sum().item()
-            count += len(window) - 1
-            progress.done_one()
+                             f"measuring {len(self.windows)} windows of {length} tokens "
+                             "(the pass's input and output models)")
+        for chunk in self._final_logits(ref, new):
+            for window, logp, logq, rows_are_ids in chunk:
+                if rows_are_ids:
+                    targets = torch.tensor(window[1:])[:, None]
+                    nll_before -= logp.gather(1, targets).sum().item()
+                    nll_after -= logq.gather(1, targets).sum().item()
+                kl += (logp.exp() * (logp - logq)).sum().item()
+                agree += (logp.argmax(-1) == logq.argmax(-1)).sum().item()
+                count += len(window) - 1
+                progress.done_one()
         quality: dict[str, float | str | None] = {
             "ppl_before": None, "ppl_after": None, "ppl_increase_pct": None,
             "kl": round(kl / count, 5),
@@ -135,12 +168,54 @@ class QualityProbe:
                            perplexity_on="model samples" if self.kind == SAMPLES else "text")
         return quality
 
+    def _final_logits(self, ref: ReferenceModel, new: ReferenceModel) -> Iterator[list]:
+        """Chunks of (window, log p, log q, whether logits rows are token ids): both models
+        run layer-major over every window (each layer read once), then their heads score a
+        few windows at a time (each head read once per chunk)."""
+        length = len(self.windows[0])
+        positions = torch.arange(length)
+        ids = [torch.tensor([window]) for window in self.windows]
+        hidden = []
+        for model in (ref, new):
+            with model.holding(["embed_tokens"]):
+                embed_rows = model.weight("embed_tokens").shape[0]
+                hidden.append([model.embed(i) for i in ids])
+        progress = _Progress(self.log, ref.arch.num_layers, "layers")
+        for layer in range(ref.arch.num_layers):
+            hidden = [m.run_layers(h, positions, layer, layer + 1)
+                      for m, h in zip((ref, new), hidden, strict=True)]
+            progress.done_one(final=False)
+        per_window = 4 * length * ref.arch.vocab_size
+        size = max(1, LOGITS_BUDGET_BYTES // per_window)
+        for start in range(0, len(ids), size):
+            with ref.holding_head():
+                rows_are_ids = embed_rows == _head(ref).shape[0]
+                logps = [torch.log_softmax(ref.logits(h)[0, :-1], dim=-1)
+                         for h in hidden[0][start:start + size]]
+            with new.holding_head():
+                logqs = [torch.log_softmax(new.logits(h)[0, :-1], dim=-1)
+                         for h in hidden[1][start:start + size]]
+            yield [(w, p, q, rows_are_ids) for w, p, q in zip(
+                self.windows[start:start + size], logps, logqs, strict=True)]
+
+
+def _head(model: ReferenceModel) -> torch.Tensor:
+    return model.weight("embed_tokens" if model.arch.tie_word_embeddings else "lm_head.weight")
+
+
+def parameter_count(ir: ModelIR) -> int:
+    """The model's parameters, from its shapes alone (no weight is read)."""
+    arch = ir.arch
+    total = arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
+    for spec in arch.layers:
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        total += arch.hidden_size * (2 * q + 2 * kv + 3 * arch.intermediate_size)
+    return total
+
 
 def calibration_span(recipe: Recipe) -> int:
     """Tokens at the start of calibration.text that the recipe's passes may read: every
     calibration window, if any pass calibrates (the registry's `calibrates`)."""
-    from llmopt.passes.registry import PASSES
-
     if not any(PASSES[step.name].calibrates for step in recipe.passes):
         return 0
     return recipe.calibration.samples * recipe.calibration.seq_len
@@ -156,6 +231,11 @@ def sample_sequences(ir: ModelIR, sequences: int, tokens: int, seed: int,
     start = arch.bos_token_id if arch.bos_token_id is not None else (
         arch.eos_token_ids[0] if arch.eos_token_ids else 0)
     model, cache = ReferenceModel(ir, tokens), KVCache()
+    # Every token reads every weight: a model already in memory is held as it is (its
+    # quantized linears dequantized once); a streamed one is read per step, one layer at
+    # a time (SAMPLING_MAX_PARAMETERS bounds that cost).
+    streamed = getattr(ir.weights, "source", None) is not None
+    held = contextlib.nullcontext() if streamed else model.holding(list(ir.weights))
     generator = torch.Generator().manual_seed(seed)
     columns = [torch.full((sequences, 1), start, dtype=torch.int64)]
     banned = [i for i in arch.eos_token_ids if i < arch.vocab_size]
@@ -163,9 +243,8 @@ def sample_sequences(ir: ModelIR, sequences: int, tokens: int, seed: int,
                          opening=f"sampling {sequences} sequences of {tokens} tokens from "
                                  f"the input model (seed {seed}), to measure on")
     # One token per sequence a step is many small ops: torch's thread pool costs more than
-    # it gives there, and on shared cores it collapses (SmolLM2, batch 16, load 3.8:
-    # 146-496 ms a step on one thread, 2.9-4.7 s on two).
-    with intra_op_threads(1):
+    # it gives there, and on shared cores it collapses.
+    with intra_op_threads(1), held:
         logits = model.forward(columns[0], cache, all_logits=False)
         for _ in range(tokens - 1):
             logits[:, banned] = -math.inf
@@ -181,16 +260,17 @@ class _Progress:
     """`quality: i/n <unit>` lines: at the start, every PROGRESS_EVERY_S, and at the end."""
 
     def __init__(self, log: Callable[[str], None] | None, total: int, unit: str,
-                 opening: str):
+                 opening: str | None = None):
         self.log, self.total, self.unit, self.done = log, total, unit, 0
         self.started = self.last = time.perf_counter()
-        if log is not None:
+        if log is not None and opening is not None:
             log(f"      quality: {opening}")
 
-    def done_one(self) -> None:
+    def done_one(self, final: bool = True) -> None:
+        """One more done; `final`: say so when it is the last (else only every few s)."""
         self.done += 1
         now = time.perf_counter()
-        if self.log is not None and (self.done == self.total
+        if self.log is not None and ((final and self.done == self.total)
                                      or now - self.last >= PROGRESS_EVERY_S):
             self.log(f"      quality: {self.done}/{self.total} {self.unit}, "
                      f"{now - self.started:.0f} s")

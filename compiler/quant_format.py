@@ -27,6 +27,8 @@ class QuantizedLinear:
     scales: torch.Tensor  # float32 [N, G], G = ceil(K / group_size)
     zeros: torch.Tensor  # float32 [N, G]
     symmetric: bool
+    # A 16-value code book (NF4, FP4: compiler/nf4.py): w = codebook[code] * scale, zeros 0.
+    codebook: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -35,6 +37,8 @@ class QuantizedLinear:
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] these codes stand for."""
         scales = expand_groups(self.scales, self.group_size, self.codes.shape[1])
+        if self.codebook is not None:
+            return self.codebook[self.codes.long()] * scales
         zeros = expand_groups(self.zeros, self.group_size, self.codes.shape[1])
         return (self.codes.float() - zeros) * scales
 
@@ -71,8 +75,7 @@ def quant_params(
         # The group's extreme (largest magnitude, with its sign) takes code 0, i.e. -half:
         # the scale is negative when the extreme is positive. Codes span [-half, half), so
         # the extreme's side gets all `half` levels; absmax / (half - 0.5) would waste half a
-        # level on each side (llama.cpp's Q4_0 rule; 15 % lower perplexity for SmolLM2 RTN
-        # g32, benchmarks/probe_symmetric_scales.py).
+        # level on each side (llama.cpp's Q4_0 rule; benchmarks/probes/probe_symmetric_scales.py).
         half = 2 ** (bits - 1)
         extreme = torch.where(w_max.abs() >= w_min.abs(), w_max, w_min)
         scales = extreme / -half
@@ -108,13 +111,18 @@ def concat_outputs(parts: list[QuantizedLinear]) -> QuantizedLinear:
     """Stack linears along N (fused QKV or gate/up): same bits and groups along K."""
     first = parts[0]
     if any((p.bits, p.group_size, p.shape[1]) != (first.bits, first.group_size, first.shape[1])
-           for p in parts):
-        raise ValueError("fused projections need the same bits, group size and input width")
+           or not _same_codebook(p.codebook, first.codebook) for p in parts):
+        raise ValueError("fused projections need the same bits, group size, code book and "
+                         "input width")
     return QuantizedLinear(
         first.bits, first.group_size,
         torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-        torch.cat([p.zeros for p in parts]), all(p.symmetric for p in parts),
+        torch.cat([p.zeros for p in parts]), all(p.symmetric for p in parts), first.codebook,
     )
+
+
+def _same_codebook(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
 def split_fractional_zeros(q: QuantizedLinear) -> tuple[QuantizedLinear, np.ndarray]:
@@ -144,6 +152,7 @@ def pack_matmul_nbits(q: QuantizedLinear) -> dict[str, np.ndarray]:
     otherwise (correct, but a slow path in ONNX Runtime: see split_fractional_zeros).
     Codes are packed low bits first along K; the short last block is padded with zero
     codes, which the kernel never reads past K."""
+    _integer_codes(q)
     n, k = q.shape
     k_blocks = -(-k // q.group_size)
     codes = np.zeros((n, k_blocks * q.group_size), dtype=np.uint8)
@@ -158,6 +167,11 @@ def pack_matmul_nbits(q: QuantizedLinear) -> dict[str, np.ndarray]:
         arrays["zero_points"] = (_pack_zero_points(q.zeros.numpy(), q.bits)
                                  if q.integer_zeros() else q.zeros.numpy().astype(np.float32))
     return arrays
+
+
+def _integer_codes(q: QuantizedLinear) -> None:
+    if q.codebook is not None:
+        raise ValueError("code-book weights (NF4/FP4) have no integer-code packing: see nf4.py")
 
 
 def _pack_zero_points(zeros: np.ndarray, bits: int) -> np.ndarray:
@@ -182,6 +196,7 @@ def pack_dequantize_linear(q: QuantizedLinear) -> dict[str, np.ndarray]:
     zero points. Fractional zero points have no DequantizeLinear form: split them first
     (split_fractional_zeros).
     """
+    _integer_codes(q)
     if not q.integer_zeros():
         raise ValueError("DequantizeLinear needs integer zero points")
     codes = q.codes.numpy().T.astype(np.int16)
@@ -252,4 +267,4 @@ def join_fractional_zeros(q: QuantizedLinear, offset: np.ndarray) -> QuantizedLi
 def slice_outputs(q: QuantizedLinear, start: int, stop: int) -> QuantizedLinear:
     """Rows start..stop of a fused linear (concat_outputs's inverse, one part)."""
     return QuantizedLinear(q.bits, q.group_size, q.codes[start:stop], q.scales[start:stop],
-                           q.zeros[start:stop], q.symmetric)
+                           q.zeros[start:stop], q.symmetric, q.codebook)

@@ -1,5 +1,6 @@
-"""Pre-quantized Hugging Face checkpoints: AutoAWQ (GEMM), GPTQ (v1, v2) and
-compressed-tensors `pack-quantized`, read into QuantizedLinear and written back out.
+"""Pre-quantized Hugging Face checkpoints: AutoAWQ (GEMM), GPTQ (v1, v2),
+compressed-tensors `pack-quantized` and bitsandbytes 4-bit (NF4/FP4, read only: see
+compiler/nf4.py), read into QuantizedLinear and written back out.
 
 Every format holds the numbers QuantizedLinear holds, w = (q - zero) * scale with unsigned
 codes, in int32 words filled low bits first, 32 / bits values each (pf). They differ in
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from llmopt.compiler.architectures import UnsupportedModelError
+from llmopt.compiler.nf4 import BNB_TENSORS, check_bnb_config, from_bnb
 from llmopt.compiler.quant_format import QuantizedLinear
 
 Tensors = dict[str, torch.Tensor]
@@ -80,6 +82,8 @@ def _integer_zeros(q: QuantizedLinear, name: str, fmt: str) -> torch.Tensor:
 
 
 def _whole_groups(q: QuantizedLinear, name: str, fmt: str) -> None:
+    if q.codebook is not None:
+        raise ValueError(f"{name}: code-book (NF4/FP4) weights cannot be stored as {fmt}")
     if q.shape[1] % q.group_size:
         raise ValueError(f"{name}: {fmt} needs the input width {q.shape[1]} to be a multiple "
                          f"of the group size {q.group_size} (choose a group size that divides it)")
@@ -181,6 +185,7 @@ _MODULE_TENSORS = {
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
     "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point",
                            "weight_shape", "weight_g_idx"),
+    "bitsandbytes": BNB_TENSORS,
 }
 Reader = Callable[[str, Tensors], QuantizedLinear]
 
@@ -270,8 +275,14 @@ def _matches(module: str, target: str) -> bool:
     return target == "Linear" or target == module
 
 
+def _bnb_reader(config: dict[str, Any]) -> Reader:
+    check_bnb_config(config)
+    return lambda name, t: from_bnb(t, name)
+
+
 _READERS: dict[str, Callable[[dict[str, Any]], Reader]] = {
     "awq": _awq_reader, "gptq": _gptq_reader, "compressed-tensors": _compressed_reader,
+    "bitsandbytes": _bnb_reader,
 }
 
 

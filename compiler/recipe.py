@@ -16,7 +16,7 @@ from pydantic import (
     model_validator,
 )
 
-from llmopt.passes.registry import PASSES, PassStep, known_passes, validate_pass
+from llmopt.compiler.pass_registry import PASSES, PassStep, known_passes, validate_pass
 from llmopt.runtime.manifest import RuntimeDefaults
 
 
@@ -58,8 +58,8 @@ class QualityConfig(_Strict):
     # printed and stored in the manifest; `measure: false` turns it off.
     measure: bool = True
     # Budget for each lossy pass, in % perplexity. Default None: no budget — the cost is
-    # measured, printed and stored, never fails the compile (int4 weights cost SmolLM2-135M
-    # about 15-40 %, so a budget is a measured choice, not a constant). A budget needs
+    # measured, printed and stored, never fails the compile (what int4 weights cost depends
+    # on the model, so a budget is a measured choice, not a constant). A budget needs
     # real text (eval_text or calibration.text): the perplexity of the model's own samples
     # is not a text perplexity.
     max_ppl_increase_pct: float | None = Field(None, ge=0)

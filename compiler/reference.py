@@ -1,12 +1,15 @@
 """A small torch decoder over ModelIR: the numerical reference and the calibration model.
 
-Everything it needs is in the IR; it never touches transformers. Passes hook into it
-by calling `layer_forward` layer by layer (see `decoder_layers`).
+Everything it needs is in the IR; it never touches transformers. It holds no weights of
+its own: each is read from `ir.weights` by name when used, or once per layer inside
+`holding_layer` (what `run_layers` and calibration do), so a forward over many windows
+reads each layer once and never has the whole model in float32 at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +61,47 @@ class ReferenceModel:
             None)
         positions = max_position or self.arch.max_position
         self.rope_tables = {name: r.tables(positions) for name, r in self.arch.ropes.items()}
+        self._held: dict[str, torch.Tensor] = {}  # weights read once for a scope (holding)
+
+    @contextmanager
+    def holding(self, names: Iterable[str]) -> Iterator[None]:
+        """Read the weights `names` once and use them inside the block; released after."""
+        previous = self._held
+        self._held = {**previous, **{n: self.ir.weights[n] for n in names
+                                     if n in self.ir.weights}}
+        try:
+            yield
+        finally:
+            self._held = previous
+
+    def holding_layer(self, index: int):
+        """`holding` every weight of decoder layer `index`."""
+        prefix = f"layers.{index}."
+        return self.holding([n for n in self.ir.weights if n.startswith(prefix)])
+
+    def holding_head(self):
+        """`holding` the final norm and the LM head (the tied embedding when tied)."""
+        head = "embed_tokens" if self.arch.tie_word_embeddings else "lm_head.weight"
+        return self.holding(["final_norm", head])
+
+    def weight(self, name: str) -> torch.Tensor:
+        held = self._held.get(name)
+        return held if held is not None else self.ir.weights[name]
+
+    def weight_or_none(self, name: str) -> torch.Tensor | None:
+        held = self._held.get(name)
+        return held if held is not None else self.ir.weights.get(name)
+
+    @torch.no_grad()
+    def run_layers(self, hidden: list[torch.Tensor], positions: torch.Tensor, start: int = 0,
+                   stop: int | None = None) -> list[torch.Tensor]:
+        """Each of `hidden` ([batch, seq, hidden] entering layer `start`) through layers
+        start..stop, layer-major: each layer's weights are read once for all of them, and
+        each tensor is computed exactly as a per-tensor forward would."""
+        for index in range(start, self.arch.num_layers if stop is None else stop):
+            with self.holding_layer(index):
+                hidden = [self.layer_forward(index, h, positions, None) for h in hidden]
+        return hidden
 
     @torch.no_grad()
     def forward(
@@ -74,14 +118,15 @@ class ReferenceModel:
         return self.logits(hidden)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = F.embedding(input_ids, self.ir.weights["embed_tokens"])
+        hidden = F.embedding(input_ids, self.weight("embed_tokens"))
         if self.arch.embedding_scale is not None:
             hidden = hidden * torch.tensor(self.arch.embedding_scale, dtype=hidden.dtype)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = rms_norm(hidden, self.ir.weights["final_norm"], self.arch.norm_eps)
-        logits = hidden @ self.ir.lm_head().T
+        hidden = rms_norm(hidden, self.weight("final_norm"), self.arch.norm_eps)
+        head = "embed_tokens" if self.arch.tie_word_embeddings else "lm_head.weight"
+        logits = hidden @ self.weight(head).T
         if self.arch.final_softcap:
             logits = torch.tanh(logits / self.arch.final_softcap) * self.arch.final_softcap
         return logits
@@ -138,7 +183,7 @@ class ReferenceModel:
         kv_side = kv_sides(spec)[side]
         if spec.kv_dtype == "float32" or kv_side.per_block:  # per block: read in _attend
             return x
-        static = self.ir.weights.get(f"layers.{index}.{kv_side.static_scale_weight}")
+        static = self.weight_or_none(f"layers.{index}.{kv_side.static_scale_weight}")
         flat = x.reshape(*x.shape[:2], -1)
         stored = fake_quantize(flat, kv_side, static).reshape(x.shape)
         sink = (positions < spec.kv_sink_tokens)[None, :, None, None]
@@ -181,20 +226,20 @@ class ReferenceModel:
         return F.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))
 
     def _layer_weights(self, index: int) -> _LayerWeights:
-        return _LayerWeights(self.ir.weights, f"layers.{index}.")
+        return _LayerWeights(self, f"layers.{index}.")
 
 
 class _LayerWeights:
-    """`w["q_proj.weight"]` reads `weights["layers.{i}.q_proj.weight"]`."""
+    """`w["q_proj.weight"]` is the model's weight "layers.{i}.q_proj.weight"."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], prefix: str):
-        self.weights, self.prefix = weights, prefix
+    def __init__(self, model: ReferenceModel, prefix: str):
+        self.model, self.prefix = model, prefix
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.weights[self.prefix + name]
+        return self.model.weight(self.prefix + name)
 
     def get(self, name: str) -> torch.Tensor | None:
-        return self.weights.get(self.prefix + name)
+        return self.model.weight_or_none(self.prefix + name)
 
 
 def block_read(k: torch.Tensor, side: KVSide, block_size: int) -> torch.Tensor:

@@ -12,6 +12,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.nf4 import NF4_CODE, codebook_quantize
+from llmopt.compiler.quant_format import QuantizedLinear, group_quantize
 
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -22,12 +24,16 @@ class WeightQuantConfig(BaseModel):
     bits: Literal[4, 8] = 4
     group_size: Literal[32, 64, 128] = 128
     symmetric: bool = False
-    # The LM head (the tied embedding on SmolLM2: 21 % of its weights) stays float unless asked.
+    # The LM head (a large share of a small model's weights when tied) stays float unless asked.
     include_lm_head: bool = False
     # The LM head's own width when included (default: `bits`). An 8-bit head beside 4-bit
     # decoder linears keeps most of the head's quality; a 4-bit one reads half the bytes.
     lm_head_bits: Literal[4, 8] | None = None
     skip: list[str] = Field(default_factory=list)  # glob patterns of linear names
+    # "int": integer codes with scales and zero points; "nf4": bitsandbytes' NormalFloat
+    # code book with one absmax per group (compiler/nf4.py), 4 bits only.
+    format: Literal["int", "nf4"] = "int"
+    double_quant: bool = False  # nf4: absmax values rounded to 8 bits in blocks of 256
 
     @model_validator(mode="after")
     def _patterns_are_strings(self) -> WeightQuantConfig:
@@ -35,6 +41,10 @@ class WeightQuantConfig(BaseModel):
             raise ValueError("skip patterns must be non-empty")
         if self.lm_head_bits is not None and not self.include_lm_head:
             raise ValueError("lm_head_bits needs include_lm_head: true")
+        if self.format == "nf4" and 8 in (self.bits, self.lm_head_bits):
+            raise ValueError("format nf4 is a 4-bit code book: bits and lm_head_bits must be 4")
+        if self.double_quant and self.format != "nf4":
+            raise ValueError("double_quant needs format: nf4")
         return self
 
     def for_linear(self, name: str) -> WeightQuantConfig:
@@ -42,6 +52,15 @@ class WeightQuantConfig(BaseModel):
         if name == "lm_head" and self.lm_head_bits not in (None, self.bits):
             return self.model_copy(update={"bits": self.lm_head_bits})
         return self
+
+
+def round_to_nearest(w: torch.Tensor, config: WeightQuantConfig,
+                     clip: torch.Tensor | None = None) -> QuantizedLinear:
+    """w [N, K] rounded to the nearest codes of `config`'s format (one linear's config);
+    `clip` [N, G] shrinks each group's range (AWQ's clipping search)."""
+    if config.format == "nf4":
+        return codebook_quantize(w, config.group_size, NF4_CODE, config.double_quant, clip)
+    return group_quantize(w, config.bits, config.group_size, config.symmetric, clip)
 
 
 def target_linears(ir: ModelIR, config: WeightQuantConfig) -> list[str]:
@@ -67,10 +86,10 @@ def quantization_report(before: ModelIR, after: ModelIR, errors: dict[str, float
                         seconds: float, context: Any, lossless: bool = False) -> dict[str, Any]:
     """Per-linear weight error, cost, bytes, and quality against the input IR (not for a
     `lossless` pass, whose weights were checked equal to its input's)."""
-    quantized = [after.quantized[n] for n in errors]
-    float_bytes = sum(4 * q.shape[0] * q.shape[1] for q in quantized)
-    packed_bytes = sum(q.shape[0] * q.shape[1] * q.bits // 8 + 8 * q.scales.numel()
-                       for q in quantized)
+    layouts = [after.quantized.layout(n) for n in errors]  # headers only: codes stay on disk
+    float_bytes = sum(4 * n * k for _, _, (n, k) in layouts)
+    packed_bytes = sum(n * k * bits // 8 + 8 * n * -(-k // group)
+                       for bits, group, (n, k) in layouts)
     report = {
         "linears": len(errors),
         "mean_relative_error": round(sum(errors.values()) / max(1, len(errors)), 5),

@@ -156,9 +156,12 @@ def compile_command(recipe: Path, out: Path, overrides: tuple[str, ...], dry_run
                    f"model at {where}, output {out} ({output}); nothing compiled")
         return
     _quiet_third_party_progress()
+    from llmopt.compiler.kernel_forecast import kernel_forecast
     from llmopt.compiler.pipeline import compile_recipe
 
     compile_recipe(resolved, out, log=click.echo)
+    for line in kernel_forecast(resolved, out):
+        click.echo(line)
 
 
 @main.command("export-hf")
@@ -296,6 +299,8 @@ def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_t
     params = SamplingParams.from_generation_config(  # the manifest's: transformers' defaults
         llm.manifest.generation, max_tokens=max_tokens, stop=list(stop), **given)
     outputs = llm.generate(list(prompts), params, chat=chat)
+    if not as_json:  # after generating: an error stays the only line on stderr
+        click.echo(llm.execution_summary(), err=True)
     for number, output in enumerate(outputs, 1):
         if not as_json and len(outputs) > 1:  # several outputs: say where each one starts
             click.echo(f"=== {number}/{len(outputs)} ===")
@@ -312,6 +317,9 @@ def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_t
             click.echo(json.dumps(record))
         else:
             click.echo(output.text)
+            if output.finish_reason == "length":  # a cut answer should not look finished
+                click.echo(f"note: stopped at --max-tokens {max_tokens}; raise it for a "
+                           "longer answer", err=True)
 
 
 @main.command("eval")
@@ -382,7 +390,7 @@ def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: 
         click.echo(f"KV cache: {kv.bytes_per_token()} bytes/token; {fits} sequences of "
                    f"{context} tokens fit in {pool_mib:g} MiB")
         click.echo(f"prompts: {PROMPT_DESCRIPTIONS[kind]}")
-        click.echo(f"kernels: {llm.kernels_in_use()}")
+        click.echo(f"kernels: {llm.kernels_in_use()}; threads: {llm.threads_in_use()}")
     for size in batches:
         result = run_bench(llm, size, prompt_len, gen_len, prompts_kind=kind)
         if as_json:
@@ -431,14 +439,23 @@ def serve_command(artifact: Path, host: str, port: int, served_model_name: str |
     """
     try:
         from llmopt.runtime.serve.app import ServeConfig
-        from llmopt.runtime.serve.server import serve
+        from llmopt.runtime.serve.server import listen_socket, serve
     except ImportError as exc:
         raise click.ClickException(
             f"{exc.name or exc} is missing: install the server with pip install 'llmopt[serve]'"
         ) from exc
+    from llmopt.runtime.artifact import require_manifest_file
+
     config = ServeConfig(served_model_name or Path(artifact).resolve().name, api_key,
                          max_waiting)
-    serve(artifact, config, host=host, port=port, grace_period_s=grace_period,
+    require_manifest_file(Path(artifact))
+    try:
+        listener = listen_socket(host, port)  # before the model loads: a busy port fails fast
+    except OSError as exc:
+        click.echo(f"error: cannot listen on {host}:{port}: {exc.strerror or exc} "
+                   "(choose another --port or --host)", err=True)
+        sys.exit(2)
+    serve(artifact, config, listener, grace_period_s=grace_period,
           num_threads=threads, kernels=kernels, max_num_seqs=max_num_seqs,
           max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks,
           max_context=max_context, enable_prefix_caching=not no_prefix_caching,

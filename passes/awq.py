@@ -11,14 +11,9 @@ the weights are rounded (RTN).
 Output errors go through the input's Gram matrix H = XᵀX: ||X(W - Ŵ)ᵀ||² =
 tr((W - Ŵ) H (W - Ŵ)ᵀ), exact on the sampled tokens and cheaper than X itself once
 there are more tokens than input channels. Layers are calibrated in order, and each
-layer sees the outputs of the layers below it as quantized (`LayerwiseRunner.advance`;
-feeding float outputs instead measured the same on SmolLM2: 36.3 vs 36.4 perplexity).
+layer sees the outputs of the layers below it as quantized (`LayerwiseRunner.advance`).
 The LM head, when included, gets the clipping search only: tied, it is also the embedding,
-which a scale would change.
-
-SmolLM2-135M, WikiText-2 perplexity (fp32 29.53), 8 x 512 calibration tokens (32 x 512
-measured no better), 4-bit asymmetric: group 128 35.6 (RTN 39.2), 64 34.5 (RTN 38.8),
-32 32.8 (RTN 37.0).
+which a scale would change. Its perplexity against RTN's is in benchmarks/README.md.
 
 Recipe: `- awq: {bits: 4, group_size: 128, symmetric: false, grid: 20, clip: true}`,
 with `calibration.text`.
@@ -36,15 +31,16 @@ from pydantic import Field
 
 from llmopt.compiler.calibration import LayerwiseRunner, calibration_windows
 from llmopt.compiler.ir import ModelIR
-from llmopt.compiler.quant_format import group_quantize, group_view, quant_params
+from llmopt.compiler.pass_manager import PassContext, PassResult
+from llmopt.compiler.quant_format import group_view, quant_params
 from llmopt.compiler.reference import rms_norm
 from llmopt.compiler.weight_quant import (
     WeightQuantConfig,
     intra_op_threads,
     quantization_report,
+    round_to_nearest,
     target_linears,
 )
-from llmopt.passes.registry import PassContext, PassResult
 from llmopt.passes.rtn import relative_error
 
 
@@ -53,7 +49,7 @@ class Config(WeightQuantConfig):
     clip: bool = True  # search a clipping ratio per weight group
     search_tokens: int = Field(8192, gt=0)  # tokens per input the error Grams are built from
     # s = mean|x|^α / mean|ŵ|^(1-α), ŵ = |w| over its group's max (AutoAWQ's "duo scaling");
-    # off: s = mean|x|^α as in the paper. On SmolLM2 g128: perplexity 35.6 on, 36.4 off.
+    # off: s = mean|x|^α as in the paper.
     duo_scaling: bool = True
 
     def needs_calibration_text(self) -> bool:  # checked before loading (preflight)
@@ -103,10 +99,10 @@ class InputStats:
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1])
         rows = self.sampler(x)
-        abs_sum, gram = x.abs().sum(0, dtype=torch.float64), (rows.T @ rows).double()
+        abs_sum, gram = x.abs().sum(0, dtype=torch.float64), rows.T @ rows
         if self.gram is None:
-            self.abs_sum, self.gram = abs_sum, gram
-        else:
+            self.abs_sum, self.gram = abs_sum, gram.double()
+        else:  # float32 products into the float64 sum, in place
             self.abs_sum += abs_sum
             self.gram += gram
         self.tokens, self.sampled = self.tokens + len(x), self.sampled + len(rows)
@@ -136,9 +132,9 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
         context.log(f"      awq: layer {layer + 1}/{ir.arch.num_layers}, α {chosen}, "
                     f"{time.perf_counter() - layer_started:.1f} s")
     if "lm_head" in targets:
-        stats = InputStats(sampler)
+        stats, final_norm = InputStats(sampler), out.weights["final_norm"]
         for hidden in runner.hidden:
-            stats.add(rms_norm(hidden, out.weights["final_norm"], out.arch.norm_eps))
+            stats.add(rms_norm(hidden, final_norm, out.arch.norm_eps))
         errors["lm_head"], clips["lm_head"] = quantize_linear(
             out, "lm_head", stats.mean_gram(), config.for_linear("lm_head"))
     report = quantization_report(ir, out, errors, time.perf_counter() - started, context)
@@ -164,8 +160,8 @@ def scale_layer(ir: ModelIR, runner: LayerwiseRunner, layer: int, targets: set[s
             tie = spec.num_heads // spec.num_kv_heads if group.per_kv_head else 1
             layout = (tie, spec.head_dim)
             weights = [ir.weights[f"{n}.weight"] for n in names if n in targets]
-            # ~800 small fake-quantizations: one thread (1 s a group instead of 1-5 s at two
-            # threads on shared cores, measured on SmolLM2)
+            # Hundreds of small fake-quantizations: torch's thread pool costs more than it
+            # saves on them (and collapses on shared cores)
             with intra_op_threads(1):
                 alpha, s, ratio = search_scale(weights, inputs.mean_abs(), gram, layout, config)
             fold_scale(ir, prefix + group.prev, names, s, layout)
@@ -232,7 +228,7 @@ def quantize_linear(ir: ModelIR, name: str, gram: torch.Tensor,
     w = ir.weights[key]
     with intra_op_threads(1):  # a grid of small fake-quantizations, as search_scale
         clip = search_clip(w, gram, config) if config.clip else None
-    q = group_quantize(w, config.bits, config.group_size, config.symmetric, clip)
+    q = round_to_nearest(w, config, clip)
     ir.set_quantized(name, q)
     return relative_error(w, q.dequantize()), 1.0 if clip is None else float(clip.mean())
 
@@ -243,10 +239,11 @@ def search_clip(w: torch.Tensor, gram: torch.Tensor, config: Config,
     (groups independent: the cross-group terms of H are ignored)."""
     n, k = w.shape
     size, groups = config.group_size, -(-w.shape[1] // config.group_size)
-    padded = torch.zeros(groups * size, groups * size)
-    padded[:k, :k] = gram  # padded columns repeat the edge weight; zero rows hide them
-    blocks = torch.stack([padded[g * size:(g + 1) * size, g * size:(g + 1) * size]
-                          for g in range(groups)])
+    # Padded columns repeat the edge weight; zero rows of their blocks hide them.
+    blocks = torch.zeros(groups, size, size)
+    for g in range(groups):
+        block = gram[g * size:(g + 1) * size, g * size:(g + 1) * size]
+        blocks[g, :len(block), :len(block)] = block
     chosen = []
     for w_rows in w.split(rows):
         best_error = torch.full((len(w_rows), groups), math.inf)
@@ -265,6 +262,8 @@ def search_clip(w: torch.Tensor, gram: torch.Tensor, config: Config,
 def fake_quant(w: torch.Tensor, config: Config, clip: torch.Tensor | None = None) -> torch.Tensor:
     """`group_quantize(w, ...).dequantize()`, computed in the group view: the same numbers
     without materializing codes or expanding scales (the searches call this 800 times a layer)."""
+    if config.format == "nf4":
+        return round_to_nearest(w, config, clip).dequantize()
     scales, zeros = quant_params(w, config.bits, config.group_size, config.symmetric, clip)
     scales, zeros = scales[..., None], zeros[..., None]
     codes = (group_view(w, config.group_size) / scales + zeros).round()

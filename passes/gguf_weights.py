@@ -2,7 +2,7 @@
 
 Recipe: `- gguf_weights: {include_lm_head: true}`. The float IR of a GGUF source is
 transformers' dequantization of these very blocks, so re-quantizing it to another grid
-only adds error (+17-36 % perplexity on SmolLM2's Q4_1 file); this pass is lossless.
+only adds error; this pass is lossless.
 
 Q4_0, Q4_1 and Q8_0 blocks are kept (`compiler/gguf_blocks.py` decodes them); other
 types (F32, F16, K-quants) stay float. Each kept tensor is checked against the
@@ -26,16 +26,15 @@ from llmopt.compiler.gguf_blocks import (
     unpermute_qk_rows,
 )
 from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.pass_manager import PassContext, PassResult
 from llmopt.compiler.weight_quant import float_weight, quantization_report, target_linears
-from llmopt.passes.registry import PassContext, PassResult
 
 
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # Off by default, as for the other passes: ONNX Runtime's 8-bit MatMulNBits is fast only
-    # at target.nbits_accuracy_level 4 (SmolLM2's Q8_0 head: 1.3 ms there, 98 ms at level 0,
-    # 3.9 ms as the float Gemm).
+    # at target.nbits_accuracy_level 4 (slower than the float Gemm at level 0).
     include_lm_head: bool = False
     skip: list[str] = Field(default_factory=list)  # glob patterns of IR linear names
 

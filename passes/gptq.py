@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 
 import torch
 from pydantic import Field
 
 from llmopt.compiler.calibration import LayerwiseRunner, calibration_windows, observing
 from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.nf4 import nearest_codes
+from llmopt.compiler.pass_manager import PassContext, PassResult
 from llmopt.compiler.quant_format import QuantizedLinear, quant_params
 from llmopt.compiler.reference import rms_norm
 from llmopt.compiler.weight_quant import (
@@ -33,9 +36,9 @@ from llmopt.compiler.weight_quant import (
     float_weight,
     intra_op_threads,
     quantization_report,
+    round_to_nearest,
     target_linears,
 )
-from llmopt.passes.registry import PassContext, PassResult
 from llmopt.passes.rtn import relative_error
 
 # Linears sharing one input, in the order a decoder layer computes them.
@@ -61,8 +64,11 @@ class HessianAccumulator:
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
-        products = (x.T @ x).double()  # float32 products, float64 running sum
-        self.sum = products if self.sum is None else self.sum + products
+        products = x.T @ x  # float32 products, float64 running sum (added in place)
+        if self.sum is None:
+            self.sum = products.double()
+        else:
+            self.sum += products
         self.tokens += x.shape[0]
 
     def hessian(self) -> torch.Tensor:
@@ -91,9 +97,9 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
                     f"({time.perf_counter() - layer_started:.1f} s)")
     if "lm_head" in targets:
         # The head's input: the final norm of the last layer's (quantized) outputs.
-        accumulator = HessianAccumulator()
+        accumulator, final_norm = HessianAccumulator(), out.weights["final_norm"]
         for hidden in runner.hidden:
-            accumulator.add(rms_norm(hidden, out.weights["final_norm"], ir.arch.norm_eps))
+            accumulator.add(rms_norm(hidden, final_norm, ir.arch.norm_eps))
         _quantize_linear(ir, out, "lm_head", accumulator.hessian(), config, errors, losses)
         context.log(f"      gptq lm_head: loss {losses['lm_head']:.4g}")
     report = quantization_report(ir, out, errors, time.perf_counter() - started, context)
@@ -113,7 +119,8 @@ def group_hessian(runner: LayerwiseRunner, first: str) -> torch.Tensor:
             accumulator.add(x)
             raise _InputSeen
 
-    with torch.no_grad(), observing(runner.model, observe):
+    with torch.no_grad(), observing(runner.model, observe), runner.model.holding_layer(
+            runner.layer):
         for hidden in runner.hidden:
             with contextlib.suppress(_InputSeen):
                 runner.model.layer_forward(runner.layer, hidden, runner.positions, None)
@@ -127,8 +134,9 @@ class _InputSeen(Exception):
 def _quantize_linear(ir: ModelIR, out: ModelIR, name: str, hessian: torch.Tensor,
                      config: Config, errors: dict, losses: dict) -> None:
     w, config = float_weight(ir, name).float(), config.for_linear(name)
+    static = round_to_nearest(w, config) if config.format == "nf4" else None
     q, loss = gptq_quantize(w, hessian, config.bits, config.group_size, config.symmetric,
-                            config.act_order, config.damp, config.block_size)
+                            config.act_order, config.damp, config.block_size, static)
     out.set_quantized(name, q)
     errors[name] = relative_error(w, q.dequantize())
     losses[name] = loss
@@ -138,33 +146,45 @@ def _quantize_linear(ir: ModelIR, out: ModelIR, name: str, hessian: torch.Tensor
 def gptq_quantize(
     w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int, symmetric: bool,
     act_order: bool = True, damp: float = 0.01, block_size: int = 128,
+    codebook: QuantizedLinear | None = None,
 ) -> tuple[QuantizedLinear, float]:
     """GPTQ of a float weight [N, K] under H [K, K]; returns the codes and the GPTQ
-    objective Σ err² / [H⁻¹]_jj summed over columns (err: each column's rounding error)."""
+    objective Σ err² / [H⁻¹]_jj summed over columns (err: each column's rounding error).
+    `codebook`: w's code-book (NF4) rounding, whose block absmax stay as static scales
+    while each column takes its nearest code."""
     w = w.float().clone()
     n, k = w.shape
-    h = hessian.double().clone()
-    dead = h.diagonal() == 0  # inputs that are always zero: any weight works, take 0
-    h[dead, dead] = 1
+    diagonal = hessian.diagonal().double().clone()
+    dead = diagonal == 0  # inputs that are always zero: any weight works, take 0
+    diagonal[dead] = 1
     w[:, dead] = 0
     levels = 2**bits - 1
     groups = -(-k // group_size)
-    if act_order:
+    if codebook is not None:  # static block absmax (double-quantized where asked)
+        scales, zeros = codebook.scales.clone(), codebook.zeros.clone()
+        perm = torch.argsort(diagonal, descending=True) if act_order else torch.arange(k)
+    elif act_order:
         # Static groups: every group's scale and zero from the unpermuted float weight.
         scales, zeros = quant_params(w, bits, group_size, symmetric)
-        perm = torch.argsort(h.diagonal(), descending=True)
+        perm = torch.argsort(diagonal, descending=True)
     else:
         scales, zeros = torch.zeros(n, groups), torch.zeros(n, groups)
         perm = torch.arange(k)
         # Blocks hold whole groups, so a group's parameters see all updates before it.
         block_size = max(group_size, block_size // group_size * group_size)
-    w, h = w[:, perm], h[perm][:, perm]
-    u = _inverse_hessian_factor(h, damp).float()
+    w = w[:, perm]
+
+    def permuted() -> torch.Tensor:  # one [K, K] copy: the widest are gigabytes in float64
+        h = hessian.double().index_select(0, perm).index_select(1, perm)
+        h.diagonal().copy_(diagonal[perm])
+        return h
+
+    u = _inverse_hessian_factor(permuted, damp).float()
     group_of = (perm // group_size).tolist()  # original group of each permuted column
     codes = torch.zeros(n, k)
     loss = 0.0
     # About ten small ops a column: intra-op threads cost more in fork/join than they save,
-    # and collapse when the cores are shared (15 s instead of 0.6 s for three SmolLM2 linears).
+    # and collapse when the cores are shared.
     with intra_op_threads(1):
         for b1 in range(0, k, block_size):
             b2 = min(b1 + block_size, k)
@@ -172,35 +192,56 @@ def gptq_quantize(
             block_err = torch.empty_like(block)
             for i, d in enumerate(u_block.diagonal().tolist()):
                 j, g = b1 + i, group_of[b1 + i]
-                if not act_order and j % group_size == 0:
+                if codebook is None and not act_order and j % group_size == 0:
                     # Dynamic groups: parameters of the error-updated weights of this group.
                     scales[:, g:g + 1], zeros[:, g:g + 1] = quant_params(
                         block[:, i:i + group_size], bits, group_size, symmetric)
-                s, z, col = scales[:, g], zeros[:, g], block[:, i]
-                q = (col / s + z).round_().clamp_(0, levels)  # quant_format.quantize_with's math
-                codes[:, j] = q
-                err = (col - (q - z) * s).div_(d)
+                col = block[:, i]
+                codes[:, j], rounded = _round_column(col, scales[:, g], zeros[:, g], levels,
+                                                     codebook)
+                err = (col - rounded).div_(d)
                 block[:, i:].addr_(err, u_block[i, i:], alpha=-1)  # feed the error forward
                 block_err[:, i] = err
             loss += float(block_err.double().pow(2).sum())
             w[:, b2:].addmm_(block_err, u[b1:b2, b2:], alpha=-1)  # lazy update after the block
     codes = codes[:, torch.argsort(perm)].to(torch.uint8)
+    if codebook is not None:
+        return QuantizedLinear(4, group_size, codes, scales, zeros, True,
+                               codebook=codebook.codebook), loss
     return QuantizedLinear(bits, group_size, codes, scales, zeros, symmetric), loss
 
 
-def _inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
+def _round_column(col: torch.Tensor, s: torch.Tensor, z: torch.Tensor, levels: int,
+                  codebook: QuantizedLinear | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A column's codes and the values they stand for: integer (quantize_with's math) or
+    the nearest code-book entry under the block's absmax."""
+    if codebook is None:
+        q = (col / s + z).round_().clamp_(0, levels)
+        return q, (q - z) * s
+    q = nearest_codes((col / s).clamp(-1, 1), codebook.codebook)
+    return q, codebook.codebook[q.long()] * s
+
+
+def _inverse_hessian_factor(build: Callable[[], torch.Tensor], damp: float) -> torch.Tensor:
     """Upper Cholesky factor U of (H + λI)⁻¹ (UᵀU = H⁻¹), λ = damp × mean diag(H); λ grows
-    tenfold while H is too ill-conditioned to factor."""
-    eye = torch.eye(h.shape[0], dtype=h.dtype)
-    mean_diag = h.diagonal().mean()
-    # One thread: on the shared 2-core machine torch's multi-threaded cholesky_inverse took
-    # 30 s for a 1536 x 1536 float64 Hessian (down_proj) against 0.45 s on one thread.
+    tenfold while H is too ill-conditioned to factor. `build()` gives a fresh H, which is
+    damped, factored, inverted and factored again in place: one [K, K] matrix in all."""
+    # Column-major (H is symmetric: its transpose view), as LAPACK factors in place.
+    h = build().mT
+    diagonal = h.diagonal().clone()
+    mean_diag = diagonal.mean()
+    info = torch.empty((), dtype=torch.int32)
+    # One thread: torch's multi-threaded Cholesky is far slower than one thread on shared
+    # cores at these sizes.
     with intra_op_threads(1):
         for attempt in range(4):
-            lower, info = torch.linalg.cholesky_ex(h + damp * 10**attempt * mean_diag * eye)
+            if attempt:
+                h = build().mT  # the failed factorization overwrote it
+            h.diagonal().copy_(diagonal + damp * 10**attempt * mean_diag)
+            torch.linalg.cholesky_ex(h, out=(h, info))
             if info == 0:
-                inverse = torch.cholesky_inverse(lower)
-                u, info = torch.linalg.cholesky_ex(inverse, upper=True)
+                torch.cholesky_inverse(h, out=h)
+                torch.linalg.cholesky_ex(h, upper=True, out=(h, info))
                 if info == 0:
-                    return u
+                    return h
     raise ValueError("GPTQ: the Hessian is not positive definite even with 1000x damping")

@@ -12,7 +12,6 @@ steps.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import cast
@@ -135,7 +134,6 @@ class LLMEngine:
         speculator = self.speculator
         max_drafts = (speculator.max_drafts(len(self.scheduler.running))
                       if speculator is not None else None)
-        started = time.perf_counter()
         scheduled = self.scheduler.schedule(max_drafts)
         if not scheduled:
             return []
@@ -143,8 +141,6 @@ class LLMEngine:
             scheduled = speculator.propose(scheduled)
         logits = self.executor.execute(self._step_batch(scheduled))
         emitted = self._process_logits(scheduled, logits)
-        if speculator is not None:
-            speculator.record_step(scheduled, time.perf_counter() - started)
         return self._postprocess(scheduled, emitted)
 
     def _step_batch(self, scheduled: list[ScheduledRequest]) -> StepBatch:

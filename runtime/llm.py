@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -54,6 +55,7 @@ class LLM:
         kernels: str = "auto",
     ):
         self.path = Path(path)
+        self.num_threads = num_threads
         self.manifest = manifest = load_manifest(self.path)
         self.tokenizer = Tokenizer.from_file(
             self.path / manifest.tokenizer.file, manifest.tokenizer
@@ -79,6 +81,18 @@ class LLM:
         if kernels_name(self.engine.executor) == "native":
             return "native (llmopt's decoder step, runtime/native)"
         return "onnxruntime"
+
+    def threads_in_use(self) -> str:
+        """The target's intra-op threads, and whether they were asked for or the default."""
+        if self.num_threads is not None:
+            return str(self.num_threads)
+        if kernels_name(self.engine.executor) == "native":
+            return f"{os.cpu_count() or 1} (all cores)"
+        return "ONNX Runtime's default (one per physical core)"
+
+    def execution_summary(self) -> str:
+        """One line for logs: which kernels run the target and on how many threads."""
+        return f"kernels: {self.kernels_in_use()}; threads: {self.threads_in_use()}"
 
     def generate(
         self,

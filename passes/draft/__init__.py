@@ -1,26 +1,32 @@
-"""Draft pairing for speculative decoding: build (or load) a draft, have the pipeline
-compile it with its own passes, measure it against the final target, and choose γ.
+"""Draft pairing for speculative decoding, the library of the compiler's draft pairing
+phase (`llmopt.compiler.draft_pairing`): build (or load) a draft, gather the n-gram
+drafter's corpus, measure the pairing against the final target, and choose γ.
 
 Recipe: `- draft: {kind: model|self|tiny|ngram, gamma: auto|N, passes: [...], ...}`; each
 kind's options are its type in `config.py`. Model drafts also take `head_vocab: N` (keep
 the LM head's N most frequent calibration tokens, FR-Spec), `distill_steps` (KL to the
 target on `calibration.text`) and `distill_data: text|self`: text windows, or the
 target's own greedy continuations of `distill_prompts` prompts (`distill_new_tokens`
-each; see `data.py`). It must be the last pass (the registry says so): it measures
-against the target as the artifact will run it.
+each; see `data.py`). The recipe lists it last (the registry says so): the phase runs
+after the passes and measures against the target as the artifact will run it.
+
+The phase hands these functions what they need (`PairingInputs`): the recipe, its log,
+and how to run a model as the artifact will hold it; they never lower a graph themselves.
 """
 
 from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from llmopt.compiler.ir import DraftBundle, ModelIR
+from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes.draft import model as dm
@@ -28,7 +34,6 @@ from llmopt.passes.draft.config import (
     MAX_GAMMA,
     Config,
     DraftModelConfig,
-    NgramDraft,
     NgramOptions,
     TinyDraft,
 )
@@ -36,45 +41,24 @@ from llmopt.passes.draft.config import (
     make_config as make_config,  # the config of one kind, from its options
 )
 from llmopt.passes.draft.distill import DistillSettings, distill, text_windows
-from llmopt.passes.registry import PassContext, PassResult
-from llmopt.runtime.kv.paging import cdiv
+from llmopt.runtime.paging import cdiv
+from llmopt.runtime.step_batch import Executor
+
+# (model, graph path, pool blocks, blocks per lane) -> the model lowered as the artifact
+# will hold it, run as the runtime runs it by default
+ExecutorFor = Callable[[ModelIR, Path, int, int], Executor]
 
 
-def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
-    from llmopt.passes.draft import choice
+@dataclass(frozen=True)
+class PairingInputs:
+    """What pairing a draft reads besides the target and the config."""
 
-    started = time.perf_counter()
-    report: dict[str, Any] = {"kind": config.kind}
-    draft, token_map = None, None
-    if not isinstance(config, NgramDraft):
-        draft, token_map = build_draft(ir, config, context, report)
-        if config.passes:  # the pipeline runs them, as it runs the target's
-            if context.run_passes is None:
-                raise ValueError("the draft's own passes need the pipeline's pass runner")
-            draft, report["passes"] = context.run_passes(draft, config.passes, context)
-        report["draft"] = _draft_summary(draft, token_map)
-    corpus = ngram_corpus(ir, config, context, report)
-    speculative = measure_pairing(ir, draft, token_map, config, context, corpus)
-    if draft is not None and not config.keep_unpaid_model and choice.ngram_alone_pays_more(
-            speculative):
-        alone = speculative["measured"]["ngram_only"]["predicted_speedup"][0]
-        report["model_dropped"] = dropped = (
-            f"n-gram drafts alone were predicted {alone}x at batch 1, with the {config.kind} "
-            f"draft as their fallback {speculative['predicted_speedup']}x: the artifact keeps "
-            "no draft model (keep_unpaid_model: true keeps it)")
-        context.log(f"      draft: {dropped}")
-        speculative, draft, token_map = choice.without_model(speculative), None, None
-    ngram = config.ngram_options()
-    speculative["ngram"] = ngram.model_dump() if ngram else None
-    report["speculative"] = speculative
-    report["total_seconds"] = round(time.perf_counter() - started, 1)
-    _log_summary(speculative, context.log)
-    out = ir.copy()
-    out.draft = DraftBundle(config.kind, draft, token_map, speculative, corpus)
-    return PassResult(out, report)
+    recipe: Recipe
+    log: Callable[[str], None]
+    executor: ExecutorFor
 
 
-def ngram_corpus(ir: ModelIR, config: Config, context: PassContext,
+def ngram_corpus(ir: ModelIR, config: Config, inputs: PairingInputs,
                  report: dict[str, Any]) -> list[int] | None:
     """The suffix drafter's corpus in target ids: a text file's first tokens, or the
     target's own greedy answers (`corpus: self`)."""
@@ -90,15 +74,15 @@ def ngram_corpus(ir: ModelIR, config: Config, context: PassContext,
         from llmopt.passes.draft.choice import target_tokenizer
         from llmopt.passes.draft.measure import PagedRunner
 
-        recipe = context.recipe
+        recipe = inputs.recipe
         block_size = recipe.runtime.block_size
         prompts = data.self_prompts(ir, target_tokenizer(ir), config.corpus_prompts,
                                     recipe.calibration.text)
         longest = max(len(p) for p in prompts) + config.corpus_new_tokens
         blocks = cdiv(longest, block_size)
         with tempfile.TemporaryDirectory(prefix="llmopt-corpus-") as tmp:
-            target = _executor(ir, recipe, Path(tmp) / "target.onnx",
-                               1 + data.GENERATION_BATCH * blocks, blocks)
+            target = inputs.executor(ir, Path(tmp) / "target.onnx",
+                                     1 + data.GENERATION_BATCH * blocks, blocks)
             trajectories = data.generate(lambda _: PagedRunner(target, block_size, blocks),
                                          prompts, config.corpus_new_tokens,
                                          ir.arch.eos_token_ids)
@@ -106,22 +90,22 @@ def ngram_corpus(ir: ModelIR, config: Config, context: PassContext,
         # hold the phrasing that answers repeat
     report["ngram_corpus"] = {"source": config.corpus, "tokens": len(tokens),
                               "seconds": round(time.perf_counter() - started, 1)}
-    context.log(f"      n-gram corpus: {len(tokens)} tokens from {config.corpus}")
+    inputs.log(f"      n-gram corpus: {len(tokens)} tokens from {config.corpus}")
     return tokens
 
 
 # --- building the draft --------------------------------------------------------------------
-def build_draft(ir: ModelIR, config: DraftModelConfig, context: PassContext,
+def build_draft(ir: ModelIR, config: DraftModelConfig, inputs: PairingInputs,
                 report: dict[str, Any]) -> tuple[ModelIR, torch.Tensor | None]:
     """The draft IR for `config.kind`, head-trimmed and distilled as asked."""
     steps = config.steps()
     windows, mask, own = None, None, None
     if config.distill_data == "self" and (steps or config.head_vocab or config.kind == "tiny"):
-        data = _self_windows(ir, config, context)
+        data = _self_windows(ir, config, inputs)
         windows, mask, own = data.ids, data.mask, data.ids[:, 1:][data.mask[:, :-1] > 0]
         report["distill_data"] = data.report
     elif steps or config.head_vocab or config.kind == "tiny":
-        windows = _calibration_windows(ir, config, context)
+        windows = _calibration_windows(ir, config, inputs)
     token_map = None
     if config.kind == "model":
         draft, token_map = dm.map_to_target(_load(config.model), ir)
@@ -131,18 +115,18 @@ def build_draft(ir: ModelIR, config: DraftModelConfig, context: PassContext,
     else:
         draft = _tiny(ir, config, windows)
     if config.head_vocab:
-        keep = dm.frequent_tokens(_frequency_ids(ir, config, context, windows),
+        keep = dm.frequent_tokens(_frequency_ids(ir, config, inputs, windows),
                                   config.head_vocab, _special_ids(ir), ir.arch.vocab_size,
                                   first=own)
         draft, token_map = dm.trim_head(draft, token_map, keep)
     if steps:
         settings = DistillSettings(steps, config.lr(), config.distill_batch_size,
                                    config.trainable)
-        context.log(f"      distilling the {config.kind} draft: {steps} steps of "
-                    f"{config.distill_batch_size} x {windows.shape[1]} tokens "
-                    f"({config.distill_data} data)")
+        inputs.log(f"      distilling the {config.kind} draft: {steps} steps of "
+                   f"{config.distill_batch_size} x {windows.shape[1]} tokens "
+                   f"({config.distill_data} data)")
         draft, report["distillation"] = distill(draft, ir, windows, token_map, settings,
-                                                context.log, mask)
+                                                inputs.log, mask)
     return draft, token_map
 
 
@@ -151,33 +135,32 @@ def _load(model: str | None) -> ModelIR:
 
     return load_checkpoint(str(model))
 
-
 def _calibration_windows(ir: ModelIR, config: DraftModelConfig,
-                         context: PassContext) -> torch.Tensor:
-    text = context.recipe.calibration.text
+                         inputs: PairingInputs) -> torch.Tensor:
+    text = inputs.recipe.calibration.text
     if text is None:
         raise ValueError(f"the {config.kind} draft needs calibration text (distillation or "
                          "head_vocab): set calibration.text in the recipe")
     return text_windows(ir, text, config.distill_seq_len)
 
 
-def _self_windows(ir: ModelIR, config: DraftModelConfig, context: PassContext) -> Any:
+def _self_windows(ir: ModelIR, config: DraftModelConfig, inputs: PairingInputs) -> Any:
     """The target's greedy continuations of built prompts, generated through ONNX Runtime
     on the lowered target (far faster than the torch reference)."""
     from llmopt.passes.draft import data as draft_data
     from llmopt.passes.draft.choice import target_tokenizer
     from llmopt.passes.draft.measure import PagedRunner
 
-    recipe = context.recipe
+    recipe = inputs.recipe
     block_size = recipe.runtime.block_size
     max_len = min(ir.arch.max_position, recipe.runtime.max_context)
     new_tokens = min(config.distill_new_tokens, max_len // 2)
     blocks = cdiv(max_len, block_size)
-    context.log(f"      generating distillation data: {config.distill_prompts} prompts x "
-                f"{new_tokens} greedy target tokens")
+    inputs.log(f"      generating distillation data: {config.distill_prompts} prompts x "
+               f"{new_tokens} greedy target tokens")
     with tempfile.TemporaryDirectory(prefix="llmopt-draft-data-") as tmp:
         batch = draft_data.GENERATION_BATCH
-        target = _executor(ir, recipe, Path(tmp) / "target.onnx", 1 + batch * blocks, blocks)
+        target = inputs.executor(ir, Path(tmp) / "target.onnx", 1 + batch * blocks, blocks)
 
         def runner_for(longest: int) -> PagedRunner:
             return PagedRunner(target, block_size, cdiv(longest, block_size))
@@ -185,17 +168,17 @@ def _self_windows(ir: ModelIR, config: DraftModelConfig, context: PassContext) -
         data = draft_data.self_windows(ir, target_tokenizer(ir), runner_for,
                                        config.distill_prompts, new_tokens,
                                        recipe.calibration.text, max_len)
-    context.log(f"      {data.report['continuation_tokens']} continuation tokens in "
-                f"{data.report['generation_seconds']} s")
+    inputs.log(f"      {data.report['continuation_tokens']} continuation tokens in "
+               f"{data.report['generation_seconds']} s")
     return data
 
 
-def _frequency_ids(ir: ModelIR, config: DraftModelConfig, context: PassContext,
+def _frequency_ids(ir: ModelIR, config: DraftModelConfig, inputs: PairingInputs,
                    windows: torch.Tensor) -> torch.Tensor:
     """Token ids whose counts rank the LM head rows: the windows, and with self data the
     calibration text too (the continuations alone hold too few distinct tokens)."""
-    if config.distill_data == "self" and context.recipe.calibration.text is not None:
-        return torch.cat([windows.flatten(), _calibration_windows(ir, config, context).flatten()])
+    if config.distill_data == "self" and inputs.recipe.calibration.text is not None:
+        return torch.cat([windows.flatten(), _calibration_windows(ir, config, inputs).flatten()])
     return windows
 
 
@@ -232,7 +215,7 @@ def _residual_states(ir: ModelIR, windows: torch.Tensor) -> torch.Tensor:
     return torch.cat(states).reshape(-1, ir.arch.hidden_size)
 
 
-def _draft_summary(draft: ModelIR, token_map: torch.Tensor | None) -> dict[str, Any]:
+def draft_summary(draft: ModelIR, token_map: torch.Tensor | None) -> dict[str, Any]:
     return {"source": draft.source, "layers": draft.arch.num_layers,
             "hidden_size": draft.arch.hidden_size, "vocab_size": draft.arch.vocab_size,
             "token_map": token_map is not None, "parameters": draft.num_parameters()}
@@ -240,13 +223,14 @@ def _draft_summary(draft: ModelIR, token_map: torch.Tensor | None) -> dict[str, 
 
 # --- measuring the pairing -------------------------------------------------------------
 def measure_pairing(ir: ModelIR, draft: ModelIR | None, token_map: torch.Tensor | None,
-                    config: Config, context: PassContext,
+                    config: Config, inputs: PairingInputs,
                     corpus: list[int] | None = None) -> dict[str, Any]:
-    """Lower target (and draft) into a temporary directory and measure them there."""
+    """Run target (and draft) from a temporary directory, as the artifact will hold them,
+    and measure them there."""
     from llmopt.passes.draft import choice as m
-    from llmopt.runtime.executors.choose import kernels_name
+    from llmopt.runtime.assembly import kernels_name
 
-    recipe = context.recipe
+    recipe = inputs.recipe
     block_size = recipe.runtime.block_size
     prompts = m.calibration_prompts(ir, config.prompts, recipe.calibration.text)
     max_position = min(ir.arch.max_position, recipe.runtime.max_context)
@@ -262,12 +246,12 @@ def measure_pairing(ir: ModelIR, draft: ModelIR | None, token_map: torch.Tensor 
     longest = max(len(p) for p in prompts) + new_tokens
     seq_blocks = max(cdiv(longest, block_size), cdiv(context_len + MAX_GAMMA + 1, block_size))
     num_blocks = 1 + max(len(prompts), config.batch_sizes[-1]) * seq_blocks
-    context.log(f"      measuring: {len(prompts)} prompts x {new_tokens} greedy tokens, step "
-                f"costs at batch {config.batch_sizes}")
+    inputs.log(f"      measuring: {len(prompts)} prompts x {new_tokens} greedy tokens, step "
+               f"costs at batch {config.batch_sizes}")
     with tempfile.TemporaryDirectory(prefix="llmopt-draft-") as tmp:
-        target = _executor(ir, recipe, Path(tmp) / "target.onnx", num_blocks, seq_blocks)
-        draft_exec = None if draft is None else _executor(draft, recipe, Path(tmp) / "draft.onnx",
-                                                          num_blocks, seq_blocks)
+        target = inputs.executor(ir, Path(tmp) / "target.onnx", num_blocks, seq_blocks)
+        draft_exec = None if draft is None else inputs.executor(
+            draft, Path(tmp) / "draft.onnx", num_blocks, seq_blocks)
         mapping = None if token_map is None else token_map.numpy()
         spec = m.measure(target, draft_exec, mapping, settings)
         spec["measured"]["kernels"] = kernels_name(target)
@@ -279,35 +263,14 @@ def _ngram_lookup(ngram: NgramOptions | None, corpus: list[int] | None) -> Any:
     if ngram is None:
         return None
     from llmopt.runtime.manifest import NgramDraftSpec
-    from llmopt.runtime.speculative.speculator import make_ngram_drafter
+    from llmopt.runtime.spec.speculator import make_ngram_drafter
 
     spec = NgramDraftSpec.model_validate(ngram.model_dump())
     array = None if corpus is None else np.asarray(corpus, dtype=np.int64)
     return make_ngram_drafter(None, spec, array).lookup
 
 
-def _executor(ir: ModelIR, recipe: Recipe, path: Path, num_blocks: int,
-              lane_blocks: int) -> Any:
-    """The model lowered as the artifact will hold it, run as the runtime runs it by default
-    (`kernels: auto`): by the native step where it can run here, else by ONNX Runtime's
-    executor. The step costs measured are the ones the engine's pricing starts from, and
-    the two kernels' costs differ in shape (a native 8-token step is relatively cheaper).
-    Lanes-layout sequences get `lane_blocks` blocks each."""
-    from llmopt.compiler.artifact import save_graph
-    from llmopt.compiler.lower import kv_cache_spec, lower_to_onnx, lowering_options
-    from llmopt.runtime.executors.choose import graph_executor
-    from llmopt.runtime.manifest import GraphSpec, KVCacheSpec
-
-    options = lowering_options(recipe, ir.arch)
-    graph = GraphSpec.model_validate(
-        save_graph(lower_to_onnx(ir, options), path, options.operator_set))
-    kv_cache = KVCacheSpec.model_validate(kv_cache_spec(ir.arch, options.kv_layout))
-    return graph_executor(path.parent, graph, kv_cache, kernels="auto", num_blocks=num_blocks,
-                          block_size=recipe.runtime.block_size, lane_blocks=lane_blocks,
-                          max_position=options.max_position)
-
-
-def _log_summary(spec: dict[str, Any], log: Any) -> None:
+def log_summary(spec: dict[str, Any], log: Callable[[str], None]) -> None:
     alphas = ", ".join(f"{a:.2f}" for a in spec["acceptance"][:4])
     log(f"      draft: α {alphas} ...; cost ratio {spec['cost_ratio']}; γ {spec['gamma']}; "
         f"predicted speedup {spec['predicted_speedup']}x at batch 1; speculation up to batch "

@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from llmopt.passes.registry import PASSES, PassStep, check_order, validate_pass
+from llmopt.compiler.pass_registry import PASSES, PassStep, check_order, validate_pass
 
 MAX_GAMMA = 8
 
@@ -156,7 +156,7 @@ class _ModelDraft(_Draft):
             if not isinstance(entry, dict) or len(entry) != 1:
                 raise ValueError("each draft pass is a one-key mapping: `- name: {options}`")
             ((name, options),) = entry.items()
-            if name not in PASSES or PASSES[name].last:
+            if name not in PASSES or PASSES[name].phase != "passes":
                 raise ValueError(f"unknown draft pass {name!r}")
             steps.append(validate_pass(name, options))
         check_order([step.name for step in steps])

@@ -125,7 +125,7 @@ def kl_loss(teacher: ReferenceModel, student: ReferenceModel, ids: torch.Tensor,
 def teacher_logits(teacher: ReferenceModel, ids: torch.Tensor,
                    token_map: torch.Tensor | None) -> torch.Tensor:
     """The target's logits on the draft's rows only (a trimmed head skips most of its LM
-    head, a sixth of SmolLM2's compute per token)."""
+    head, a large share of a small model's compute per token)."""
     if token_map is None:
         return teacher.forward(ids)
     positions = torch.arange(ids.shape[1])

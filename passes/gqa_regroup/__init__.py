@@ -37,9 +37,9 @@ from llmopt.compiler.head_merge import (
     merge_heads,
 )
 from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.pass_manager import PassContext, PassResult
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes.gqa_regroup.fit import FitPrecision, FitScope, fit_end_to_end, fit_layers
-from llmopt.passes.registry import PassContext, PassResult
 
 DEFAULT_FIT_STEPS = 600
 
@@ -163,16 +163,13 @@ def collect_statistics(ir: ModelIR, windows: torch.Tensor, keep: int
 
     model.observer = observe
     positions = torch.arange(windows.shape[1])
-    kept: list[list[torch.Tensor]] = []
-    for start in range(0, windows.shape[0], 4):
-        h = model.embed(windows[start:start + 4])
-        states = [h]
-        for layer in range(ir.arch.num_layers):
-            h = model.layer_forward(layer, h, positions, None)
-            states.append(h)
-        if start < keep:
-            kept.append([s[:keep - start] for s in states])
-    hidden = [torch.cat(parts) for parts in zip(*kept, strict=True)]
+    with model.holding(["embed_tokens"]):
+        batches = [model.embed(windows[start:start + 4])
+                   for start in range(0, windows.shape[0], 4)]
+    hidden = [torch.cat(batches)[:keep]]
+    for layer in range(ir.arch.num_layers):  # layer-major: each layer's weights read once
+        batches = model.run_layers(batches, positions, layer, layer + 1)
+        hidden.append(torch.cat(batches)[:keep])
     return moments, hidden
 
 
@@ -197,7 +194,8 @@ def measure_sensitivity(ir: ModelIR, hidden: list[torch.Tensor],
                         context: PassContext) -> dict[int, float]:
     """KL(original || this layer alone merged) of the final logits, per layer."""
     reference = ReferenceModel(ir, hidden[0].shape[1])
-    target = [torch.log_softmax(reference.logits(h[None]), -1) for h in hidden[-1]]
+    with reference.holding_head():
+        target = [torch.log_softmax(reference.logits(h[None]), -1) for h in hidden[-1]]
     sensitivity = {}
     for i in sigmas:
         started = time.perf_counter()

@@ -8,9 +8,8 @@ attention: a value entry by the squared attention weights it receives (an output
 (`attention_weights`). Clipping a channel's rare
 large entries buys finer steps for all the others; the weights keep that trade from
 sacrificing the positions attention relies on, such as the attention sinks.
-`auto` searches for int4 only: int8's 255 levels leave clipping nothing to buy (on SmolLM2,
-8 windows: static int8 + rotate +0.15 % searched, -0.02 % absmax), while int4's absmax
-steps are coarse (benchmarks/README.md).
+`auto` searches for int4 only: int8's 255 levels leave clipping nothing to buy, while
+int4's absmax steps are coarse (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -126,7 +125,10 @@ def clip_errors(x: torch.Tensor, weight: torch.Tensor, amax: torch.Tensor, dtype
 
 
 def _observe(ir: ModelIR, windows: torch.Tensor, observer) -> None:
+    """Run every window through the decoder layers, layer-major (each layer's weights read
+    once), calling `observer` on what each layer's cache is given."""
     model = ReferenceModel(ir, windows.shape[1])
     model.kv_observer = observer
-    for window in windows:
-        model.forward(window[None], all_logits=False)
+    with torch.no_grad(), model.holding(["embed_tokens"]):
+        hidden = [model.embed(window[None]) for window in windows]
+    model.run_layers(hidden, torch.arange(windows.shape[1]))

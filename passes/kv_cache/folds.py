@@ -14,17 +14,22 @@ from llmopt.compiler.kv_cache_format import hadamard
 def rotate_values(ir: ModelIR, layers: list[int]) -> None:
     """v' = H v per KV head (v_proj rows, bias) and o_proj's columns times H: exact."""
     for i in layers:
-        spec = ir.arch.layers[i]
-        h = torch.from_numpy(hadamard(spec.head_dim))
-        w = ir.weights[f"layers.{i}.v_proj.weight"]
-        heads = w.reshape(spec.num_kv_heads, spec.head_dim, -1)
-        ir.weights[f"layers.{i}.v_proj.weight"] = (h @ heads).reshape(w.shape)
-        if f"layers.{i}.v_proj.bias" in ir.weights:
-            b = ir.weights[f"layers.{i}.v_proj.bias"].reshape(spec.num_kv_heads, -1)
-            ir.weights[f"layers.{i}.v_proj.bias"] = (b @ h).flatten()  # h is symmetric
-        o = ir.weights[f"layers.{i}.o_proj.weight"]
-        cols = o.reshape(o.shape[0], spec.num_heads, spec.head_dim)
-        ir.weights[f"layers.{i}.o_proj.weight"] = (cols @ h).reshape(o.shape)
+        _rotate_layer_values(ir, i)
+
+
+def _rotate_layer_values(ir: ModelIR, i: int) -> None:
+    """One layer's fold: its weights are read and released here, one layer at a time."""
+    spec = ir.arch.layers[i]
+    h = torch.from_numpy(hadamard(spec.head_dim))
+    w = ir.weights[f"layers.{i}.v_proj.weight"]
+    heads = w.reshape(spec.num_kv_heads, spec.head_dim, -1)
+    ir.weights[f"layers.{i}.v_proj.weight"] = (h @ heads).reshape(w.shape)
+    if f"layers.{i}.v_proj.bias" in ir.weights:
+        b = ir.weights[f"layers.{i}.v_proj.bias"].reshape(spec.num_kv_heads, -1)
+        ir.weights[f"layers.{i}.v_proj.bias"] = (b @ h).flatten()  # h is symmetric
+    o = ir.weights[f"layers.{i}.o_proj.weight"]
+    cols = o.reshape(o.shape[0], spec.num_heads, spec.head_dim)
+    ir.weights[f"layers.{i}.o_proj.weight"] = (cols @ h).reshape(o.shape)
 
 
 def smooth_keys(ir: ModelIR, stats: list[dict[str, torch.Tensor]], alpha: float,

@@ -27,7 +27,9 @@ class CacheKL:
         self.windows = windows[:SENSITIVITY_WINDOWS]
         self.hidden = residual_streams(float_ir, self.windows)
         reference = ReferenceModel(float_ir, self.windows.shape[1])
-        self.target = [torch.log_softmax(reference.logits(h[None]), -1) for h in self.hidden[-1]]
+        with reference.holding_head():
+            self.target = [torch.log_softmax(reference.logits(h[None]), -1)
+                           for h in self.hidden[-1]]
 
     @torch.no_grad()
     def of(self, ir: ModelIR, start: int = 0) -> float:

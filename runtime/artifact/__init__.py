@@ -21,9 +21,7 @@ class ArtifactError(ValueError):
 def load_manifest(path: str | Path) -> Manifest:
     """Read and validate `path/manifest.json`, then check every file it lists."""
     path = Path(path)
-    manifest_path = path / MANIFEST_FILE
-    if not manifest_path.is_file():
-        raise ArtifactError(f"{path} is not an llmopt artifact: {MANIFEST_FILE} is missing")
+    manifest_path = require_manifest_file(path)
     try:
         raw = json.loads(manifest_path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -50,6 +48,14 @@ def load_manifest(path: str | Path) -> Manifest:
     except ManifestMismatch as exc:
         raise ArtifactError(f"corrupt artifact {path}: {exc}") from None
     return manifest
+
+
+def require_manifest_file(path: Path) -> Path:
+    """The artifact's manifest path; the cheap check a command makes before anything slow."""
+    manifest_path = path / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise ArtifactError(f"{path} is not an llmopt artifact: {MANIFEST_FILE} is missing")
+    return manifest_path
 
 
 def _first_error(exc: ValidationError) -> str:

@@ -3,10 +3,8 @@
 A batch-1 step streams every matrix once per token. Each matrix in its own array sat on
 4 KiB pages, scattered over the heap: a stream that misses the TLB every 4 KiB and whose
 hardware prefetch stops at every page boundary. In a few large mappings advised for
-transparent huge pages (2 MiB), in the order the step reads them, the same loop streamed
-a 3072 x 576 4-bit matrix at 18-21 GB/s where it drew 17 from separate arrays (the read
-probe over those bytes: 24-30), and a batch-1 step took 0.96x the time (session 28, AMD
-EPYC Zen 4, 1 thread; benchmarks/README.md). Where the kernel has no transparent huge
+transparent huge pages (2 MiB), in the order the step reads them, the same loop streams
+the weights faster (benchmarks/README.md). Where the kernel has no transparent huge
 pages (or another OS), the arrays are still contiguous, in read order.
 """
 

@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from llmopt.runtime.manifest import GraphSpec, KVCacheSpec
+from llmopt.runtime.native.plan import LaneKV, Unsupported, read_plan
 
 c_ptr, c_i32, c_f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
 
@@ -19,7 +20,7 @@ class QMatrix(ctypes.Structure):
 
     _fields_ = [("codes", c_ptr), ("scales", c_ptr), ("zeros", c_ptr), ("offsets", c_ptr),
                 ("n", c_i32), ("k", c_i32), ("bits", c_i32), ("block", c_i32),
-                ("half_scales", c_ptr), ("bias", c_ptr)]
+                ("half_scales", c_ptr), ("bias", c_ptr), ("lut", c_ptr)]
 
 
 class QRows(ctypes.Structure):
@@ -38,8 +39,17 @@ class KVLayout(ctypes.Structure):
                 ("rotation", c_ptr), ("hadamard", c_i32)]
 
 
+class Knobs(ctypes.Structure):
+    """kernels.c's Knobs: one model's settings (AMX tiles, row chunks, the phase profile's
+    sums), which move speed only; default_knobs() gives a new model's."""
+
+    _fields_ = [("amx", c_i32), ("amx_min_rows", c_i32), ("layer_rows", c_i32),
+                ("split_rows", c_i32), ("phase_seconds", c_ptr)]
+
+
 class Model(ctypes.Structure):
-    """kernels.c's Model: shapes, and pointers to every weight (arrays of L per layer)."""
+    """kernels.c's Model: shapes, pointers to every weight (arrays of L per layer), and the
+    model's knobs."""
 
     _fields_ = [("layers", c_i32), ("hidden", c_i32), ("heads", c_i32), ("kv_heads", c_i32),
                 ("head_dim", c_i32), ("intermediate", c_i32), ("vocab", c_i32),
@@ -48,7 +58,7 @@ class Model(ctypes.Structure):
                 ("embed", c_ptr), ("embed_codes", QRows), ("attn_norm", c_ptr),
                 ("mlp_norm", c_ptr), ("final_norm", c_ptr), ("qkv", c_ptr), ("o", c_ptr),
                 ("gate_up", c_ptr), ("down", c_ptr), ("head", QMatrix), ("kv", c_ptr),
-                ("q_norm", c_ptr), ("k_norm", c_ptr)]
+                ("q_norm", c_ptr), ("k_norm", c_ptr), ("knobs", Knobs)]
 
 
 # kernels.c's exported functions: (return type, argument types)
@@ -56,17 +66,17 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "llmopt_native_supported": (ctypes.c_int, []),
     "llmopt_forward": (ctypes.c_int, [ctypes.POINTER(Model), c_i32, c_ptr, c_ptr, c_ptr, c_ptr,
                                       c_ptr, c_ptr, c_ptr, c_i32, c_i32, c_ptr, c_ptr]),
-    "llmopt_linear": (ctypes.c_int, [ctypes.POINTER(QMatrix), c_ptr, c_i32, c_ptr, c_i32]),
+    "llmopt_linear": (ctypes.c_int, [ctypes.POINTER(QMatrix), c_ptr, c_i32, c_ptr, c_i32,
+                                     ctypes.POINTER(Knobs)]),
     "llmopt_attention": (ctypes.c_int, [ctypes.POINTER(KVLayout), c_ptr, c_i32, c_i32, c_ptr,
                                         c_ptr, c_i32, c_i32, c_f32, c_ptr, c_ptr]),
-    "llmopt_native_amx": (ctypes.c_int, [ctypes.c_int]),
-    "llmopt_native_amx_min_rows": (ctypes.c_int, [ctypes.c_int]),
-    "llmopt_native_layer_rows": (ctypes.c_int, [ctypes.c_int]),
-    "llmopt_native_split_rows": (ctypes.c_int, [ctypes.c_int]),
-    "llmopt_native_read": (ctypes.c_uint64, [c_ptr, ctypes.c_int64, ctypes.c_int]),
-    "llmopt_native_profile": (ctypes.c_int, [ctypes.c_int]),
+    "llmopt_native_amx_available": (ctypes.c_int, []),
+    "llmopt_native_knobs": (None, [ctypes.POINTER(Knobs)]),
     "llmopt_native_profile_name": (ctypes.c_char_p, [ctypes.c_int]),
-    "llmopt_native_profile_seconds": (ctypes.c_double, [ctypes.c_int]),
+    "llmopt_native_layout": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p),
+                                            ctypes.POINTER(ctypes.c_char_p),
+                                            ctypes.POINTER(ctypes.c_int64),
+                                            ctypes.POINTER(ctypes.c_int64)]),
 }
 
 
@@ -86,45 +96,49 @@ def kernels() -> ctypes.CDLL | None:
     spec = importlib.util.find_spec("llmopt.runtime.native._kernels")
     if spec is None or spec.origin is None:
         return None
-    lib = declare_signatures(ctypes.CDLL(spec.origin))
-    if lib.llmopt_native_supported():
-        lib.llmopt_native_amx(os.environ.get(AMX_VARIABLE, "1") != "0")
-    return lib
+    return declare_signatures(ctypes.CDLL(spec.origin))
 
 
 def profile_phases(lib: ctypes.CDLL) -> list[str]:
-    """The phases kernels.c's step profile times (llmopt_native_profile), in its order."""
+    """The phases kernels.c's step profile times (a model's knobs.phase_seconds), in order."""
     names: list[str] = []
     while (name := lib.llmopt_native_profile_name(len(names))) is not None:
         names.append(name.decode())
     return names
 
 
-def profile_seconds(lib: ctypes.CDLL) -> dict[str, float]:
-    """Seconds each phase gathered since the profile was last turned on."""
-    return {name: lib.llmopt_native_profile_seconds(i)
-            for i, name in enumerate(profile_phases(lib))}
+AMX_VARIABLE = "LLMOPT_NATIVE_AMX"  # "0": new models never use AMX tiles
 
 
-AMX_VARIABLE = "LLMOPT_NATIVE_AMX"  # "0": the native step never uses AMX tiles
-
-
-def use_amx(enabled: bool) -> bool:
-    """Lets the native step multiply on AMX tiles where the CPU has them (the default, unless
-    LLMOPT_NATIVE_AMX=0), or never; returns whether it now does. Either way every output is
-    the same, bit for bit (kernels.c): this only moves speed."""
-    return _native_amx(int(enabled))
-
-
-def amx_in_use() -> bool:
-    """Whether the native step multiplies on AMX tiles (use_amx)."""
-    return _native_amx(-1)
-
-
-def _native_amx(want: int) -> bool:
-    """kernels.c's llmopt_native_amx (want 1: on, 0: off, -1: only ask), False without it."""
+@functools.cache
+def amx_available() -> bool:
+    """Whether this process may multiply on AMX int8 tiles (the CPU has them and the kernel
+    grants their state); False without the kernels."""
     lib = kernels()
-    return bool(lib is not None and lib.llmopt_native_supported() and lib.llmopt_native_amx(want))
+    return bool(lib is not None and lib.llmopt_native_supported()
+                and lib.llmopt_native_amx_available())
+
+
+def default_knobs() -> Knobs:
+    """A new model's knobs: kernels.c's defaults, AMX tiles where the process has them
+    unless LLMOPT_NATIVE_AMX=0. Every output is the same either way, bit for bit."""
+    knobs = Knobs()
+    lib = kernels()
+    if lib is not None:
+        lib.llmopt_native_knobs(ctypes.byref(knobs))
+    knobs.amx = amx_available() and os.environ.get(AMX_VARIABLE, "1") != "0"
+    return knobs
+
+
+def c_layouts(lib: ctypes.CDLL) -> dict[tuple[str, str | None], tuple[int, int]]:
+    """kernels.c's struct layouts: (struct, field or None for the struct) -> (offset, size)."""
+    layouts = {}
+    names = [ctypes.c_char_p(), ctypes.c_char_p()]
+    offset, size = ctypes.c_int64(), ctypes.c_int64()
+    while lib.llmopt_native_layout(len(layouts), *map(ctypes.byref, (*names, offset, size))):
+        field = names[1].value.decode() if names[1].value else None
+        layouts[(names[0].value.decode(), field)] = (offset.value, size.value)
+    return layouts
 
 
 def require_native(graph: GraphSpec, kv_cache: KVCacheSpec, lane_tokens: int | None = None
@@ -135,37 +149,45 @@ def require_native(graph: GraphSpec, kv_cache: KVCacheSpec, lane_tokens: int | N
         raise ValueError(f"kernels: native cannot run {graph.file}: {reason}")
 
 
-def unavailable_reason(graph: GraphSpec, kv_cache: KVCacheSpec,
-                       lane_tokens: int | None = None) -> str | None:
-    """Why the native step cannot run this graph here, with lanes of `lane_tokens` tokens
-    (None: any the graph allows), or None when it can."""
+def machine_reason() -> str | None:
+    """Why this install or CPU runs no native step at all, whatever the artifact, or None."""
     lib = kernels()
     if lib is None:
         return "this install has no native kernels (built without a C compiler)"
     if not lib.llmopt_native_supported():
         return "this CPU lacks AVX-512 VNNI, which the native kernels need"
-    plan: dict[str, Any] | None = graph.native
+    return None
+
+
+def unavailable_reason(graph: GraphSpec, kv_cache: KVCacheSpec,
+                       lane_tokens: int | None = None) -> str | None:
+    """Why the native step cannot run this graph here, with lanes of `lane_tokens` tokens
+    (None: any the graph allows), or None when it can."""
+    machine = machine_reason()
+    if machine is not None:
+        return machine
+    plan = read_plan(graph.native)
     if plan is None:
         return "the artifact predates native plans (recompile it)"
-    if "unsupported" in plan:
-        return plan["unsupported"]
+    if isinstance(plan, Unsupported):
+        return plan.reason
     if kv_cache.layout != "lanes":
         return "the native step reads KV lanes only"
-    window = plan.get("window")
+    window = plan.window
     if window is not None and (lane_tokens is None or lane_tokens > window):
         # within its window a sliding window hides no key: the step attends to every row
         return (f"sliding windows of {window} tokens, shorter than the "
                 f"{lane_tokens or 'max_context'} a lane holds (max_context <= {window} runs "
                 "natively)")
-    for index, (layer, planned) in enumerate(zip(kv_cache.layers, plan["layers"], strict=True)):
-        dtype = lane_dtype(planned.get("kv"))
+    for index, (layer, planned) in enumerate(zip(kv_cache.layers, plan.layers, strict=True)):
+        dtype = lane_dtype(planned.kv)
         if any(t.dtype != dtype for t in layer.tensors):
             return f"layer {index}'s KV pool is not the {dtype} its graph stores"
     return None
 
 
-def lane_dtype(kv: dict[str, Any] | None) -> str:
-    """The pool dtype of a layer's plan `kv` entry (None: float32 lanes)."""
+def lane_dtype(kv: LaneKV | None) -> str:
+    """The pool dtype of a layer's lanes (None: float32 lanes)."""
     if kv is None:
         return "float32"
-    return {16: "float16", 8: "int8", 4: "uint8"}[kv["bits"]]
+    return {16: "float16", 8: "int8", 4: "uint8"}[kv.bits]

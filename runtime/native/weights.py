@@ -3,15 +3,33 @@
 from __future__ import annotations
 
 import ctypes
+import mmap
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from llmopt.runtime.kv.paging import cdiv
 from llmopt.runtime.native.arena import HugePageArena
-from llmopt.runtime.native.library import KVLayout, Model, QMatrix, QRows
+from llmopt.runtime.native.codebook import codebook_arrays
+from llmopt.runtime.native.library import (
+    KVLayout,
+    Model,
+    QMatrix,
+    QRows,
+    amx_available,
+    default_knobs,
+    kernels,
+    profile_phases,
+)
+from llmopt.runtime.native.plan import (
+    EmbeddingRows,
+    LaneKV,
+    LayerPlan,
+    NativePlan,
+    QuantizedMatrix,
+    Tensor,
+)
+from llmopt.runtime.paging import cdiv
 
 LAYER_MATRICES = ("qkv", "o", "gate_up", "down")  # in the order a layer runs them
 
@@ -19,82 +37,119 @@ LAYER_MATRICES = ("qkv", "o", "gate_up", "down")  # in the order a layer runs th
 class NativeWeights:
     """Every array the C model points at, kept alive with it."""
 
-    def __init__(self, plan: dict[str, Any], data_file: Path, num_threads: int,
+    def __init__(self, plan: NativePlan, data_file: Path, num_threads: int,
                  max_position: int):
-        self._data = np.memmap(data_file, dtype=np.uint8, mode="r")
+        with data_file.open("rb") as file:
+            self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        self._data = np.frombuffer(self._map, dtype=np.uint8)
         self._keep: list[np.ndarray] = []
         self._arena = HugePageArena()  # the repacked matrices, in the order a step reads them
-        layers = plan["layers"]
+        layers = plan.layers
         count = len(layers)
-        matrices = [{key: self._matrix(layer[key]) for key in LAYER_MATRICES}
+        matrices = [{key: self._matrix(getattr(layer, key)) for key in LAYER_MATRICES}
                     for layer in layers]
         per_layer = {key: (QMatrix * count)(*(layer[key] for layer in matrices))
                      for key in LAYER_MATRICES}
         norms = {key: self._per_layer(layers, key) for key in ("attn_norm", "mlp_norm")}
         head_norms = {key: self._per_layer(layers, key)  # Qwen3's, of each q and k head
-                      for key in ("q_norm", "k_norm") if any(layer.get(key) for layer in layers)}
-        kv = (KVLayout * count)(*(self._kv_layout(layer.get("kv")) for layer in layers))
+                      for key in ("q_norm", "k_norm")
+                      if any(getattr(layer, key) for layer in layers)}
+        kv = (KVLayout * count)(*(self._kv_layout(layer.kv) for layer in layers))
         self._tables = [*per_layer.values(), *norms.values(), *head_norms.values(), kv]
-        embed = plan["embed"]
-        cos = self._array(plan["rope"]["cos"])
+        embed = plan.embed
+        cos = self._array(plan.rope_cos)
         self.model = Model(
-            layers=count, hidden=plan["hidden"], heads=plan["heads"], kv_heads=plan["kv_heads"],
-            head_dim=plan["head_dim"], intermediate=plan["intermediate"], vocab=plan["vocab"],
+            layers=count, hidden=plan.hidden, heads=plan.heads, kv_heads=plan.kv_heads,
+            head_dim=plan.head_dim, intermediate=plan.intermediate, vocab=plan.vocab,
             max_position=min(max_position, cos.shape[0]), num_threads=num_threads,
-            eps=plan["eps"], attn_scale=plan["attn_scale"], rope_cos=self._keep_ptr(cos),
-            rope_sin=self._pointer(plan["rope"]["sin"]),
-            embed=self._pointer(embed["table"]) if "table" in embed else None,
-            embed_codes=self._rows(embed["codes"]) if "codes" in embed else QRows(),
+            eps=plan.eps, attn_scale=plan.attn_scale, rope_cos=self._keep_ptr(cos),
+            rope_sin=self._pointer(plan.rope_sin),
+            embed=self._pointer(embed) if isinstance(embed, Tensor) else None,
+            embed_codes=self._rows(embed) if isinstance(embed, EmbeddingRows) else QRows(),
             attn_norm=ctypes.cast(norms["attn_norm"], ctypes.c_void_p),
             mlp_norm=ctypes.cast(norms["mlp_norm"], ctypes.c_void_p),
-            final_norm=self._pointer(plan["final_norm"]),
+            final_norm=self._pointer(plan.final_norm),
             **{key: ctypes.cast(table, ctypes.c_void_p) for key, table in per_layer.items()},
-            head=self._matrix(plan["head"]), kv=ctypes.cast(kv, ctypes.c_void_p),
-            **{key: ctypes.cast(table, ctypes.c_void_p) for key, table in head_norms.items()})
+            head=self._matrix(plan.head), kv=ctypes.cast(kv, ctypes.c_void_p),
+            **{key: ctypes.cast(table, ctypes.c_void_p) for key, table in head_norms.items()},
+            knobs=default_knobs())
+        self._phase_seconds = np.zeros(len(profile_phases(kernels())))  # the profile's sums
+        # The matrices now live repacked in the arena: give back the file pages they were
+        # read from (what the model points into, embedding rows and tables, faults back in).
+        self._map.madvise(mmap.MADV_DONTNEED)
 
-    def _per_layer(self, layers: list[dict[str, Any]], key: str) -> ctypes.Array:
+    def use_amx(self, enabled: bool) -> bool:
+        """Lets this model's steps multiply on AMX tiles where the process has them, or never;
+        returns whether they now do. Every output is the same either way, bit for bit."""
+        self.model.knobs.amx = enabled and amx_available()
+        return bool(self.model.knobs.amx)
+
+    def profile(self, on: bool) -> bool:
+        """Turns this model's phase profile on (its sums from zero) or off; returns whether it
+        was on."""
+        was = bool(self.model.knobs.phase_seconds)
+        if on:
+            self._phase_seconds[:] = 0
+        self.model.knobs.phase_seconds = self._phase_seconds.ctypes.data if on else None
+        return was
+
+    def profile_seconds(self) -> dict[str, float]:
+        """Seconds each phase gathered while the profile was last on."""
+        names = profile_phases(kernels())
+        return dict(zip(names, self._phase_seconds.tolist(), strict=True))
+
+    def _per_layer(self, layers: tuple[LayerPlan, ...], key: str) -> ctypes.Array:
         """The C table of each layer's `key` tensor (NULL where a layer has none)."""
+        tensors = [getattr(layer, key) for layer in layers]
         return (ctypes.c_void_p * len(layers))(
-            *(self._pointer(layer[key]) if layer.get(key) else None for layer in layers))
+            *(None if tensor is None else self._pointer(tensor) for tensor in tensors))
 
-    def _kv_layout(self, kv: dict[str, Any] | None) -> KVLayout:
+    def _kv_layout(self, kv: LaneKV | None) -> KVLayout:
         """A layer's lanes: float32 (None), float16, or codes with static scales."""
         if kv is None:
             return KVLayout(bits=32)
-        pointers = {key: self._pointer(kv[key]) if kv[key] else None
-                    for key in ("key_scale", "value_scale", "rotation")}
-        hadamard = bool(kv["rotation"]) and is_sylvester_hadamard(self._array(kv["rotation"]))
-        return KVLayout(bits=kv["bits"], hadamard=hadamard, **pointers)
+        pointers = {key: None if tensor is None else self._pointer(tensor)
+                    for key, tensor in (("key_scale", kv.key_scale),
+                                        ("value_scale", kv.value_scale),
+                                        ("rotation", kv.rotation))}
+        hadamard = kv.rotation is not None and is_sylvester_hadamard(self._array(kv.rotation))
+        return KVLayout(bits=kv.bits, hadamard=hadamard, **pointers)
 
-    def _array(self, tensor: dict[str, Any]) -> np.ndarray:
-        dtype = np.dtype(tensor["dtype"])
-        if "values" in tensor:
-            return np.asarray(tensor["values"], dtype=dtype).reshape(tensor["shape"])
-        count = tensor["length"] // dtype.itemsize
-        return np.frombuffer(self._data, dtype, count, tensor["offset"]).reshape(tensor["shape"])
+    def _array(self, tensor: Tensor) -> np.ndarray:
+        dtype = np.dtype(tensor.dtype)
+        if tensor.values is not None:
+            return np.asarray(tensor.values, dtype=dtype).reshape(tensor.shape)
+        count = tensor.length // dtype.itemsize
+        return np.frombuffer(self._data, dtype, count, tensor.offset).reshape(tensor.shape)
 
     def _keep_ptr(self, array: np.ndarray) -> int:
         array = np.ascontiguousarray(array)
         self._keep.append(array)
         return array.ctypes.data
 
-    def _pointer(self, tensor: dict[str, Any]) -> int:
+    def _pointer(self, tensor: Tensor) -> int:
         return self._keep_ptr(self._array(tensor))
 
-    def _matrix(self, spec: dict[str, Any]) -> QMatrix:
-        offsets = self._array(spec["offsets"]) if spec.get("offsets") else None
-        arrays, matrix = quantized_matrix(*self._quantized(spec), spec["n"], spec["k"],
-                                          spec["bits"], offsets, _block(spec),
-                                          place=self._arena.place)
+    def _matrix(self, spec: QuantizedMatrix) -> QMatrix:
+        if spec.codebook is not None:  # NF4 / FP4
+            arrays, matrix = codebook_matrix(spec, self._array(spec.codes),
+                                             self._array(spec.scales), self._arena.place)
+            self._keep += arrays
+            if spec.bias is not None:
+                matrix.bias = self._pointer(spec.bias)
+            return matrix
+        offsets = None if spec.offsets is None else self._array(spec.offsets)
+        arrays, matrix = quantized_matrix(*self._quantized(spec), spec.n, spec.k, spec.bits,
+                                          offsets, spec.block, place=self._arena.place)
         self._keep += arrays
-        if spec.get("bias"):  # the graph adds it to the projection's output
-            matrix.bias = self._pointer(spec["bias"])
+        if spec.bias is not None:  # the graph adds it to the projection's output
+            matrix.bias = self._pointer(spec.bias)
         return matrix
 
-    def _rows(self, spec: dict[str, Any]) -> QRows:
+    def _rows(self, spec: EmbeddingRows) -> QRows:
         """Embedding rows, read in place (zero points one per byte)."""
         codes, scales, zeros = self._quantized(spec)
-        n, k, bits, block = spec["n"], spec["k"], spec["bits"], _block(spec)
+        n, k, bits, block = spec.n, spec.k, spec.bits, spec.block
         if zeros is not None:
             zeros = self._keep_ptr(_zero_points(zeros, n, bits, cdiv(k, block)))
         return QRows(codes=self._keep_ptr(codes.reshape(n, -1)),
@@ -102,14 +157,9 @@ class NativeWeights:
                                            .astype(np.float32)),
                      zeros=zeros, n=n, k=k, bits=bits, block=block)
 
-    def _quantized(self, spec: dict[str, Any]):
-        zeros = self._array(spec["zeros"]) if spec["zeros"] is not None else None
-        return self._array(spec["codes"]), self._array(spec["scales"]), zeros
-
-
-def _block(spec: dict[str, Any]) -> int:
-    """A matrix's quantization block (plans from before blocks of 64 and 128 name none)."""
-    return spec.get("block", 32)
+    def _quantized(self, spec: QuantizedMatrix | EmbeddingRows):
+        zeros = None if spec.zeros is None else self._array(spec.zeros)
+        return self._array(spec.codes), self._array(spec.scales), zeros
 
 
 def quantized_matrix(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, n: int,
@@ -154,6 +204,19 @@ def quantized_matrix(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | 
         arrays["offsets"] = place(per_block(offsets.reshape(-1, n).T, np.float32))
     return list(arrays.values()), QMatrix(n=n, k=k, bits=bits, block=block,
                                           **{key: a.ctypes.data for key, a in arrays.items()})
+
+
+def codebook_matrix(spec: QuantizedMatrix, packed: np.ndarray, absmax: np.ndarray,
+                    place: Callable[[np.ndarray], np.ndarray] = np.ascontiguousarray
+                    ) -> tuple[list[np.ndarray], QMatrix]:
+    """A QMatrix over MatMulBnb4's inputs: 4-bit codes, a lookup table, zero points of 128
+    (runtime/native/codebook.py), with the arrays it points at."""
+    codes, scales, zeros, table = codebook_arrays(spec, packed, absmax)
+    arrays, matrix = quantized_matrix(codes, scales, None, spec.n, spec.k, 4, None, spec.block,
+                                      place)
+    zeros, table = place(zeros), place(table)
+    matrix.zeros, matrix.lut = zeros.ctypes.data, table.ctypes.data
+    return [*arrays, zeros, table], matrix
 
 
 def _zero_points(zeros: np.ndarray, n: int, bits: int, blocks: int) -> np.ndarray:

@@ -5,7 +5,7 @@
 - `cost_model`: what a speculative step costs and emits (shared with the compiler's
   draft pass, which chooses γ with the same formulas);
 - `policy`: how many drafts each sequence takes, from its acceptance and their price;
-- `governor`: prices drafts from the engine's own step timings;
+- `step_cost`: what a whole step costs, its calls padded as the executors pad them;
 - `state`: a request's speculation state (one object per request);
 - `speculator`: ties them together for the engine's step.
 """

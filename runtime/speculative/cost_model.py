@@ -49,13 +49,10 @@ def model_step_cost(num_drafts: int, draft_cost: float, verify_cost: float) -> f
     return num_drafts * draft_cost + verify_cost
 
 
-def step_cost(num_drafts: int, verify_cost: Sequence[float], draft_cost: float,
-              cost_scale: float = 1.0) -> float:
+def step_cost(num_drafts: int, verify_cost: Sequence[float], draft_cost: float) -> float:
     """The same from the compiler's table `verify_cost[k]` ((k+1)-token step over a plain
-    one), its extra over a plain step scaled by `cost_scale` (what the runtime measured
-    against what the compiler predicted)."""
-    verify = 1.0 + cost_scale * (verify_cost[num_drafts] - 1.0)
-    return model_step_cost(num_drafts, draft_cost, verify)
+    one)."""
+    return model_step_cost(num_drafts, draft_cost, verify_cost[num_drafts])
 
 
 def best_gamma(tokens_per_step: Sequence[float], cost_per_step: Sequence[float]

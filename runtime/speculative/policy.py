@@ -12,22 +12,12 @@ own record.
 
 The estimate forgets at rate `decay` per decode step, speculating or not, so a sequence
 whose drafts stopped paying drifts back towards the prior and is probed again later
-rather than switched off for good. The costs can be re-priced per step (`set_prices`)
-from what the engine measures on the machine it runs on (`governor`).
+rather than switched off for good.
 
 At batch > 1 a sequence's drafts are not its own cost: the executors pad a call's rows to
 its widest query, so one sequence verifying 8 drafts makes its neighbours' 1-token rows
 9 tokens wide (`step_cost`). Once the drafts are known, `cap` prices the step as a whole:
 the most drafts any sequence keeps, chosen for the most tokens per unit of step time.
-
-The estimates are checked against what they buy. A step speculates when its estimates
-are high, so the steps that run are the ones whose estimates erred upwards (and between
-its verifications a sequence's record drifts back to the optimistic prior): measured on
-SmolLM2, speculative steps kept 92-94 % of the extra tokens their estimates promised at
-batch 1 and 70-80 % at batch 4, where drafts must beat three plain neighbours' cost. So per
-batch-size bucket the policy keeps the share of promised extra tokens that verification
-kept (decayed sums, a prior of promises all kept) and discounts every promise by it
-(`prepare`).
 """
 
 from __future__ import annotations
@@ -35,9 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from llmopt.runtime.request import Request
-from llmopt.runtime.speculative.cost_model import expected_tokens, step_cost
-from llmopt.runtime.speculative.governor import batch_bucket
-from llmopt.runtime.speculative.step_cost import StepCostModel
+from llmopt.runtime.spec.cost_model import expected_tokens, step_cost
+from llmopt.runtime.spec.step_cost import StepCostModel
 
 POOLED = "*"  # the record of every source of a sequence together
 
@@ -56,8 +45,6 @@ class SpeculationPolicy:
         min_gain: float = 1.05,
         engine_decay: float = 0.98,
         engine_weight: float = 4.0,
-        kept_decay: float = 0.99,
-        kept_weight: float = 8.0,
     ):
         """verify_cost[k]: a (k+1)-token target step over a 1-token step, k = 0..γ (so
         verify_cost[0] == 1); draft_cost: a draft step over a target step; `step_model`:
@@ -70,7 +57,6 @@ class SpeculationPolicy:
         self.gamma = gamma
         self.verify_cost = list(verify_cost)
         self.draft_cost = draft_cost
-        self.cost_scale = 1.0  # multiplies verification's extra cost, verify_cost[k] - 1
         self.prior_alpha = prior_alpha
         self.decay = decay
         self.engine_decay, self.engine_weight = engine_decay, engine_weight
@@ -80,33 +66,6 @@ class SpeculationPolicy:
         # Every sequence's evidence together, per source: what a sequence that has shown
         # little yet is expected to do (the compile-time α was measured on other prompts).
         self.engine_record: dict[str, tuple[float, float]] = {}
-        # Per batch-size bucket: decayed (extra tokens kept, extra tokens promised) by the
-        # steps that speculated; `kept_weight` promised tokens of prior, all kept.
-        self.kept_decay, self.kept_weight = kept_decay, kept_weight
-        self.promises: dict[int, tuple[float, float]] = {}
-        self.kept_share = 1.0  # of the next step's bucket (`prepare`)
-
-    def prepare(self, batch_size: int) -> None:
-        """Price the next step, of `batch_size` sequences, by its bucket's kept share."""
-        kept, promised = self.promises.get(batch_bucket(batch_size), (0.0, 0.0))
-        self.kept_share = (kept + self.kept_weight) / (promised + self.kept_weight)
-
-    def record_promise(self, batch_size: int, promised: float, kept: int) -> None:
-        """A speculative step's outcome: the extra tokens (beyond one a sequence) its
-        drafts were expected to give, by the undiscounted estimates, and those accepted."""
-        bucket = batch_bucket(batch_size)
-        old_kept, old_promised = self.promises.get(bucket, (0.0, 0.0))
-        decay = self.kept_decay
-        self.promises[bucket] = (decay * old_kept + kept, decay * old_promised + promised)
-
-    def promised(self, drafted: Sequence[tuple[Request, str, int]], cap: int) -> float:
-        """The extra tokens `drafted`, capped at `cap` drafts each, are expected to give."""
-        return sum(expected_tokens(self.alpha(request, source), min(count, cap)) - 1.0
-                   for request, source, count in drafted)
-
-    def _tokens(self, alpha: float, num_drafts: int) -> float:
-        """A sequence's tokens from a step with `num_drafts` drafts, its promise discounted."""
-        return 1.0 + self.kept_share * (expected_tokens(alpha, num_drafts) - 1.0)
 
     def alpha(self, request: Request, source: str | None = None) -> float:
         """The acceptance estimate of `source`'s drafts for this sequence; None: the best
@@ -118,7 +77,7 @@ class SpeculationPolicy:
         much better or worse than the engine's average this sequence has done. So a
         source seen for the first time inherits what the sequence and the engine have
         shown so far."""
-        estimates = request.speculation.accept_estimate
+        estimates = request.spec.accept_estimate
         engine = self._estimate(self.engine_record.get(POOLED, (0.0, 0.0)), self.prior_alpha,
                                 self.engine_weight)
         pooled = self._estimate(estimates.get(POOLED, (0.0, 0.0)), engine)
@@ -139,16 +98,13 @@ class SpeculationPolicy:
         weight = self.prior_weight if weight is None else weight
         return (accepted + weight * prior) / (accepted + rejected + weight)
 
-    def set_prices(self, cost_scale: float, draft_cost: float) -> None:
-        self.cost_scale, self.draft_cost = cost_scale, draft_cost
-
     def cost(self, num_drafts: int) -> float:
         """A step with `num_drafts` drafts, in plain target steps."""
-        return step_cost(num_drafts, self.verify_cost, self.draft_cost, self.cost_scale)
+        return step_cost(num_drafts, self.verify_cost, self.draft_cost)
 
     def num_drafts(self, request: Request, source: str | None = None) -> int:
         alpha = self.alpha(request, source)
-        gains = [self._tokens(alpha, k) / self.cost(k) for k in range(self.gamma + 1)]
+        gains = [expected_tokens(alpha, k) / self.cost(k) for k in range(self.gamma + 1)]
         return max(range(self.gamma + 1), key=gains.__getitem__)
 
     def cap(self, drafted: Sequence[tuple[Request, str, int]],
@@ -166,11 +122,10 @@ class SpeculationPolicy:
         base = [1] * len(drafted) + list(other_lens)
 
         def gain(cap: int) -> float:
-            tokens = len(other_lens) + sum(self._tokens(alpha, min(count, cap))
+            tokens = len(other_lens) + sum(expected_tokens(alpha, min(count, cap))
                                           for alpha, count in zip(alphas, counts, strict=True))
             lens = [1 + min(count, cap) for count in counts] + list(other_lens)
-            extra = self.step_model.relative(lens, base) - 1.0
-            return tokens / (1.0 + self.cost_scale * extra)
+            return tokens / self.step_model.relative(lens, base)
 
         gains = [gain(cap) for cap in range(max(counts) + 1)]
         best = max(range(len(gains)), key=gains.__getitem__)
@@ -181,7 +136,7 @@ class SpeculationPolicy:
         """Record one decode step: the drafts' source, how many were verified and how many
         accepted (0, 0 for a plain step). A run of acceptances ended by a rejection is
         geometric evidence. Every source's evidence fades at each step."""
-        for estimates, decay in ((request.speculation.accept_estimate, self.decay),
+        for estimates, decay in ((request.spec.accept_estimate, self.decay),
                                  (self.engine_record, self.engine_decay)):
             for name, (accepted, rejected) in estimates.items():
                 estimates[name] = (decay * accepted, decay * rejected)

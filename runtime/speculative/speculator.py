@@ -1,30 +1,26 @@
 """Speculator: what the engine's step asks of speculative decoding, in one object.
 
 Per step: `max_drafts` gives the scheduler each sequence's draft budget (None: no
-speculation this step — above the batch-size limit, a plain probe step of the governor,
-or a batch size whose drafts the step's price keeps discarding); `propose` fills the
-draft slots the scheduler reserved, then trims the drafts to what pays for the step as a
-whole (`SpeculationPolicy.cap`); `verify` applies the
-exact rule to a sequence's logits rows; `observe` and `record_step` feed the policy
-(acceptance per sequence and source) and the governor (step timings per batch size).
+speculation this step, above the batch-size limit); `propose` fills the draft slots the
+scheduler reserved, then trims the drafts to what pays for the step as a whole
+(`SpeculationPolicy.cap`); `verify` applies the exact rule to a sequence's logits rows;
+`observe` feeds the policy (acceptance per sequence and source).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from llmopt.runtime.executors.step_batch import MAX_TREE_TOKENS, Executor
-from llmopt.runtime.kv.manager import KVCacheManager
+from llmopt.runtime.kv_cache_manager import KVCacheManager
 from llmopt.runtime.manifest import KVCacheSpec, Manifest, NgramDraftSpec, SpeculativeSpec
 from llmopt.runtime.request import Request
 from llmopt.runtime.scheduler import ScheduledRequest
-from llmopt.runtime.speculative.cost_model import equivalent_alpha
-from llmopt.runtime.speculative.drafter import (
+from llmopt.runtime.spec.cost_model import equivalent_alpha
+from llmopt.runtime.spec.drafter import (
     Drafter,
     FallbackDrafter,
     ModelDrafter,
@@ -32,20 +28,11 @@ from llmopt.runtime.speculative.drafter import (
     Proposal,
     SuffixDrafter,
 )
-from llmopt.runtime.speculative.governor import SpeculationGovernor, batch_bucket
-from llmopt.runtime.speculative.policy import SpeculationPolicy
-from llmopt.runtime.speculative.rejection_sampler import verify_drafts, verify_tree
-from llmopt.runtime.speculative.step_cost import StepCostModel
-from llmopt.runtime.speculative.suffix import SuffixSettings
-
-# Drafting costs host time even when the step's price then discards every draft (at
-# batch 8 on SmolLM2 int4: ~6 % of the step, for nothing). After DISCARDED_STEPS steps
-# in a row whose drafts the batch made too dear (some sequence would have kept its drafts
-# alone), that batch size drafts nothing for the next RESTING_STEPS steps; then it tries
-# again (acceptance and prices move). Drafts a sequence would not keep even alone say
-# nothing about the batch: their source's record prices them next time.
-DISCARDED_STEPS = 4
-RESTING_STEPS = 32
+from llmopt.runtime.spec.policy import SpeculationPolicy
+from llmopt.runtime.spec.rejection_sampler import verify_drafts, verify_tree
+from llmopt.runtime.spec.step_cost import StepCostModel
+from llmopt.runtime.spec.suffix import SuffixSettings
+from llmopt.runtime.step_batch import MAX_TREE_TOKENS, Executor
 
 
 class Speculator:
@@ -55,53 +42,31 @@ class Speculator:
         gamma: int,
         max_batch_size: int | None = None,
         policy: SpeculationPolicy | None = None,
-        governor: SpeculationGovernor | None = None,
     ):
         """γ drafts at most per sequence and step, none while more than `max_batch_size`
         sequences run (None: any batch size). `policy` sizes each sequence's drafts from
-        its acceptance and their cost (None: always γ); `governor` prices drafts for it
-        from the engine's step timings (None: the manifest's prices)."""
+        its acceptance and their cost (None: always γ)."""
         if gamma < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {gamma}")
         self.drafter = drafter
         self.gamma = gamma
         self.max_batch_size = max_batch_size
         self.policy = policy
-        self.governor = governor
-        self.draft_seconds = 0.0  # the last step's drafting time
-        self.discarded: dict[int, int] = {}  # batch-size bucket -> discarded steps in a row
-        self.resting: dict[int, int] = {}  # batch-size bucket -> steps left without drafts
-        # this step's (batch size, extra tokens its drafts promised, extra tokens kept)
-        self.promise: tuple[int, float, int] | None = None
 
     def max_drafts(self, batch_size: int) -> Callable[[Request], int] | None:
         """This step's draft budget per sequence, for `batch_size` running sequences."""
         limit = self.max_batch_size
         if self.gamma == 0 or (limit is not None and batch_size > limit):
             return None
-        bucket = batch_bucket(batch_size)
-        if self.resting.get(bucket, 0) > 0:
-            self.resting[bucket] -= 1
-            return None
-        if self.governor is not None:
-            if not self.governor.allows(batch_size):
-                return None
-            if self.policy is not None:
-                prices = self.governor.prices(batch_size)
-                self.policy.set_prices(prices.cost_scale, prices.draft_cost)
         policy = self.policy
         if policy is None:
             return lambda request: self.gamma
-        policy.prepare(batch_size)
         return lambda request: min(self.gamma, policy.num_drafts(request))
 
     def propose(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
         """Fill the draft slots the scheduler reserved; give back the ones left unused."""
-        started = time.perf_counter()
-        self.promise = None
         speculating = [i for i, item in enumerate(scheduled) if item.num_spec_tokens]
         if not speculating:
-            self.draft_seconds = 0.0
             return scheduled
         requests = [scheduled[i].request for i in speculating]
         policy = self.policy  # prices each source's drafts before they are made
@@ -110,13 +75,9 @@ class Speculator:
             policy.num_drafts if policy is not None else None)
         drafted, others = self._drafted(scheduled, speculating, proposals)
         cap = self.policy.cap(drafted, others) if self.policy is not None else self.gamma
-        if cap and self.policy is not None:
-            self.promise = (len(scheduled), self.policy.promised(drafted, cap), 0)
-        self._note_discarded(len(scheduled), cap == 0 and len(scheduled) > 1 and any(
-            self.policy.cap([entry]) for entry in drafted))
         scheduled = list(scheduled)
         for i, request, proposal in zip(speculating, requests, proposals, strict=True):
-            spec, kept = request.speculation, proposal.first(cap)
+            spec, kept = request.spec, proposal.first(cap)
             spec.token_ids, spec.source = list(kept.token_ids), kept.source
             spec.probs = kept.probs if spec.token_ids else None
             spec.parents = kept.parents if spec.token_ids else None
@@ -124,16 +85,7 @@ class Speculator:
             scheduled[i] = dataclasses.replace(
                 scheduled[i], num_tokens=scheduled[i].num_tokens - unused,
                 num_spec_tokens=len(spec.token_ids))
-        self.draft_seconds = time.perf_counter() - started
         return scheduled
-
-    def _note_discarded(self, batch_size: int, discarded: bool) -> None:
-        """Count steps whose drafts the step's price discarded; rest after a run of them."""
-        bucket = batch_bucket(batch_size)
-        count = self.discarded.get(bucket, 0) + 1 if discarded else 0
-        if count >= DISCARDED_STEPS:
-            self.resting[bucket], count = RESTING_STEPS, 0
-        self.discarded[bucket] = count
 
     @staticmethod
     def _drafted(scheduled: list[ScheduledRequest], speculating: list[int],
@@ -150,7 +102,7 @@ class Speculator:
     def verify(self, request: Request, logits: np.ndarray) -> tuple[list[int], list[int]]:
         """The tokens a sequence with drafts emits (its accepted drafts plus one), and the
         accepted drafts' indices (a chain's: 0, 1, ...; a tree's: a branch)."""
-        spec = request.speculation
+        spec = request.spec
         if spec.parents is None:
             tokens = verify_drafts(logits, spec.token_ids, spec.probs,
                                    request.sampling_params, request.generator,
@@ -168,24 +120,9 @@ class Speculator:
     def observe(self, request: Request, emitted: Sequence[int]) -> None:
         """A decode step gave `request` these tokens: evidence for its acceptance record."""
         if self.policy is not None:
-            num_drafts = len(request.speculation.token_ids)
+            num_drafts = len(request.spec.token_ids)
             accepted = min(len(emitted) - 1, num_drafts)
-            self.policy.observe(request, request.speculation.source, num_drafts, accepted)
-            if self.promise is not None and num_drafts:
-                batch_size, promised, kept = self.promise
-                self.promise = (batch_size, promised, kept + accepted)
-
-    def record_step(self, scheduled: Sequence[ScheduledRequest], seconds: float) -> None:
-        """Time a pure decode step (every sequence one known token, plus its drafts) for
-        the governor, drafting time apart; settle the step's promise with the policy."""
-        if self.promise is not None and self.policy is not None:
-            self.policy.record_promise(*self.promise)
-            self.promise = None
-        pure_decode = all(not item.request.score_only and item.num_tokens
-                          - item.num_spec_tokens == 1 for item in scheduled)
-        if self.governor is not None and pure_decode:
-            self.governor.record([item.num_spec_tokens for item in scheduled],
-                                 seconds - self.draft_seconds, self.draft_seconds)
+            self.policy.observe(request, request.spec.source, num_drafts, accepted)
 
 
 # --- assembling an artifact's speculator ------------------------------------------------
@@ -224,16 +161,14 @@ def build_speculator(
         return None
     drafter = make_drafter(path, manifest, spec, kv_cache_manager, executor_for, drafts, tree)
     priced = adaptive and len(spec.verify_cost) >= gamma + 1  # the compiler measured costs
-    policy = governor = None
+    policy = None
     if priced:
         prior = equivalent_alpha(spec.acceptance, gamma) if spec.acceptance else 0.5
         steps = StepCostModel.from_measured(spec.measured, spec.verify_cost)
         policy = SpeculationPolicy(gamma, spec.verify_cost, spec.cost_ratio or 0.0, prior,
                                    step_model=steps)
-        governor = SpeculationGovernor(spec.verify_cost, spec.cost_ratio or 0.0,
-                                       step_model=steps)
     limit = max_batch_size if max_batch_size is not None else spec.max_batch_size
-    return Speculator(drafter, gamma, limit, policy, governor)
+    return Speculator(drafter, gamma, limit, policy)
 
 
 def make_drafter(

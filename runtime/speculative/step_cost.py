@@ -3,17 +3,16 @@
 Both executors run a step's sequences in right-padded graph calls grouped by query length
 (`executor.padding_groups`): a sequence verifying 8 drafts among fifteen 1-token decodes
 either widens a call of several rows to 9 tokens each, or costs a call of its own (every
-call reads all weights). Measured on the lanes executor (SmolLM2 fp32, one thread): at
-batch 4, one row of 5 tokens among three of 1 costs 2.5 plain steps — what four rows of
-5 cost —, while alone it costs 1.6. So a sequence's drafts cannot be priced alone at
-batch > 1: the policy prices the step (`SpeculationPolicy.cap`), with this model.
+call reads all weights): one row of 5 tokens among three of 1 costs what four rows of 5
+cost. So a sequence's drafts cannot be priced alone at batch > 1: the policy prices the
+step (`SpeculationPolicy.cap`), with this model.
 
 A call of R rows padded to W tokens costs `plain(R) * ratio(R, W)`: the plain (1-token)
 step of R rows and the W-token step over it, both interpolated from the compiler's
 measured table (uniform batches of 1..16 rows, 1..γ+1 tokens, `measured.verify_step_ms`,
 each batch size's row smoothed: `smooth_ratios`);
 without one, `verify_cost` (batch 1) is the ratio at every R and each call costs a plain
-step. The governor corrects what the model predicts per batch-size bucket from timings.
+step.
 """
 
 from __future__ import annotations

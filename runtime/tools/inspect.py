@@ -70,6 +70,7 @@ def _weights(manifest: Manifest) -> dict[str, Any]:
         quantized.append({
             "pass": report["name"], "bits": config.get("bits"),
             "group_size": config.get("group_size"), "symmetric": config.get("symmetric"),
+            "format": config.get("format", "int"), "double_quant": config.get("double_quant"),
             "linears": report["linears"], "lm_head": bool(config.get("include_lm_head")),
             "bytes": report["weight_bytes"].get("quantized"),
             "float32_bytes": report["weight_bytes"].get("float32")})
@@ -156,6 +157,9 @@ def _weight_lines(weights: dict[str, Any]) -> list[str]:
             f", groups of {q['group_size']}" if q["group_size"] else "") + (
             "" if q["symmetric"] is None else
             ", symmetric" if q["symmetric"] else ", asymmetric")
+        if q.get("format") == "nf4":  # a code book: no integer zero points
+            scheme = (f"nf4, blocks of {q['group_size']}"
+                      + (", double-quantized absmax" if q.get("double_quant") else ""))
         size = (f", {q['bytes'] / _MIB:.1f} MiB vs {q['float32_bytes'] / _MIB:.1f} MiB float32"
                 if q["bytes"] and q["float32_bytes"] else "")
         head = "LM head included" if q["lm_head"] else "LM head float"

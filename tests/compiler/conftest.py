@@ -15,8 +15,8 @@ import torch
 
 from llmopt.compiler.architectures import FAMILIES
 from llmopt.compiler.ir import ArchSpec, ModelIR
+from llmopt.compiler.kv_layout import cache_tensors, kv_cache_spec
 from llmopt.compiler.loader import load_checkpoint
-from llmopt.compiler.lower import cache_tensors, kv_cache_spec
 from llmopt.runtime import contract as C
 from llmopt.runtime.kv.paging import step_blocks
 from llmopt.runtime.kv.stores import SinkStore, TailStore

@@ -114,7 +114,7 @@ def test_tied_embeddings(arch, ir, hf_model):
     assert ir.arch.tie_word_embeddings == tied
     assert ("lm_head.weight" in ir.weights) == (not tied)
     if tied:
-        assert ir.lm_head() is ir.weights["embed_tokens"]
+        assert torch.equal(ir.lm_head(), ir.weights["embed_tokens"])  # read on access
     else:
         assert not torch.equal(ir.lm_head(), ir.weights["embed_tokens"])
     assert torch.equal(ir.lm_head(), hf_model.get_output_embeddings().weight)

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import pytest
 
+from llmopt.compiler import pass_registry as registry
 from llmopt.compiler.loader import load_checkpoint
-from llmopt.compiler.pipeline import (
+from llmopt.compiler.pass_manager import (
+    PassContext,
     QualityBudgetError,
     apply_passes,
     check_budget,
-    check_pass_order,
-    compile_recipe,
 )
+from llmopt.compiler.pass_registry import PassEntry
+from llmopt.compiler.pipeline import check_pass_order, compile_recipe
 from llmopt.compiler.recipe import Recipe
-from llmopt.passes import registry
-from llmopt.passes.registry import PassContext, PassEntry
 
 
 @pytest.mark.parametrize(("passes", "message"), [
@@ -110,10 +110,25 @@ def test_the_quality_measurement_reports_its_progress(tiny_checkpoints, word_tex
 
 
 def test_the_log_names_only_the_options_a_recipe_set():
-    from llmopt.compiler.pipeline import options_line
+    from llmopt.compiler.pass_manager import options_line
 
     recipe = Recipe(model="m", passes=[
         {"draft": {"kind": "ngram", "ngram": {"max_n": 4}}},
     ])
     assert options_line(recipe.passes[0].config) == (
         "{'ngram': {'max_n': 4}, 'kind': 'ngram'} (other options at their defaults)")
+
+
+def test_a_pass_that_changes_many_top_choices_is_warned_about_in_words():
+    lines: list[str] = []
+    quality = {"ppl_before": 10.0, "ppl_after": 14.2, "ppl_increase_pct": 42.0, "kl": 0.35,
+               "top1_agreement": 0.646}
+    check_budget("rtn", {"quality": quality}, None, lines.append)
+    assert lines[-1] == (
+        "      warning: after rtn the model picks its input's top token only 64.6 % of the "
+        "time: generated text will differ visibly and chat answers may lose coherence; a "
+        "calibrated pass (gptq or awq with calibration.text), group_size: 32 or an 8-bit LM "
+        "head (lm_head_bits: 8) keeps more")
+    lines.clear()
+    check_budget("rtn", {"quality": {**quality, "top1_agreement": 0.9}}, None, lines.append)
+    assert not any("warning" in line for line in lines)

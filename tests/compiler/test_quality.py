@@ -4,10 +4,9 @@ reads, else the input model's own seeded samples; never nothing unless told."""
 from __future__ import annotations
 
 from llmopt.compiler.loader import load_checkpoint
-from llmopt.compiler.pipeline import apply_passes
+from llmopt.compiler.pass_manager import PassContext, apply_passes
 from llmopt.compiler.quality import SAMPLES, QualityProbe, sample_sequences
 from llmopt.compiler.recipe import Recipe
-from llmopt.passes.registry import PassContext
 
 RTN = [{"rtn": {"bits": 4, "group_size": 32}}]
 GPTQ = [{"gptq": {"bits": 4, "group_size": 32}}]
@@ -77,3 +76,30 @@ def test_measure_false_turns_the_default_off(tiny_checkpoints):
     _, (report,) = apply_passes(ir, recipe.passes, PassContext(recipe, lines.append))
     assert report["quality"] is None
     assert "rtn: quality not measured (quality.measure is false)" in [s.strip() for s in lines]
+
+
+def test_a_model_too_large_to_sample_is_measured_on_the_built_in_passages(
+        tiny_checkpoints, monkeypatch):
+    from llmopt.compiler import quality as quality_module
+
+    ir = load_checkpoint(str(tiny_checkpoints["llama"]))
+    monkeypatch.setattr(quality_module, "SAMPLING_MAX_PARAMETERS",
+                        quality_module.parameter_count(ir) - 1)
+    recipe = Recipe(model="m", passes=RTN)
+    _, (report,) = apply_passes(ir, recipe.passes, PassContext(recipe, lambda _: None))
+    quality = report["quality"]
+    assert "built-in English passages" in quality["source"]
+    assert quality["perplexity_on"] == "text" and quality["kl"] > 0
+    probe = QualityProbe.for_recipe(recipe, ir)
+    assert len(probe.windows) == quality_module.PASSAGE_WINDOWS and probe.kind != SAMPLES
+    assert quality["tokens"] == len(probe.windows) * (len(probe.windows[0]) - 1)
+
+
+def test_parameter_count_matches_the_weights(tiny_checkpoints):
+    from llmopt.compiler.quality import parameter_count
+
+    for arch in ("llama", "qwen2"):
+        ir = load_checkpoint(str(tiny_checkpoints[arch]))
+        linears = sum(t.numel() for n, t in ir.weights.items()
+                      if n.endswith("proj.weight") or n in ("embed_tokens", "lm_head.weight"))
+        assert parameter_count(ir) == linears

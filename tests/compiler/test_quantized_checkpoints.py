@@ -213,7 +213,8 @@ def test_gptq_v1_zero_of_zero_is_refused(load_ir, tmp_path):
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
+    ({"quant_method": "hqq"}, "quant_method 'hqq'"),
+    ({"quant_method": "bitsandbytes"}, "bitsandbytes checkpoint: no load_in_4bit"),
     ({"version": "gemv"}, "version 'gemv'"),
     ({"bits": 8}, "bits 8"),
 ])

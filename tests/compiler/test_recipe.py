@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from llmopt.compiler.pass_registry import PassStep
 from llmopt.compiler.recipe import Recipe, RecipeError, load_recipe, resolved_dict
 from llmopt.passes import rtn
-from llmopt.passes.registry import PassStep
 from llmopt.runtime.manifest import RuntimeDefaults
 
 

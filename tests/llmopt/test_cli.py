@@ -331,3 +331,10 @@ def test_the_output_folder_is_checked_before_the_passes_options(tmp_path):
     recipe = write_recipe(tmp_path, f"model: {tmp_path}\npasses:\n  - awq: {{bits: 3}}\n")
     code, _, err = run("compile", recipe, "-o", tmp_path / "mine")
     assert_one_line_error(code, err, "is not an llmopt artifact; not replacing it")
+
+
+def test_generate_says_its_kernels_threads_and_a_cut_answer_on_stderr(artifact):
+    code, out, err = run("generate", artifact, "hello", "--max-tokens", "3", "--threads", "1")
+    assert code == 0 and "kernels" not in out
+    assert err.splitlines() == ["kernels: onnxruntime; threads: 1",
+                                "note: stopped at --max-tokens 3; raise it for a longer answer"]

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from llmopt.compiler.loader import load_checkpoint
+from llmopt.compiler.pass_manager import PassContext
 from llmopt.compiler.pipeline import compile_recipe, run_passes
 from llmopt.compiler.quant_format import group_quantize
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes import awq, rtn
-from llmopt.passes.registry import PassContext
 from llmopt.runtime import LLM
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

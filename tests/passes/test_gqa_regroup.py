@@ -15,11 +15,12 @@ from llmopt.compiler.head_merge import AttentionWeights, merge_heads
 from llmopt.compiler.hf_export import export_hf
 from llmopt.compiler.ir import LayerSpec
 from llmopt.compiler.loader import load_checkpoint
-from llmopt.compiler.pipeline import QualityBudgetError, compile_recipe
+from llmopt.compiler.pass_manager import PassContext, QualityBudgetError
+from llmopt.compiler.pass_registry import check_order
+from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel, apply_rope
 from llmopt.passes import gqa_regroup
-from llmopt.passes.registry import PassContext, check_order
 from llmopt.runtime import LLM
 from llmopt.runtime.tools.evaluate import perplexity
 from llmopt.runtime.tools.inspect import describe

@@ -9,11 +9,11 @@ import torch
 
 from llmopt.compiler.calibration import calibration_windows
 from llmopt.compiler.loader import load_checkpoint
+from llmopt.compiler.pass_manager import PassContext
 from llmopt.compiler.recipe import Recipe, RecipeError, load_recipe
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes import kv_cache, rtn
 from llmopt.passes.kv_cache import calibrate, sensitivity
-from llmopt.passes.registry import PassContext
 
 IDS = torch.tensor([[5, 17, 99, 3, 42, 8, 61, 200, 7, 13, 150, 77]])
 
@@ -238,3 +238,20 @@ def test_fewest_for_kl_bisects_the_sensitivity_order():
 def test_bad_skip_options_name_the_key(load, options, message):
     with pytest.raises(ValueError, match=message):
         kv_cache.run(load("llama"), kv_cache.Config(**options), None)
+
+
+@pytest.mark.parametrize(("dtype", "skipped"), [("float16", True), ("bfloat16", True),
+                                                ("int8", False)])
+def test_a_float_only_cache_skips_the_quality_probe_and_says_why(load, tiny_checkpoints,
+                                                                  word_text, dtype, skipped):
+    recipe = Recipe(model=str(tiny_checkpoints["llama"]),
+                    calibration={"text": str(word_text), "samples": 2, "seq_len": 64},
+                    quality={"eval_text": str(word_text), "eval_windows": 1,
+                             "eval_seq_len": 32})
+    context = PassContext(recipe=recipe, log=lambda _: None)
+    report = kv_cache.run(load("llama"), kv_cache.Config(dtype=dtype), context).report
+    if skipped:
+        assert report["quality"] is None and context._probe is None  # nothing was sampled
+        assert report["quality_skipped"].endswith("of each key and value) is near-exact")
+    else:
+        assert report["quality"]["tokens"] == 31 and "quality_skipped" not in report

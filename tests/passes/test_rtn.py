@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from llmopt.compiler.loader import load_checkpoint
-from llmopt.compiler.pipeline import QualityBudgetError, compile_recipe
+from llmopt.compiler.pass_manager import QualityBudgetError
+from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.compiler.weight_quant import target_linears

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmopt.compiler.draft_pairing import pairing_inputs
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes import draft
@@ -20,7 +21,7 @@ def test_self_distillation_data_is_the_targets_greedy_continuation(target, word_
 
     recipe = Recipe(model="unused", calibration={"text": str(word_text)},
                     runtime={"block_size": 4, "max_context": 128})
-    context = type("Context", (), {"recipe": recipe, "log": staticmethod(lambda _: None)})()
+    context = pairing_inputs(recipe, lambda _: None)
     data = draft._self_windows(target, draft.make_config(kind="tiny", distill_data="self",
                                                     distill_prompts=5,
                                                     distill_new_tokens=6), context)

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from llmopt.compiler.recipe import Recipe
-from llmopt.passes import draft
 from llmopt.passes.draft.measure import (
     Trajectory,
     position_acceptance,
@@ -42,10 +41,11 @@ def test_ngram_simulation_on_a_repeating_trajectory():
 
 def test_the_target_as_its_own_draft_is_always_accepted(target, tmp_path):
     """Teacher-forced agreement along the target's own greedy trajectory is exact."""
+    from llmopt.compiler.draft_pairing import lowered_executor
     from llmopt.passes.draft import measure as m
 
     recipe = Recipe(model="unused", runtime={"block_size": 4, "max_context": 128})
-    runner = m.PagedRunner(draft._executor(target, recipe, tmp_path / "t.onnx", 65, 16), 4, 16)
+    runner = m.PagedRunner(lowered_executor(target, recipe, tmp_path / "t.onnx", 65, 16), 4, 16)
     (traj,) = m.greedy_trajectories(runner, [[5, 9, 13, 40, 41]], 24, eos_ids=())
     assert len(traj.tokens) == 5 + 24
     agree = m.draft_agreement(runner, traj, None)

@@ -35,27 +35,31 @@ from llmopt.runtime.executors.native import NativeLaneExecutor
 from llmopt.runtime.native.library import (
     AMX_VARIABLE,
     KVLayout,
+    amx_available,
+    default_knobs,
     kernels,
     profile_phases,
-    use_amx,
 )
+from llmopt.runtime.native.threads import ADAPTIVE_VARIABLE
 from llmopt.runtime.native.weights import is_sylvester_hadamard, quantized_matrix
 
 lib = kernels()
 pytestmark = pytest.mark.skipif(lib is None or not lib.llmopt_native_supported(),
                                 reason="no native kernels in this install, or no AVX-512 VNNI")
-HAS_AMX = lib is not None and lib.llmopt_native_supported() and use_amx(True)
+HAS_AMX = lib is not None and lib.llmopt_native_supported() and amx_available()
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU (or kernel) has no AMX int8 tiles")
+KNOBS = default_knobs() if lib is not None else None  # llmopt_linear's: a new model's
 
 
-@pytest.fixture
-def amx_restored():
-    """Whatever a test sets with use_amx (or the tiles' row threshold), the next test starts
-    with AMX on where it exists, from its default row count."""
-    default_min_rows = lib.llmopt_native_amx_min_rows(0)
-    yield use_amx
-    use_amx(True)
-    lib.llmopt_native_amx_min_rows(default_min_rows)
+def knobs_of(llm: LLM):
+    """The native step's knobs of `llm` (its model's: kernels.c's Knobs)."""
+    return llm.engine.executor.weights.model.knobs
+
+
+@pytest.fixture(autouse=True)
+def fixed_threads(monkeypatch):
+    """Each test runs the thread count it names; the governor would follow the machine's load."""
+    monkeypatch.setenv(ADAPTIVE_VARIABLE, "0")
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 A8 = {"nbits_accuracy_level": 4}
@@ -178,12 +182,12 @@ def test_a_projection_equals_matmul_nbits(bits, symmetric, block, k):
     got = np.empty((rows, n), np.float32)
     for threads in (1, 2):
         assert lib.llmopt_linear(ctypes.byref(matrix), x.ctypes.data, rows, got.ctypes.data,
-                                 threads) == 0
+                                 threads, KNOBS) == 0
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
         one_row = np.empty((1, n), np.float32)  # the decode path: the same numbers
         for row in (3, 9, 66):
             lib.llmopt_linear(ctypes.byref(matrix), x[row:row + 1].ctypes.data, 1,
-                              one_row.ctypes.data, threads)
+                              one_row.ctypes.data, threads, KNOBS)
             assert np.array_equal(one_row[0], got[row])
 
 
@@ -209,7 +213,7 @@ def test_float16_scales_give_the_float32_scales_numbers(bits, symmetric, block):
         with_half, without = (np.empty((count, n), np.float32) for _ in range(2))
         for matrix, y in ((exact, with_half), (float_only, without)):
             assert lib.llmopt_linear(ctypes.byref(matrix), x.ctypes.data, count,
-                                     y.ctypes.data, 1) == 0
+                                     y.ctypes.data, 1, KNOBS) == 0
         assert np.array_equal(with_half, without)
 
 
@@ -267,14 +271,14 @@ def _lane_rows(bits: int, keys: np.ndarray, values: np.ndarray):
 @pytest.mark.parametrize("bits,symmetric,block,k", [
     (4, True, 32, 192), (4, False, 32, 160), (8, True, 32, 96), (8, False, 32, 96),
     (4, True, 128, 320), (4, False, 128, 192), (4, True, 64, 192), (8, True, 128, 128)])
-def test_amx_tiles_compute_the_vnni_result_bit_for_bit(bits, symmetric, block, k,
-                                                       amx_restored):
+def test_amx_tiles_compute_the_vnni_result_bit_for_bit(bits, symmetric, block, k):
     """Every row count a tile of sixteen can meet (a partial tile, several tiles, more than
     a row chunk), an odd block count (k 160, 96; 192 in blocks of 64), a shorter last block
     of 64 (k 320 and 192 in blocks of 128) and both threads: AMX on and off give equal
     floats, so a step may multiply on either. Tiles from one row on, below the threshold a
     step uses, so that partial tiles run too."""
-    lib.llmopt_native_amx_min_rows(1)
+    knobs = default_knobs()
+    knobs.amx_min_rows = 1
     rng = np.random.default_rng(bits + k + block)
     n = 40
     packed = _random_matrix(rng, n, k, bits, symmetric, block)
@@ -284,11 +288,11 @@ def test_amx_tiles_compute_the_vnni_result_bit_for_bit(bits, symmetric, block, k
         x = rng.standard_normal((rows, k)).astype(np.float32)
         results = []
         for amx in (False, True):
-            assert amx_restored(amx) == amx
+            knobs.amx = amx
             for threads in (1, 2):
                 y = np.empty((rows, n), np.float32)
                 assert lib.llmopt_linear(ctypes.byref(matrix), x.ctypes.data, rows,
-                                         y.ctypes.data, threads) == 0
+                                         y.ctypes.data, threads, knobs) == 0
                 results.append(y)
         for y in results[1:]:
             assert np.array_equal(y, results[0]), rows
@@ -297,24 +301,12 @@ def test_amx_tiles_compute_the_vnni_result_bit_for_bit(bits, symmetric, block, k
 def test_the_environment_can_turn_amx_off():
     """LLMOPT_NATIVE_AMX=0 keeps a process on the VNNI path; otherwise AMX is on where the
     CPU has it."""
-    code = "from llmopt.runtime.native.library import amx_in_use; print(amx_in_use())"
+    code = ("from llmopt.runtime.native.library import default_knobs; "
+            "print(bool(default_knobs().amx))")
     for value, expected in (("0", False), ("1", HAS_AMX)):
         printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                  env={**os.environ, AMX_VARIABLE: value}, check=True).stdout
         assert printed.strip() == str(expected)
-
-
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_the_bandwidth_probe_reads_every_byte(threads):
-    """llmopt_native_read (benchmarks' read-bandwidth probe) ORs every word of its range:
-    a bit set in any one chunk, including each thread's first and last, shows."""
-    chunks = 7  # not a multiple of the thread count
-    data = np.zeros(chunks * 256, dtype=np.uint8)
-    for at in (0, 255, 256, 3 * 256 + 100, chunks * 256 - 1):
-        data[:] = 0
-        data[at] = 1 << (at % 8)
-        expected = 1 << (at % 8 + 8 * (at % 8))  # the bit, in its byte of a 64-bit word
-        assert lib.llmopt_native_read(data.ctypes.data, data.nbytes, threads) == expected
 
 
 def _random_matrix(rng: np.random.Generator, n: int, k: int, bits: int, symmetric: bool,
@@ -439,27 +431,23 @@ def test_batching_preemption_and_speculation_change_nothing(name, artifacts):
     assert sum(o.metrics.speculation.num_spec_steps for o in outputs) > 0
 
 
-def _same_outputs_at(setting: Any, small: int, artifact: Path, **options: Any) -> None:
+def _same_outputs_at(knob: str, small: int, artifact: Path, **options: Any) -> None:
     """100 tokens' log-probs and requests()' greedy tokens (speculating, trees where the
-    artifact drafts) are the same, bit for bit, with kernels.c's `setting` at `small` as
+    artifact drafts) are the same, bit for bit, with the model's `knob` at `small` as
     with it out of reach."""
     tokens, prompts = (requests()[1] * 4)[:100], requests()
 
-    def outputs() -> tuple[np.ndarray, list[list[int]]]:
+    def outputs(value: int) -> tuple[np.ndarray, list[list[int]]]:
         llm = LLM(artifact, kernels="native", adaptive_speculation=False,
                   speculative_max_batch_size=16, **options)
+        setattr(knobs_of(llm), knob, value)
         generated = llm.generate(prompts, GREEDY)
         if "self-draft" in artifact.name:
             assert sum(o.metrics.speculation.num_spec_steps for o in generated) > 0
         return llm.score(tokens), [o.token_ids for o in generated]
 
-    default = setting(1 << 20)
-    try:
-        whole = outputs()
-        setting(small)
-        changed = outputs()
-    finally:
-        setting(default)
+    whole = outputs(1 << 20)
+    changed = outputs(small)
     np.testing.assert_array_equal(changed[0], whole[0])
     assert changed[1] == whole[1]
 
@@ -469,7 +457,7 @@ def test_a_layer_run_in_row_chunks_computes_the_same(name, artifacts):
     """llmopt_forward runs each layer over a step's rows a chunk at a time: chunks of 5 rows
     (cutting query runs and draft trees mid-way, each under AMX's 16 rows) give the same
     log-probs and tokens, bit for bit, as one chunk for every step."""
-    _same_outputs_at(lib.llmopt_native_layer_rows, 5, artifacts[name])
+    _same_outputs_at("layer_rows", 5, artifacts[name])
 
 
 @pytest.mark.parametrize("threads", [2, 3])
@@ -478,7 +466,7 @@ def test_a_layer_split_by_rows_between_threads_computes_the_same(threads, artifa
     the others once, after the KV write: splitting from 3 rows a thread (a scored sequence's
     rows cut between threads, so attention reads keys another thread wrote; draft trees and
     batches alike) gives the same log-probs and tokens, bit for bit, as never splitting."""
-    _same_outputs_at(lib.llmopt_native_split_rows, 3, artifacts["llama-self-draft"],
+    _same_outputs_at("split_rows", 3, artifacts["llama-self-draft"],
                      num_threads=threads)
 
 
@@ -500,7 +488,7 @@ def test_any_thread_count_computes_the_same(name, artifacts):
 
 
 def test_the_phase_profile_times_every_phase_and_changes_no_output(artifacts):
-    """llmopt_native_profile (benchmarks/native_step_profile.py): with it on, a prefill and
+    """The phase profile (benchmarks/native_step_profile.py): with it on, a prefill and
     greedy decoding give the same log-probs and tokens, every phase gathers time, and the
     phases fit in the wall time; off, nothing more gathers."""
     names = profile_phases(lib)
@@ -509,31 +497,32 @@ def test_the_phase_profile_times_every_phase_and_changes_no_output(artifacts):
     llm = LLM(artifacts["llama-sym-h8"], kernels="native", speculative=False)
     tokens, prompts = (requests()[1] * 4)[:100], requests()
     plain = (llm.score(tokens), [o.token_ids for o in llm.generate(prompts, GREEDY)])
-    assert lib.llmopt_native_profile(1) == 0
+    weights = llm.engine.executor.weights
+    assert weights.profile(True) is False
     started = time.perf_counter()
     profiled = (llm.score(tokens), [o.token_ids for o in llm.generate(prompts, GREEDY)])
     wall = time.perf_counter() - started
-    assert lib.llmopt_native_profile(0) == 1
-    seconds = [lib.llmopt_native_profile_seconds(i) for i in range(len(names))]
+    assert weights.profile(False) is True
+    seconds = list(weights.profile_seconds().values())
     assert np.array_equal(plain[0], profiled[0]) and plain[1] == profiled[1]
     assert all(s > 0 for s in seconds), dict(zip(names, seconds, strict=True))
     assert sum(seconds) < wall
     llm.score(tokens)
-    assert [lib.llmopt_native_profile_seconds(i) for i in range(len(names))] == seconds
+    assert list(weights.profile_seconds().values()) == seconds
 
 
 @needs_amx
 @pytest.mark.parametrize("name", ["llama-sym-h8", "llama-asym-h4", "gguf-q4_1",
                                   "llama-kv-int4-mixed", "llama-g128-kv-int8",
                                   "llama-asym-g64-h8"])
-def test_amx_tiles_change_no_step_output(name, artifacts, amx_restored):
+def test_amx_tiles_change_no_step_output(name, artifacts):
     """A prefill (its chunks take AMX tiles), a batch of 16 and greedy decoding: the same
     log-probs and tokens, bit for bit, with AMX on and off."""
     tokens, prompts = (requests()[1] * 4)[:100], requests()
     results = []
     for amx in (False, True):
-        assert amx_restored(amx) == amx
         llm = LLM(artifacts[name], kernels="native", speculative=False)
+        assert llm.engine.executor.weights.use_amx(amx) == amx
         results.append((llm.score(tokens), [o.token_ids for o in llm.generate(prompts, GREEDY)]))
     assert np.array_equal(results[0][0], results[1][0])
     assert results[0][1] == results[1][1]
@@ -585,6 +574,9 @@ def test_the_last_layer_runs_only_the_rows_whose_logits_a_step_returns(name, thr
 
     def run(wanted: list[list[int]]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         llm = LLM(artifacts[name], kernels="native", speculative=False, num_threads=threads)
+        if layer_rows:
+            knobs_of(llm).layer_rows = layer_rows
+        knobs_of(llm).split_rows = 3  # two or three threads split the layer's rows
         size = llm.engine.config.block_size
         lane_blocks = llm.engine.config.max_context // size
         steps = [SequenceStep(prompt, 0, list(range(1 + i * lane_blocks,
@@ -595,14 +587,8 @@ def test_the_last_layer_runs_only_the_rows_whose_logits_a_step_returns(name, thr
 
     prompts = [requests()[i] for i in (13, 4, 9)]  # 53, 11 and 45 tokens
     some = [[len(prompts[0]) - 1], [], [0, 7, 8, len(prompts[2]) - 1]]
-    previous = lib.llmopt_native_layer_rows(layer_rows or 0)
-    split = lib.llmopt_native_split_rows(3)  # two or three threads split the layer's rows
-    try:
-        every, every_lanes = run([range(len(p)) for p in prompts])
-        got, lanes = run(some)
-    finally:
-        lib.llmopt_native_layer_rows(previous)
-        lib.llmopt_native_split_rows(split)
+    every, every_lanes = run([range(len(p)) for p in prompts])
+    got, lanes = run(some)
     starts = np.cumsum([0] + [len(p) for p in prompts])
     rows = [start + r for start, wanted in zip(starts, some, strict=False) for r in wanted]
     assert np.array_equal(got, every[rows])

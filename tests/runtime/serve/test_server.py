@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -85,3 +86,33 @@ def test_cli_errors_are_one_line(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 1
     assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_busy_port_is_refused_before_the_model_loads(tmp_path):
+    unloadable = tmp_path / "unloadable"  # loading it first would fail with another error
+    unloadable.mkdir()
+    (unloadable / "manifest.json").write_text("{}")
+    cli = Path(sys.executable).with_name("llmopt")
+    command = [str(cli)] if cli.exists() else [sys.executable, "-m", "llmopt.cli"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([*command, "serve", str(unloadable), "--port", str(port)],
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (f"error: cannot listen on 127.0.0.1:{port}: Address already in "
+                             "use (choose another --port or --host)\n")
+
+
+def test_startup_line_names_model_kernels_threads_and_address(artifact):
+    port = free_port()
+    process = start(artifact, port)
+    try:
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=30)[0]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert (f"llmopt serve: model '{MODEL}' ({artifact}) on http://127.0.0.1:{port}/v1; "
+            "kernels: onnxruntime; threads: 1") in output

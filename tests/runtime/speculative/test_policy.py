@@ -95,29 +95,3 @@ def test_a_step_whose_drafts_barely_pay_stays_plain():
     assert policy.cap([(request(), "ngram1", 1)]) == 0
     generous = SpeculationPolicy(1, [1.0, 1.3], 0.0, prior_alpha=0.32, min_gain=1.0)
     assert generous.cap([(request(), "ngram1", 1)]) == 1
-
-
-def test_promises_verification_does_not_keep_are_discounted_per_batch_size():
-    policy = SpeculationPolicy(4, [1.0, 1.1, 1.2, 1.3, 1.4], 0.0, prior_alpha=0.6)
-    r = request()
-    drafted = [(Request(str(i), [1, 2, 3], SamplingParams()), "ngram2", 4) for i in range(4)]
-    policy.prepare(4)
-    assert policy.num_drafts(r) > 0
-    assert policy.cap(drafted) > 0
-    for _ in range(30):  # batch-4 steps kept none of the extra tokens they promised
-        policy.record_promise(4, promised=2.0, kept=0)
-    policy.prepare(4)
-    assert policy.kept_share < 0.2
-    assert policy.num_drafts(r) == 0
-    assert policy.cap(drafted) == 0
-    policy.prepare(1)  # another bucket keeps its own record
-    assert policy.kept_share == 1.0
-    assert policy.num_drafts(r) > 0
-
-
-def test_kept_promises_leave_the_estimates_as_they_are():
-    policy = SpeculationPolicy(4, [1.0, 1.1, 1.2, 1.3, 1.4], 0.0, prior_alpha=0.6)
-    for _ in range(30):
-        policy.record_promise(2, promised=2.0, kept=2)
-    policy.prepare(2)
-    assert policy.kept_share == pytest.approx(1.0)

@@ -6,9 +6,8 @@ from test_speculative_engine import GREEDY, make_spec_engine, prompts, run_check
 
 from llmopt.runtime.request import Request
 from llmopt.runtime.sampling_params import SamplingParams
-from llmopt.runtime.speculative.governor import SpeculationGovernor
-from llmopt.runtime.speculative.policy import SpeculationPolicy
-from llmopt.runtime.speculative.step_cost import StepCostModel
+from llmopt.runtime.spec.policy import SpeculationPolicy
+from llmopt.runtime.spec.step_cost import StepCostModel
 
 VERIFY_COST = [1.0, 1.2, 1.3, 1.4, 1.5]
 # A machine like the lanes executor measured: widening a 16-row call is dear.
@@ -76,15 +75,6 @@ def test_one_sequence_does_not_widen_a_batch_for_its_own_drafts():
     assert policy.num_drafts(one[0]) == 4
     assert policy.cap([(one[0], "ngram", 4)], [1] * 15) == 0
     assert policy.cap([(one[0], "ngram", 4)], [1] * 3) < 4
-
-
-def test_the_governor_predicts_a_step_by_its_padded_width():
-    model = StepCostModel.from_measured(MEASURED, VERIFY_COST)
-    governor = SpeculationGovernor(VERIFY_COST, 0.0, step_model=model)
-    governor.record([0, 0, 0, 0], 0.015)
-    for _ in range(200):  # the machine costs exactly what the table says
-        governor.record([4, 0, 0, 0], 0.037)
-    assert governor.prices(4).cost_scale == pytest.approx(1.0, abs=0.05)
 
 
 def test_a_priced_out_batch_gives_the_plain_greedy_output():

@@ -1,5 +1,5 @@
 """The int8 dot-product ceiling of this core, and the native step's 4-bit loop against it
-(#14, session 27).
+(#14).
 
 Batch-16 decode steps and prefill multiply far more than they read: their time is the int8
 dots (VPDPBUSD) the projections issue. This builds benchmarks/probe_dot_rate.c with the
@@ -8,7 +8,7 @@ core's issue rate), zmm dots with a broadcast operand, and the step's 4-bit slic
 (tile8_q4's) on data in L1. Reports the median G dots a second per variant and the
 multiply-adds it implies (64 a zmm dot, 32 a ymm dot).
 
-    python benchmarks/probe_dot_rate.py [--rounds 5] [--reps 8000000]
+    python benchmarks/probes/probe_dot_rate.py [--rounds 5] [--reps 8000000]
 
 Prints a table; writes benchmarks/results/probe_dot_rate.json. Needs AVX-512 VNNI.
 """
@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from pathlib import Path
 
-from _common import RESULTS_DIR, machine_info, run_c_probe, write_json
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common and the benchmarks
+from _common import RESULTS_DIR, machine_info, run_c_probe, write_json  # noqa: E402
 
-SOURCE = Path(__file__).with_name("probe_dot_rate.c")
+SOURCE = Path(__file__).resolve().parents[1] / "probe_dot_rate.c"  # bench_int4 runs it too
 MACS_PER_DOT = {"zmm": 64, "ymm": 32, "zmm-broadcast": 64, "slice-body": 64}
 
 

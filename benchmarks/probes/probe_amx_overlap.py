@@ -1,16 +1,16 @@
-"""Does an AMX tile multiply overlap with AVX-512 float work on this CPU? (#14, session 19)
+"""Does an AMX tile multiply overlap with AVX-512 float work on this CPU? (#14)
 
 The native step's AMX projections spend each block of 32 activation columns on tile work
 (zero, two loads, one TDPBSSD, one store of the sums) and on the float sum the block's scales
 need (per row: load, convert, scale product, FMA). Where the two overlap, a block costs about
 the larger of the two; where they do not, their sum, and no tile scheduling can beat that.
-This builds benchmarks/probe_amx_overlap.c with the system C compiler, runs each variant
+This builds benchmarks/probes/probe_amx_overlap.c with the system C compiler, runs each variant
 (see the C file's comment) --rounds times, interleaved, and reports median ns per block tile
-(16 rows x 16 columns x 32: 8,192 multiply-adds; the wide- variants, session 22: a block of
+(16 rows x 16 columns x 32: 8,192 multiply-adds; the wide- variants: a block of
 128 columns at sixteen rows, with its weights unpacked as a batch-16 step does) and what the
 medians imply.
 
-    python benchmarks/probe_amx_overlap.py [--rounds 5] [--reps 20000]
+    python benchmarks/probes/probe_amx_overlap.py [--rounds 5] [--reps 20000]
 
 Prints a table; writes benchmarks/results/probe_amx_overlap.json. Exits with a message on a
 CPU (or kernel) without AMX int8 tiles.
@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from pathlib import Path
 
-from _common import RESULTS_DIR, machine_info, run_c_probe, write_json
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common and the benchmarks
+from _common import RESULTS_DIR, machine_info, run_c_probe, write_json  # noqa: E402
 
 SOURCE = Path(__file__).with_name("probe_amx_overlap.c")
 FLAGS = ["-O2", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mgfni",

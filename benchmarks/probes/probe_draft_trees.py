@@ -22,7 +22,7 @@ the step reads the same rows). Reported: tokens per target step, α of the first
 position, and the batch-1 speedup implied; the best budget of each family side by side.
 Prints a table; writes benchmarks/results/probe_draft_trees.json.
 
-    python benchmarks/probe_draft_trees.py ART --mixes v2,old --gen 64
+    python benchmarks/probes/probe_draft_trees.py ART --mixes v2,old --gen 64
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common and the benchmarks
 from _common import RESULTS_DIR, machine_info, write_json  # noqa: E402
 from bench_speculative import encode_mix  # noqa: E402
 

@@ -8,18 +8,22 @@ each row's lane from the step's first position to the end (idle rows included), 
 several times a float32 call. float32, int8 and int4 (static per-channel scales) take
 float32 queries. Prints a table; writes benchmarks/results/probe_gqa_cache_dtypes.json.
 
-    python benchmarks/probe_gqa_cache_dtypes.py
+    python benchmarks/probes/probe_gqa_cache_dtypes.py
 """
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
-from _common import RESULTS_DIR, machine_info, write_json
 from onnx import TensorProto, helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common and the benchmarks
+from _common import RESULTS_DIR, machine_info, write_json  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2's attention
 CACHES = {  # name -> (ONNX element type, numpy dtype, quantized bit width or 0, queries' type)

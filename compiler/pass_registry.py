@@ -2,31 +2,33 @@
 
 Each entry names the module that holds the pass. A pass module defines a frozen
 pydantic `Config` (a model, or a tagged union of models) and
-`run(ir, config, context) -> PassResult`; it is imported only
-when a recipe uses it, so heavy dependencies load lazily. An import error is an
-error, never a silent skip.
+`run(ir, config, context) -> PassResult`; it is imported only when a recipe uses it, so
+heavy dependencies load lazily. An import error is an error, never a silent skip.
 
 What passes need of each other is data here, checked on the recipe's list of names
-before any pass runs (`check_order`): the facts a pass requires from earlier passes and
-provides to later ones, facts at most one pass may provide, passes that must come
-before the providers of some facts, and passes that must come last.
+before any work starts (`check_order`): the facts a pass requires from earlier passes and
+provides to later ones, facts at most one pass may provide, passes that must come before
+the providers of some facts, and the compiler phase that runs each entry (the draft's
+runs after every pass, so the recipe lists it last).
+
+This module imports no other part of the compiler: the recipe validates its passes here,
+and the pass manager (`pass_manager`) runs them.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, TypeAdapter
 
-if TYPE_CHECKING:
-    from llmopt.compiler.ir import ModelIR
-    from llmopt.compiler.quality import QualityProbe
-    from llmopt.compiler.recipe import Recipe
+# The compiler phase that runs a recipe entry: the passes rewrite the IR in recipe order;
+# draft pairing (compiler/draft_pairing.py) then measures a draft against their result.
+Phase = Literal["passes", "draft_pairing"]
 
 
 @dataclass(frozen=True)
@@ -34,10 +36,10 @@ class PassEntry:
     module: str  # e.g. "llmopt.passes.rtn"
     requires: tuple[str, ...] = ()  # facts earlier passes must provide
     provides: tuple[str, ...] = ()
-    last: bool = False  # must be the recipe's last pass
     before: tuple[str, ...] = ()  # facts whose providers must come after this pass
     path_keys: tuple[str, ...] = ()  # config keys holding file paths (resolved by the recipe)
     calibrates: bool = False  # may read calibration.text (so quality is measured past it)
+    phase: Phase = "passes"  # the compiler phase that runs it
 
 
 PASSES: dict[str, PassEntry] = {
@@ -51,8 +53,9 @@ PASSES: dict[str, PassEntry] = {
                              before=("quantized_weights", "kv_cache", "draft"), calibrates=True),
     # KV cache storage dtype (float16, bfloat16, fp8, int8, int4), per layer.
     "kv_cache": PassEntry("llmopt.passes.kv_cache", provides=("kv_cache",), calibrates=True),
-    # Speculative decoding: pair a draft with the final target (it measures against it).
-    "draft": PassEntry("llmopt.passes.draft", provides=("draft",), last=True,
+    # Speculative decoding: pair a draft with the final target (it measures against it),
+    # in the draft pairing phase after the passes; its module holds its Config.
+    "draft": PassEntry("llmopt.passes.draft", provides=("draft",), phase="draft_pairing",
                        path_keys=("model", "corpus"), calibrates=True),
 }
 
@@ -66,34 +69,6 @@ class PassStep(NamedTuple):
 
     name: str
     config: BaseModel
-
-
-@dataclass
-class PassResult:
-    ir: Any  # the rewritten ModelIR
-    report: dict[str, Any] = field(default_factory=dict)  # what changed and what it cost
-
-
-@dataclass
-class PassContext:
-    """What a pass may read besides the IR: the recipe, the compile log, held-out text to
-    measure its cost on, and the pipeline's runner for a draft's own passes."""
-
-    recipe: Recipe
-    log: Callable[[str], None]
-    run_passes: Callable[[ModelIR, Sequence[PassStep], PassContext],
-                         tuple[ModelIR, list[dict[str, Any]]]] | None = None
-    _probe: QualityProbe | None = None
-
-    def quality_probe(self, ir: ModelIR) -> QualityProbe | None:
-        """What to measure a pass's cost on: `quality.eval_text`, else the tail of
-        `calibration.text`, else samples of the first measured pass's input model; built
-        once per compile. None with `quality.measure: false`."""
-        from llmopt.compiler.quality import QualityProbe
-
-        if self._probe is None:
-            self._probe = QualityProbe.for_recipe(self.recipe, ir, self.log)
-        return self._probe
 
 
 def load_pass(name: str) -> ModuleType:
@@ -117,16 +92,22 @@ def _config_adapter(name: str) -> TypeAdapter[Any]:
     return TypeAdapter(load_pass(name).Config)
 
 
+def in_phase(steps: Sequence[PassStep], phase: Phase) -> list[PassStep]:
+    """The recipe entries that `phase` runs, in recipe order."""
+    return [step for step in steps if PASSES[step.name].phase == phase]
+
+
 def check_order(names: Sequence[str]) -> None:
     """Every pass's requirements come from a pass before it, a unique fact is provided
-    once, a `before` pass precedes the providers of its facts, and a `last` pass is last:
-    a one-line error naming both passes otherwise."""
+    once, a `before` pass precedes the providers of its facts, and an entry that a phase
+    after the passes runs (the draft) is the last: a one-line error naming both passes
+    otherwise."""
     provider: dict[str, str] = {}  # fact -> the pass that provided it
     for index, name in enumerate(names):
         entry = PASSES[name]
-        earlier_last = next((n for n in names[:index] if PASSES[n].last), None)
-        if earlier_last is not None:
-            raise ValueError(f"pass {name!r} comes after {earlier_last!r}, which must be the "
+        phased = next((n for n in names[:index] if PASSES[n].phase != "passes"), None)
+        if phased is not None:
+            raise ValueError(f"pass {name!r} comes after {phased!r}, which must be the "
                              "last pass")
         missing = [fact for fact in entry.requires if fact not in provider]
         if missing:

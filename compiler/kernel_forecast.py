@@ -1,0 +1,53 @@
+"""Which kernels a freshly written artifact gets on this machine, and the recipe change
+that would put it on the native step when it does not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from llmopt.compiler.recipe import Recipe
+from llmopt.runtime.manifest import MANIFEST_FILE, Manifest
+from llmopt.runtime.native import unavailable_reason
+from llmopt.runtime.native.library import machine_reason
+
+WEIGHT_PASSES = ("rtn", "gptq", "awq", "gguf_weights")
+FAST_HEAD = "include_lm_head: true, lm_head_bits: 8"
+
+
+def kernel_forecast(recipe: Recipe, artifact: Path) -> list[str]:
+    """Log lines: the kernels `llmopt generate/serve/bench` will pick here, and why."""
+    manifest = Manifest.model_validate(json.loads((artifact / MANIFEST_FILE).read_text()))
+    lane_tokens = manifest.runtime.max_context
+    reason = unavailable_reason(manifest.graphs["target"], manifest.kv_cache, lane_tokens)
+    if reason is None:
+        return ["kernels on this machine: native (llmopt's decoder step)"]
+    lines = ["kernels on this machine: onnxruntime, not the native step: " + reason]
+    fix = recipe_fix(recipe) if machine_reason() is None else None
+    if fix is not None:
+        lines.append(f"to run on the native step: {fix}")
+    return lines
+
+
+def recipe_fix(recipe: Recipe) -> str | None:
+    """The first recipe change the native step needs, or None where none is known."""
+    weight_passes = [step for step in recipe.passes if step.name in WEIGHT_PASSES]
+    if not weight_passes:
+        return ("quantize the weights: add `- rtn: {bits: 4, symmetric: true, "
+                f"{FAST_HEAD}}}` (or `- gguf_weights: {{include_lm_head: true}}` for a "
+                "GGUF source)")
+    step = weight_passes[-1]
+    if not _includes_head(step.config):
+        head = "include_lm_head: true" if step.name == "gguf_weights" else FAST_HEAD
+        return f"the LM head is float: add `{head}` to the {step.name} pass"
+    if recipe.target.nbits_accuracy_level != 4:
+        return ("set `target.nbits_accuracy_level: 4` (the native step multiplies int8 "
+                "activations)")
+    if recipe.target.kv_layout == "blocks":
+        return "set `target.kv_layout: lanes` (the native step reads KV lanes)"
+    return None
+
+
+def _includes_head(config: Any) -> bool:
+    return bool(getattr(config, "include_lm_head", False))

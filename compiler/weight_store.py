@@ -1,0 +1,219 @@
+"""The IR's weights, read when asked: a read-only source below a writable overlay.
+
+`WeightStore` is a `MutableMapping[str, torch.Tensor]` giving float32 tensors by IR name,
+so passes index it as they would a dict. What it saves is memory:
+
+- a source tensor (a safetensors checkpoint) is read from disk and converted to float32
+  on each access and never cached, so a pass that walks the model one layer at a time
+  holds one layer;
+- a pass's result is stored in the overlay, either as a tensor or as a thunk that
+  computes it on access (a quantized linear's dequantized weight), so fake-quantized
+  float copies of a whole model never exist at once;
+- `copy()` shares the source and copies the overlay's references: cheap, and the copy's
+  writes never reach the original.
+
+`QuantizedStore` holds the passes' integer weights, optionally spilled to files in a
+directory (the compile's scratch space), so their codes need not fit in memory either.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llmopt.compiler.quant_format import QuantizedLinear
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """Where one IR weight lies in a safetensors file, and how it becomes the IR's."""
+
+    file: Path
+    key: str  # the tensor's name in the file
+    shape: tuple[int, ...]
+    offset: float = 0.0  # added after conversion (Gemma's `1 + w` norm weights)
+
+
+class SafetensorsSource:
+    """IR name -> a tensor of safetensors files, read in float32 on each access."""
+
+    def __init__(self, tensors: dict[str, SourceTensor]):
+        self.tensors = tensors
+        self.reads = 0  # how many tensors were read: what tests count
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name].shape
+
+    def read(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        entry = self.tensors[name]
+        with safe_open(str(entry.file), framework="pt") as f:
+            tensor = f.get_tensor(entry.key)
+        self.reads += 1
+        tensor = tensor.to(torch.float32).contiguous()
+        return tensor + entry.offset if entry.offset else tensor
+
+
+@dataclass
+class _Thunk:
+    """A weight computed on access (never cached), with its shape known up front."""
+
+    compute: Callable[[], torch.Tensor]
+    shape: tuple[int, ...]
+
+
+class WeightStore(MutableMapping[str, torch.Tensor]):
+    """IR weights: overlay (tensors or thunks) over an optional lazily read source."""
+
+    def __init__(self, source: SafetensorsSource | None = None,
+                 overlay: Mapping[str, torch.Tensor | _Thunk] | None = None,
+                 deleted: set[str] | None = None):
+        self.source = source
+        self.overlay: dict[str, torch.Tensor | _Thunk] = dict(overlay or {})
+        self.deleted: set[str] = set(deleted or ())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.overlay:
+            value = self.overlay[name]
+            return value.compute() if isinstance(value, _Thunk) else value
+        if self.source is not None and name in self.source and name not in self.deleted:
+            return self.source.read(name)
+        raise KeyError(name)
+
+    def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
+        self.overlay[name] = tensor
+        self.deleted.discard(name)
+
+    def set_lazy(self, name: str, compute: Callable[[], torch.Tensor],
+                 shape: tuple[int, ...]) -> None:
+        """`name` is computed by `compute()` on each access."""
+        self.overlay[name] = _Thunk(compute, tuple(shape))
+        self.deleted.discard(name)
+
+    def __delitem__(self, name: str) -> None:
+        if name not in self:
+            raise KeyError(name)
+        self.overlay.pop(name, None)
+        if self.source is not None and name in self.source:
+            self.deleted.add(name)
+
+    def __contains__(self, name: object) -> bool:
+        if name in self.overlay:
+            return True
+        return self.source is not None and name in self.source and name not in self.deleted
+
+    def __iter__(self) -> Iterator[str]:
+        seen = set()
+        if self.source is not None:
+            for name in self.source.names():
+                if name not in self.deleted:
+                    seen.add(name)
+                    yield name
+        for name in list(self.overlay):
+            if name not in seen:
+                yield name
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A weight's shape without reading it."""
+        if name in self.overlay:
+            value = self.overlay[name]
+            return value.shape if isinstance(value, _Thunk) else tuple(value.shape)
+        if name in self:
+            return self.source.shape(name)
+        raise KeyError(name)
+
+    def numel(self) -> int:
+        """Parameters over every weight, from shapes alone."""
+        return sum(int(np.prod(self.shape(name))) for name in self)
+
+    def copy(self) -> WeightStore:
+        return WeightStore(self.source, self.overlay, self.deleted)
+
+
+@dataclass
+class _Spilled:
+    """A quantized linear written to a scratch file: its header stays in memory."""
+
+    path: Path
+    bits: int
+    group_size: int
+    symmetric: bool
+    shape: tuple[int, int]
+
+
+@dataclass
+class QuantizedStore(MutableMapping[str, QuantizedLinear]):
+    """Linear name -> its integer weights; spilled to `spill_dir` when one is set."""
+
+    entries: dict[str, QuantizedLinear | _Spilled] = field(default_factory=dict)
+    spill_dir: Path | None = None
+
+    def __getitem__(self, name: str) -> QuantizedLinear:
+        value = self.entries[name]
+        return _read_spilled(value) if isinstance(value, _Spilled) else value
+
+    def __setitem__(self, name: str, q: QuantizedLinear) -> None:
+        self.entries[name] = _spill(q, self.spill_dir) if self.spill_dir is not None else q
+
+    def __delitem__(self, name: str) -> None:
+        del self.entries[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self.entries))
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def shape(self, name: str) -> tuple[int, int]:
+        return self.entries[name].shape
+
+    def layout(self, name: str) -> tuple[int, int, tuple[int, int]]:
+        """(bits, group_size, shape) of a linear, without reading its codes."""
+        entry = self.entries[name]
+        return entry.bits, entry.group_size, tuple(entry.shape)
+
+    def copy(self) -> QuantizedStore:
+        return QuantizedStore(dict(self.entries), self.spill_dir)
+
+
+_spill_lock = threading.Lock()
+_spill_counter = [0]
+
+
+def _spill(q: QuantizedLinear, directory: Path) -> _Spilled:
+    """Write q's arrays to a new file in `directory` (files are never rewritten: copies of
+    the store may still point at older ones)."""
+    with _spill_lock:
+        _spill_counter[0] += 1
+        path = directory / f"quantized-{_spill_counter[0]}.npz"
+    arrays = {"codes": q.codes.numpy(), "scales": q.scales.numpy(), "zeros": q.zeros.numpy()}
+    if q.codebook is not None:
+        arrays["codebook"] = q.codebook.numpy()
+    np.savez(path, **arrays)
+    return _Spilled(path, q.bits, q.group_size, q.symmetric, tuple(q.codes.shape))
+
+
+def _read_spilled(entry: _Spilled) -> QuantizedLinear:
+    with np.load(entry.path) as arrays:
+        codebook = torch.from_numpy(arrays["codebook"]) if "codebook" in arrays else None
+        return QuantizedLinear(entry.bits, entry.group_size, torch.from_numpy(arrays["codes"]),
+                               torch.from_numpy(arrays["scales"]),
+                               torch.from_numpy(arrays["zeros"]), entry.symmetric, codebook)

@@ -1,0 +1,68 @@
+"""Preflight's memory estimate: a compile that cannot fit is refused before loading."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from llmopt.compiler.checkpoint_ref import resolve_checkpoint
+from llmopt.compiler.memory_estimate import GIB, estimate_compile, read_shape
+from llmopt.compiler.pipeline import compile_recipe
+from llmopt.compiler.preflight import InsufficientResourcesError
+from llmopt.compiler.recipe import Recipe
+
+# A 405B-class shape: no machine this test runs on holds one layer of it in float32 three times.
+HUGE = dict(model_type="llama", vocab_size=128256, hidden_size=16384, intermediate_size=53248,
+            num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
+            head_dim=128, tie_word_embeddings=False)
+LLAMA_8B = dict(HUGE, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32)
+
+
+def _config_only(directory, fields, safetensors=True):
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(fields))
+    if safetensors:  # an empty shard: enough for the estimate to take the streaming path
+        (directory / "model.safetensors").write_bytes(b"")
+    return directory
+
+
+@pytest.mark.parametrize("safetensors", [True, False])
+def test_an_over_budget_compile_is_refused_before_loading(tmp_path, safetensors):
+    model = _config_only(tmp_path / "huge", HUGE, safetensors)
+    recipe = Recipe(model=str(model), passes=[{"rtn": {"bits": 4}}])
+    started = time.perf_counter()
+    with pytest.raises(InsufficientResourcesError, match=r"^compile refused before loading: "
+                       r"it needs about [\d.]+ GiB of memory \(.*\) and [\d.]+ GiB is available"):
+        compile_recipe(recipe, tmp_path / "out", log=lambda line: None)
+    assert time.perf_counter() - started < 5
+    assert not (tmp_path / "out").exists()
+
+
+def test_streaming_bounds_the_weights_by_the_largest_tensor_and_one_layer(tmp_path):
+    """An 8B model read a tensor at a time needs a few GiB; through transformers, ~86 GiB."""
+    recipe = Recipe(model="m", passes=[{"rtn": {"bits": 4}}])
+    streamed = _config_only(tmp_path / "streamed", LLAMA_8B)
+    eager = _config_only(tmp_path / "eager", LLAMA_8B, safetensors=False)
+    small = estimate_compile(recipe, resolve_checkpoint(str(streamed)),
+                             read_shape(resolve_checkpoint(str(streamed))))
+    large = estimate_compile(recipe, resolve_checkpoint(str(eager)),
+                             read_shape(resolve_checkpoint(str(eager))))
+    assert small.peak_bytes < 10 * GIB < 80 * GIB < large.peak_bytes
+    # 6.98 G decoder parameters at 4 bits + g128 scales, float32 head and embedding: 7.6 GiB
+    assert 7 * GIB < small.output_bytes < 8.5 * GIB
+
+
+def test_calibration_is_counted_and_named_in_the_advice(tmp_path):
+    shape = read_shape(resolve_checkpoint(str(_config_only(tmp_path / "m", LLAMA_8B))))
+    text = tmp_path / "calib.txt"
+    text.write_text("text")
+    base = Recipe(model="m", passes=[{"gptq": {"bits": 4}}],
+                  calibration={"text": str(text), "samples": 8, "seq_len": 128})
+    more = base.model_copy(update={"calibration": base.calibration.model_copy(
+        update={"samples": 4096, "seq_len": 4096})})
+    ref = resolve_checkpoint(str(tmp_path / "m"))
+    assert (estimate_compile(more, ref, shape).parts["calibration activations"]
+            > 64 * estimate_compile(base, ref, shape).parts["calibration activations"])
