@@ -87,7 +87,7 @@ class QualityProbe:
     def from_passages(cls, ir: ModelIR, windows: int,
                       log: Callable[[str], None] | None = None) -> QualityProbe:
         """Up to `windows` windows of the prose passages built into the package."""
-        from llmopt.runtime.bench_text import PASSAGES
+        from llmopt.runtime.tools.bench_text import PASSAGES
 
         ids = ir.text_tokenizer().encode("\n\n".join(PASSAGES), add_special_tokens=False).ids
         length = min(PASSAGE_WINDOW, ir.arch.max_position, len(ids))

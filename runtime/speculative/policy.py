@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from llmopt.runtime.request import Request
-from llmopt.runtime.spec.cost_model import expected_tokens, step_cost
-from llmopt.runtime.spec.step_cost import StepCostModel
+from llmopt.runtime.speculative.cost_model import expected_tokens, step_cost
+from llmopt.runtime.speculative.step_cost import StepCostModel
 
 POOLED = "*"  # the record of every source of a sequence together
 
@@ -77,7 +77,7 @@ class SpeculationPolicy:
         much better or worse than the engine's average this sequence has done. So a
         source seen for the first time inherits what the sequence and the engine have
         shown so far."""
-        estimates = request.spec.accept_estimate
+        estimates = request.speculation.accept_estimate
         engine = self._estimate(self.engine_record.get(POOLED, (0.0, 0.0)), self.prior_alpha,
                                 self.engine_weight)
         pooled = self._estimate(estimates.get(POOLED, (0.0, 0.0)), engine)
@@ -136,7 +136,7 @@ class SpeculationPolicy:
         """Record one decode step: the drafts' source, how many were verified and how many
         accepted (0, 0 for a plain step). A run of acceptances ended by a rejection is
         geometric evidence. Every source's evidence fades at each step."""
-        for estimates, decay in ((request.spec.accept_estimate, self.decay),
+        for estimates, decay in ((request.speculation.accept_estimate, self.decay),
                                  (self.engine_record, self.engine_decay)):
             for name, (accepted, rejected) in estimates.items():
                 estimates[name] = (decay * accepted, decay * rejected)

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from llmopt.runtime.kv_cache_manager import KVCacheManager
+from llmopt.runtime.executors.step_batch import MAX_TREE_TOKENS, Executor
+from llmopt.runtime.kv.manager import KVCacheManager
 from llmopt.runtime.manifest import KVCacheSpec, Manifest, NgramDraftSpec, SpeculativeSpec
 from llmopt.runtime.request import Request
 from llmopt.runtime.scheduler import ScheduledRequest
-from llmopt.runtime.spec.cost_model import equivalent_alpha
-from llmopt.runtime.spec.drafter import (
+from llmopt.runtime.speculative.cost_model import equivalent_alpha
+from llmopt.runtime.speculative.drafter import (
     Drafter,
     FallbackDrafter,
     ModelDrafter,
@@ -28,11 +29,10 @@ from llmopt.runtime.spec.drafter import (
     Proposal,
     SuffixDrafter,
 )
-from llmopt.runtime.spec.policy import SpeculationPolicy
-from llmopt.runtime.spec.rejection_sampler import verify_drafts, verify_tree
-from llmopt.runtime.spec.step_cost import StepCostModel
-from llmopt.runtime.spec.suffix import SuffixSettings
-from llmopt.runtime.step_batch import MAX_TREE_TOKENS, Executor
+from llmopt.runtime.speculative.policy import SpeculationPolicy
+from llmopt.runtime.speculative.rejection_sampler import verify_drafts, verify_tree
+from llmopt.runtime.speculative.step_cost import StepCostModel
+from llmopt.runtime.speculative.suffix import SuffixSettings
 
 
 class Speculator:
@@ -77,7 +77,7 @@ class Speculator:
         cap = self.policy.cap(drafted, others) if self.policy is not None else self.gamma
         scheduled = list(scheduled)
         for i, request, proposal in zip(speculating, requests, proposals, strict=True):
-            spec, kept = request.spec, proposal.first(cap)
+            spec, kept = request.speculation, proposal.first(cap)
             spec.token_ids, spec.source = list(kept.token_ids), kept.source
             spec.probs = kept.probs if spec.token_ids else None
             spec.parents = kept.parents if spec.token_ids else None
@@ -102,7 +102,7 @@ class Speculator:
     def verify(self, request: Request, logits: np.ndarray) -> tuple[list[int], list[int]]:
         """The tokens a sequence with drafts emits (its accepted drafts plus one), and the
         accepted drafts' indices (a chain's: 0, 1, ...; a tree's: a branch)."""
-        spec = request.spec
+        spec = request.speculation
         if spec.parents is None:
             tokens = verify_drafts(logits, spec.token_ids, spec.probs,
                                    request.sampling_params, request.generator,
@@ -120,9 +120,9 @@ class Speculator:
     def observe(self, request: Request, emitted: Sequence[int]) -> None:
         """A decode step gave `request` these tokens: evidence for its acceptance record."""
         if self.policy is not None:
-            num_drafts = len(request.spec.token_ids)
+            num_drafts = len(request.speculation.token_ids)
             accepted = min(len(emitted) - 1, num_drafts)
-            self.policy.observe(request, request.spec.source, num_drafts, accepted)
+            self.policy.observe(request, request.speculation.source, num_drafts, accepted)
 
 
 # --- assembling an artifact's speculator ------------------------------------------------

@@ -19,7 +19,7 @@ from llmopt.compiler.kv_layout import cache_tensors, kv_cache_spec
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.runtime import contract as C
 from llmopt.runtime.kv.paging import step_blocks
-from llmopt.runtime.kv.stores import SinkStore, TailStore
+from llmopt.runtime.kv.pools import SinkStore, TailStore
 from llmopt.runtime.manifest import KVCacheSpec
 
 # Test modules share helpers by name (`from test_lower import ...`) under importlib mode.

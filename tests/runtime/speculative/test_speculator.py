@@ -5,9 +5,9 @@ from __future__ import annotations
 from llmopt.runtime.request import Request
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.scheduler import ScheduledRequest
-from llmopt.runtime.spec.drafter import Proposal
-from llmopt.runtime.spec.policy import SpeculationPolicy
-from llmopt.runtime.spec.speculator import Speculator
+from llmopt.runtime.speculative.drafter import Proposal
+from llmopt.runtime.speculative.policy import SpeculationPolicy
+from llmopt.runtime.speculative.speculator import Speculator
 
 
 class CountingDrafter:
@@ -34,7 +34,7 @@ def step(speculator: Speculator, batch: list[Request]) -> int | None:
     scheduled = [ScheduledRequest(r, 1 + budget(r), budget(r)) for r in batch]
     kept = speculator.propose(scheduled)
     for item in kept:
-        item.request.spec.token_ids = []
+        item.request.speculation.token_ids = []
     return max(item.num_spec_tokens for item in kept)
 
 

@@ -6,8 +6,8 @@ from test_speculative_engine import GREEDY, make_spec_engine, prompts, run_check
 
 from llmopt.runtime.request import Request
 from llmopt.runtime.sampling_params import SamplingParams
-from llmopt.runtime.spec.policy import SpeculationPolicy
-from llmopt.runtime.spec.step_cost import StepCostModel
+from llmopt.runtime.speculative.policy import SpeculationPolicy
+from llmopt.runtime.speculative.step_cost import StepCostModel
 
 VERIFY_COST = [1.0, 1.2, 1.3, 1.4, 1.5]
 # A machine like the lanes executor measured: widening a 16-row call is dear.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from llmopt.runtime import contract as C
-from llmopt.runtime.kv.stores import SinkStore
+from llmopt.runtime.kv.pools import SinkStore
 from llmopt.runtime.manifest import KVCacheSpec
 
 
