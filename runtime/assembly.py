@@ -38,9 +38,7 @@ class EngineOptions:
 
 def kv_cache_manager_for(manifest: Manifest, config: EngineConfig) -> KVCacheManager:
     """Lanes when any graph of the artifact reads its KV in place; free placement else."""
-    layouts = {manifest.kv_cache.layout}
-    if manifest.speculative is not None and manifest.speculative.model is not None:
-        layouts.add(manifest.speculative.model.kv_cache.layout)
+    layouts = {graph.kv_cache.layout for graph in manifest.runnable_graphs()}
     lane_blocks = cdiv(config.max_context, config.block_size) if "lanes" in layouts else None
     return KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
                           lane_blocks)

@@ -66,13 +66,13 @@ def _first_error(exc: ValidationError) -> str:
 
 
 def required_files(manifest: Manifest) -> list[str]:
-    """Every file the runtime reads: graphs, their weights, the tokenizer, a token map."""
+    """Every file the runtime reads: graphs, their weights, the tokenizer, and what a
+    graph reads beside them (a token map)."""
     files = [manifest.tokenizer.file]
     for graph in manifest.graphs.values():
         files += [graph.file] + ([graph.data_file] if graph.data_file else [])
-    draft = manifest.speculative.model if manifest.speculative else None
-    if draft is not None and draft.token_map:
-        files.append(draft.token_map)
+    for graph in manifest.runnable_graphs():
+        files += graph.side_files
     return files
 
 

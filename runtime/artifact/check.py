@@ -34,20 +34,13 @@ def read_signature(file: Path) -> GraphSignature:
 def check_manifest_against_graphs(path: Path, manifest: Manifest) -> None:
     """Every count, width and KV tensor the manifest states matches the graph it names."""
     check_token_ids(manifest)
-    target = read_signature(path / manifest.graphs[_graph_key(manifest, "target")].file)
-    model = manifest.model
-    check_layers(target, model.num_layers, len(manifest.kv_cache.layers), "model.num_layers")
-    check_logits_width(target, model.vocab_size, "model.vocab_size")
-    check_positions(target, model.max_position, "model.max_position")
-    check_kv_inputs(target, manifest.kv_cache, "kv_cache")
-    draft = manifest.speculative.model if manifest.speculative else None
-    if draft is not None:
-        signature = read_signature(path / manifest.graphs[_graph_key(manifest, draft.graph)].file)
-        check_layers(signature, len(draft.kv_cache.layers), len(draft.kv_cache.layers),
-                     "speculative.model.kv_cache.layers")
-        check_logits_width(signature, draft.vocab_size, "speculative.model.vocab_size")
-        check_positions(signature, draft.max_position, "speculative.model.max_position")
-        check_kv_inputs(signature, draft.kv_cache, "speculative.model.kv_cache")
+    for graph in manifest.runnable_graphs():
+        signature = read_signature(path / manifest.graphs[_graph_key(manifest, graph.name)].file)
+        check_layers(signature, graph.num_layers, len(graph.kv_cache.layers),
+                     graph.layers_field)
+        check_logits_width(signature, graph.vocab_size, f"{graph.section}.vocab_size")
+        check_positions(signature, graph.max_position, f"{graph.section}.max_position")
+        check_kv_inputs(signature, graph.kv_cache, graph.kv_field)
 
 
 def _graph_key(manifest: Manifest, name: str) -> str:

@@ -210,8 +210,6 @@ def _tokenizer_lines(tokenizer: dict[str, Any], generation: dict[str, Any]) -> l
 
 def _native_step(name: str, graph: GraphSpec, manifest: Manifest) -> str:
     """Whether `--kernels native` runs this graph here, or why not."""
-    kv_cache = manifest.kv_cache
-    if name != "target":  # a draft model: its own KV pools
-        kv_cache = manifest.speculative.model.kv_cache
+    kv_cache = {g.name: g.kv_cache for g in manifest.runnable_graphs()}[name]
     reason = unavailable_reason(graph, kv_cache)
     return "runs here (--kernels native)" if reason is None else f"no: {reason}"
