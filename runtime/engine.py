@@ -39,7 +39,7 @@ from llmopt.runtime.request import Request
 from llmopt.runtime.sampler import log_softmax, sample
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
-from llmopt.runtime.speculative.speculator import Speculator
+from llmopt.runtime.speculative.speculator import SpeculationTotals, Speculator
 from llmopt.runtime.tokenizer import Tokenizer
 
 
@@ -168,7 +168,7 @@ class LLMEngine:
             request, num_rows = item.request, len(item.logits_offsets())
             if request.score_only:
                 record_prompt_logprobs(item, logits[row : row + num_rows])
-            elif request.speculation.token_ids:
+            elif item.spec_token_ids:
                 rows = logits[row : row + num_rows]
                 tokens, path = self.speculator.verify(request, rows)
                 emitted[request.request_id] = tokens
@@ -227,10 +227,16 @@ class LLMEngine:
             tracked = self.requests[request.request_id]
             if tracked.text is not None and request.is_finished:
                 tracked.text.finish()
-            outputs.append(make_output(tracked))
+            outputs.append(make_output(tracked, self._speculation_metrics(request)))
             if request.is_finished:
                 del self.requests[request.request_id]
         return outputs
+
+    def _speculation_metrics(self, request: Request) -> SpeculationMetrics:
+        totals = (self.speculator.totals_of(request) if self.speculator is not None
+                  else SpeculationTotals())
+        return SpeculationMetrics(request.num_decode_steps, totals.num_steps,
+                                  totals.num_draft_tokens, totals.num_accepted_tokens)
 
     def _hit_stop_string(self, request: Request) -> bool:
         """Decode the request's newest token; True when a stop string has appeared."""
@@ -238,9 +244,8 @@ class LLMEngine:
         return text is not None and text.add_tokens(request.output_token_ids[-1:])
 
 
-def make_output(tracked: _Tracked) -> RequestOutput:
+def make_output(tracked: _Tracked, speculation: SpeculationMetrics) -> RequestOutput:
     request, text = tracked.request, tracked.text
-    speculation = request.speculation
     return RequestOutput(
         request_id=request.request_id,
         prompt=tracked.prompt,
@@ -254,8 +259,7 @@ def make_output(tracked: _Tracked) -> RequestOutput:
             request.finished_time,
             request.num_preemptions,
             request.num_cached_tokens,
-            SpeculationMetrics(request.num_decode_steps, speculation.num_steps,
-                               speculation.num_draft_tokens, speculation.num_accepted_tokens),
+            speculation,
         ),
         prompt_logprobs=request.prompt_logprobs,
         logprobs=(list(request.output_logprobs)

@@ -38,8 +38,6 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None  # set once, when the block is full and computed
-    # Speculative decoding: the draft model's pool tensors also hold this cached block.
-    has_draft_kv: bool = False
 
 
 class BlockPool:
@@ -137,4 +135,3 @@ class BlockPool:
         if block.block_hash is not None:
             del self.cached_blocks[block.block_hash]
             block.block_hash = None
-        block.has_draft_kv = False

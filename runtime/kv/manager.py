@@ -11,11 +11,17 @@ keys and values are contiguous and the graph's fused attention reads them in pla
 with free placement, with one difference: a prefix-cache hit held by another lane is
 copied into the request's own lane (every attached graph's pools, at admission),
 which costs a memcpy instead of the prefill.
+
+A graph may fill its pools behind the target's over the same tables (`trail`): a model
+that proposes tokens past the target's computes them from the target's known tokens, and
+only after the target does. `TrailingKV` records how far it has come per request and
+which cached blocks it holds in full, so that a prefix-cache hit spares it those too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,6 +31,23 @@ from llmopt.runtime.kv.pools import BlockPools, KVPools
 from llmopt.runtime.request import Request
 
 CopyBlock = Callable[[int, int], None]  # (source block id, destination block id)
+
+
+@dataclass(eq=False)
+class TrailingKV:
+    """The KV of a graph that computes a request's tokens after the target does, over the
+    same block tables."""
+
+    computed: dict[str, int] = field(default_factory=dict)  # request id -> leading tokens held
+    full_blocks: set[int] = field(default_factory=set)  # cached blocks it holds in full
+    num_recorded: dict[str, int] = field(default_factory=dict)  # request id -> blocks looked at
+
+    def num_computed(self, request: Request) -> int:
+        """Leading known tokens of `request` whose entries its pools hold."""
+        return self.computed.get(request.request_id, 0)
+
+    def set_computed(self, request: Request, num_tokens: int) -> None:
+        self.computed[request.request_id] = num_tokens
 
 
 class KVCacheManager:
@@ -44,10 +67,15 @@ class KVCacheManager:
             self.free_lanes: set[int] = set(range(self.num_lanes))
         self.pools: list[KVPools] = []  # every graph's KV pools (`attach`)
         self.copy_listeners: list[CopyBlock] = []  # called for lanes' prefix-hit copies
-        # How many leading blocks of each request are registered in the prefix cache, and
-        # how many of those are marked as holding the draft model's KV too.
+        # How many leading blocks of each request are registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
-        self.num_draft_marked_blocks: dict[str, int] = {}
+        self.trailing: TrailingKV | None = None  # `trail`
+
+    def trail(self) -> TrailingKV:
+        """Track a graph whose pools fill behind the target's (see the module's note)."""
+        self.trailing = TrailingKV()
+        self.block_pool.reuse_listeners.append(self.trailing.full_blocks.discard)
+        return self.trailing
 
     def attach(self, pools: KVPools) -> None:
         """Keep a graph's pools in step with the tables: lanes' prefix-hit copies, and the
@@ -76,13 +104,6 @@ class KVCacheManager:
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
 
-    def num_draft_cached_tokens(self, computed_blocks: list[Block]) -> int:
-        """Tokens of a prefix-cache hit whose draft-model KV is cached too."""
-        num_blocks = 0
-        while num_blocks < len(computed_blocks) and computed_blocks[num_blocks].has_draft_kv:
-            num_blocks += 1
-        return num_blocks * self.block_size
-
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[Block] = ()
     ) -> bool:
@@ -91,8 +112,17 @@ class KVCacheManager:
         `new_computed_blocks` are prefix-cache hits from `get_computed_blocks` for a
         request being admitted; they go first in its table.
         """
-        if self.lane_blocks is not None:
-            return self._allocate_in_lane(request, num_new_tokens, new_computed_blocks)
+        admitted = request.request_id not in self.block_tables
+        allocated = (self._allocate_in_lane(request, num_new_tokens, new_computed_blocks)
+                     if self.lane_blocks is not None
+                     else self._allocate(request, num_new_tokens, new_computed_blocks))
+        if allocated and admitted and self.trailing is not None:
+            self._trail_hits(request, new_computed_blocks)
+        return allocated
+
+    def _allocate(self, request: Request, num_new_tokens: int,
+                  new_computed_blocks: Sequence[Block]) -> bool:
+        """`allocate_slots` with free placement: any free blocks, hits shared in place."""
         table = self.block_tables.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
@@ -111,9 +141,12 @@ class KVCacheManager:
         return True
 
     def cache_blocks(self, request: Request) -> None:
-        """Register the request's blocks that are now full of computed tokens, and mark
-        those whose draft-model KV is computed too (a later hit may skip the draft's
-        catch-up over them)."""
+        """Register the request's blocks that are now full of computed tokens (and those
+        a trailing graph holds in full too: a later hit spares it them)."""
+        trailing = self.trailing
+        if trailing is not None:  # past the target's computed tokens it holds none it kept
+            trailing.set_computed(request, min(trailing.num_computed(request),
+                                               request.num_computed_tokens))
         if not self.enable_prefix_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
@@ -124,18 +157,37 @@ class KVCacheManager:
             for i in range(first, num_full):
                 self.block_pool.cache_full_block(table[i], hashes[i])
             self.num_cached_blocks[request.request_id] = num_full
-        num_draft_full = min(num_full,
-                             request.speculation.num_draft_computed_tokens // self.block_size)
-        first_draft = self.num_draft_marked_blocks.get(request.request_id, 0)
-        for block in table[first_draft:num_draft_full]:
-            block.has_draft_kv = block.block_hash is not None
-        self.num_draft_marked_blocks[request.request_id] = max(first_draft, num_draft_full)
+        if trailing is not None:
+            self._record_trailing(trailing, request, table, num_full)
+
+    def _record_trailing(self, trailing: TrailingKV, request: Request, table: list[Block],
+                         num_full: int) -> None:
+        """Note the request's cached blocks the trailing graph now holds in full."""
+        held = min(num_full, trailing.num_computed(request) // self.block_size)
+        first = trailing.num_recorded.get(request.request_id, 0)
+        for block in table[first:held]:
+            if block.block_hash is not None:
+                trailing.full_blocks.add(block.block_id)
+            else:
+                trailing.full_blocks.discard(block.block_id)
+        trailing.num_recorded[request.request_id] = max(first, held)
+
+    def _trail_hits(self, request: Request, hits: Sequence[Block]) -> None:
+        """An admitted request: the trailing graph holds the leading hits it holds in full."""
+        trailing = self.trailing
+        assert trailing is not None
+        held = 0
+        while held < len(hits) and hits[held].block_id in trailing.full_blocks:
+            held += 1
+        trailing.set_computed(request, held * self.block_size)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so shared prefixes are evicted last."""
         table = self.block_tables.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self.num_draft_marked_blocks.pop(request.request_id, None)
+        if self.trailing is not None:
+            self.trailing.computed.pop(request.request_id, None)
+            self.trailing.num_recorded.pop(request.request_id, None)
         self.block_pool.free(reversed(table))
         lane = self.lanes.pop(request.request_id, None) if self.lane_blocks is not None else None
         if lane is not None:

@@ -6,6 +6,5 @@
   draft pass, which chooses γ with the same formulas);
 - `policy`: how many drafts each sequence takes, from its acceptance and their price;
 - `step_cost`: what a whole step costs, its calls padded as the executors pad them;
-- `state`: a request's speculation state (one object per request);
 - `speculator`: ties them together for the engine's step.
 """

@@ -13,11 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+from weakref import WeakKeyDictionary
 
 import numpy as np
 
 from llmopt.runtime.executors.step_batch import Executor, SequenceStep, StepBatch, make_step_batch
-from llmopt.runtime.kv.manager import KVCacheManager
+from llmopt.runtime.kv.manager import KVCacheManager, TrailingKV
 from llmopt.runtime.request import Request
 from llmopt.runtime.sampler import draw, sample, token_probs
 from llmopt.runtime.speculative.suffix import NgramIndex, SuffixSettings, suffix_draft, suffix_tree
@@ -98,14 +99,15 @@ def ngram_lookup(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> li
 
 class SuffixDrafter:
     """Frequency n-gram drafting over the sequence's own tokens and an optional corpus
-    (`suffix.suffix_draft`); each sequence's index lives in its `SpeculationState`. With
-    `tree`, each proposal is a draft tree (`suffix.suffix_tree`) of as many tokens."""
+    (`suffix.suffix_draft`); each sequence's index is kept here while the sequence lives.
+    With `tree`, each proposal is a draft tree (`suffix.suffix_tree`) of as many tokens."""
 
     def __init__(self, settings: SuffixSettings, corpus: Sequence[int] | None = None,
                  tree: bool = False):
         self.settings = settings
         self.corpus = None if corpus is None else NgramIndex(settings.max_n, corpus)
         self.tree = tree
+        self.indexes: WeakKeyDictionary[Request, NgramIndex] = WeakKeyDictionary()
 
     def propose(self, requests: Sequence[Request], max_tokens: Sequence[int],
                 budget: Budget | None = None) -> list[Proposal]:
@@ -119,11 +121,12 @@ class SuffixDrafter:
 
     def propose_one(self, request: Request, k: int) -> Proposal:
         """Up to k draft tokens after the request's tokens (a tree with `tree`); its own
-        index is kept in its state."""
-        if request.speculation.ngram_index is None:
-            request.speculation.ngram_index = NgramIndex(self.settings.max_n)
+        index is kept for the next step."""
+        index = self.indexes.get(request)
+        if index is None:
+            index = self.indexes[request] = NgramIndex(self.settings.max_n)
         tokens = request.all_token_ids
-        indexes = self._synced(tokens, request.speculation.ngram_index)
+        indexes = self._synced(tokens, index)
         if self.tree:
             nodes, parents, source = suffix_tree(tokens, indexes, k, self.settings)
             return Proposal(nodes, source=source, parents=parents)
@@ -146,11 +149,11 @@ class SuffixDrafter:
 class ModelDrafter:
     """Runs the draft graph on its own KV pool, through the target's block tables.
 
-    `request.speculation.num_draft_computed_tokens` counts the leading tokens whose draft KV is in
-    the pool. A proposal first catches the draft up with the known tokens (after a
-    prefill, or after the target accepted tokens the draft never saw), then runs one
-    token at a time; the slots it writes are those the scheduler allocated for the
-    target's verification of the same positions.
+    Its pool fills behind the target's (`TrailingKV` counts the leading tokens of each
+    request whose draft KV is in the pool). A proposal first catches the draft up with the
+    known tokens (after a prefill, or after the target accepted tokens the draft never
+    saw), then runs one token at a time; the slots it writes are those the scheduler
+    allocated for the target's verification of the same positions.
     """
 
     def __init__(
@@ -162,6 +165,7 @@ class ModelDrafter:
     ):
         self.executor = executor
         self.kv_cache_manager = kv_cache_manager
+        self.trailing: TrailingKV = kv_cache_manager.trail()
         self.target_vocab_size = target_vocab_size
         self.token_map = token_map  # draft logits row -> target token id; None = identity
 
@@ -179,7 +183,7 @@ class ModelDrafter:
             logits = self.executor.execute(batch)
             for row, i in enumerate(active):
                 request = requests[i]
-                request.speculation.num_draft_computed_tokens = request.num_tokens + step
+                self.trailing.set_computed(request, request.num_tokens + step)
                 token, q = self._draw(logits[row], request, drafts[i])
                 drafts[i].append(token)
                 if q is not None:
@@ -196,7 +200,7 @@ class ModelDrafter:
         except the newest (whose logits are what this step asks for)."""
         sequences = []
         for request, draft in zip(requests, drafts, strict=True):
-            start = request.speculation.num_draft_computed_tokens
+            start = self.trailing.num_computed(request)
             tokens = (request.all_token_ids + draft)[start:]
             sequences.append(SequenceStep(tokens, start, self.kv_cache_manager.block_ids(request),
                                           [len(tokens) - 1]))

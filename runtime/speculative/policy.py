@@ -23,6 +23,7 @@ the most drafts any sequence keeps, chosen for the most tokens per unit of step 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from weakref import WeakKeyDictionary
 
 from llmopt.runtime.request import Request
 from llmopt.runtime.speculative.cost_model import expected_tokens, step_cost
@@ -66,6 +67,9 @@ class SpeculationPolicy:
         # Every sequence's evidence together, per source: what a sequence that has shown
         # little yet is expected to do (the compile-time α was measured on other prompts).
         self.engine_record: dict[str, tuple[float, float]] = {}
+        # Each live sequence's own evidence, per source (and POOLED).
+        self.records: WeakKeyDictionary[Request, dict[str, tuple[float, float]]] = (
+            WeakKeyDictionary())
 
     def alpha(self, request: Request, source: str | None = None) -> float:
         """The acceptance estimate of `source`'s drafts for this sequence; None: the best
@@ -77,7 +81,7 @@ class SpeculationPolicy:
         much better or worse than the engine's average this sequence has done. So a
         source seen for the first time inherits what the sequence and the engine have
         shown so far."""
-        estimates = request.speculation.accept_estimate
+        estimates = self.records.get(request, {})
         engine = self._estimate(self.engine_record.get(POOLED, (0.0, 0.0)), self.prior_alpha,
                                 self.engine_weight)
         pooled = self._estimate(estimates.get(POOLED, (0.0, 0.0)), engine)
@@ -136,7 +140,7 @@ class SpeculationPolicy:
         """Record one decode step: the drafts' source, how many were verified and how many
         accepted (0, 0 for a plain step). A run of acceptances ended by a rejection is
         geometric evidence. Every source's evidence fades at each step."""
-        for estimates, decay in ((request.speculation.accept_estimate, self.decay),
+        for estimates, decay in ((self.records.setdefault(request, {}), self.decay),
                                  (self.engine_record, self.engine_decay)):
             for name, (accepted, rejected) in estimates.items():
                 estimates[name] = (decay * accepted, decay * rejected)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from weakref import WeakKeyDictionary
 
 import numpy as np
 
@@ -35,6 +37,15 @@ from llmopt.runtime.speculative.step_cost import StepCostModel
 from llmopt.runtime.speculative.suffix import SuffixSettings
 
 
+@dataclass
+class SpeculationTotals:
+    """A sequence's counts for its metrics."""
+
+    num_steps: int = 0  # steps that verified drafts
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # drafts accepted
+
+
 class Speculator:
     def __init__(
         self,
@@ -52,6 +63,8 @@ class Speculator:
         self.gamma = gamma
         self.max_batch_size = max_batch_size
         self.policy = policy
+        self.drafts: dict[str, Proposal] = {}  # this step's kept drafts, by request id
+        self.totals: WeakKeyDictionary[Request, SpeculationTotals] = WeakKeyDictionary()
 
     def max_drafts(self, batch_size: int) -> Callable[[Request], int] | None:
         """This step's draft budget per sequence, for `batch_size` running sequences."""
@@ -65,6 +78,7 @@ class Speculator:
 
     def propose(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
         """Fill the draft slots the scheduler reserved; give back the ones left unused."""
+        self.drafts = {}
         speculating = [i for i, item in enumerate(scheduled) if item.num_spec_tokens]
         if not speculating:
             return scheduled
@@ -77,14 +91,15 @@ class Speculator:
         cap = self.policy.cap(drafted, others) if self.policy is not None else self.gamma
         scheduled = list(scheduled)
         for i, request, proposal in zip(speculating, requests, proposals, strict=True):
-            spec, kept = request.speculation, proposal.first(cap)
-            spec.token_ids, spec.source = list(kept.token_ids), kept.source
-            spec.probs = kept.probs if spec.token_ids else None
-            spec.parents = kept.parents if spec.token_ids else None
-            unused = scheduled[i].num_spec_tokens - len(spec.token_ids)
+            kept = proposal.first(cap)
+            if kept.token_ids:
+                self.drafts[request.request_id] = kept
+            unused = scheduled[i].num_spec_tokens - len(kept.token_ids)
             scheduled[i] = dataclasses.replace(
                 scheduled[i], num_tokens=scheduled[i].num_tokens - unused,
-                num_spec_tokens=len(spec.token_ids))
+                num_spec_tokens=len(kept.token_ids), spec_token_ids=tuple(kept.token_ids),
+                spec_parents=(None if kept.parents is None or not kept.token_ids
+                              else tuple(kept.parents)))
         return scheduled
 
     @staticmethod
@@ -102,27 +117,34 @@ class Speculator:
     def verify(self, request: Request, logits: np.ndarray) -> tuple[list[int], list[int]]:
         """The tokens a sequence with drafts emits (its accepted drafts plus one), and the
         accepted drafts' indices (a chain's: 0, 1, ...; a tree's: a branch)."""
-        spec = request.speculation
-        if spec.parents is None:
-            tokens = verify_drafts(logits, spec.token_ids, spec.probs,
+        drafts = self.drafts[request.request_id]
+        if drafts.parents is None:
+            tokens = verify_drafts(logits, drafts.token_ids, drafts.probs,
                                    request.sampling_params, request.generator,
                                    request.all_token_ids)
             path = list(range(len(tokens) - 1))
         else:
-            tokens, path = verify_tree(logits, spec.token_ids, spec.parents,
+            tokens, path = verify_tree(logits, drafts.token_ids, drafts.parents,
                                        request.sampling_params, request.generator,
                                        request.all_token_ids)
-        spec.num_steps += 1
-        spec.num_draft_tokens += len(spec.token_ids)
-        spec.num_accepted_tokens += len(tokens) - 1
+        totals = self.totals.setdefault(request, SpeculationTotals())
+        totals.num_steps += 1
+        totals.num_draft_tokens += len(drafts.token_ids)
+        totals.num_accepted_tokens += len(tokens) - 1
         return tokens, path
 
     def observe(self, request: Request, emitted: Sequence[int]) -> None:
         """A decode step gave `request` these tokens: evidence for its acceptance record."""
         if self.policy is not None:
-            num_drafts = len(request.speculation.token_ids)
+            drafts = self.drafts.get(request.request_id)
+            num_drafts = len(drafts.token_ids) if drafts is not None else 0
             accepted = min(len(emitted) - 1, num_drafts)
-            self.policy.observe(request, request.speculation.source, num_drafts, accepted)
+            self.policy.observe(request, drafts.source if drafts is not None else "",
+                                num_drafts, accepted)
+
+    def totals_of(self, request: Request) -> SpeculationTotals:
+        """The sequence's counts so far (zeros before its first verification)."""
+        return self.totals.get(request) or SpeculationTotals()
 
 
 # --- assembling an artifact's speculator ------------------------------------------------

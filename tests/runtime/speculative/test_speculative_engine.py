@@ -93,7 +93,7 @@ def check_pools(engine: LLMEngine) -> None:
         np.testing.assert_array_equal(
             engine.executor.tokens_at(kv.slot_mapping(request, 0, n)), tokens[:n])
         if isinstance(draft, ModelDrafter):
-            d = request.speculation.num_draft_computed_tokens
+            d = draft.trailing.num_computed(request)
             assert d <= n
             np.testing.assert_array_equal(
                 draft.executor.tokens_at(kv.slot_mapping(request, 0, d)), tokens[:d])

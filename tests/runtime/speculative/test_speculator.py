@@ -33,8 +33,6 @@ def step(speculator: Speculator, batch: list[Request]) -> int | None:
         return None
     scheduled = [ScheduledRequest(r, 1 + budget(r), budget(r)) for r in batch]
     kept = speculator.propose(scheduled)
-    for item in kept:
-        item.request.speculation.token_ids = []
     return max(item.num_spec_tokens for item in kept)
 
 
