@@ -71,8 +71,8 @@ def padding_groups(query_lens: list[int], max_waste: float = 0.25,
     most `max_waste` of its rows, or at most `free_rows` rows: longest first, greedily.
 
     Each call reads every weight once, which costs about as much as computing a few dozen
-    rows: padding a speculative decode's one 6-token verification and its neighbours'
-    1-token steps into one call is far cheaper than a second call.
+    rows: padding one sequence's 6-token step and its neighbours' 1-token steps into one
+    call is far cheaper than a second call.
     """
     order = sorted(range(len(query_lens)), key=lambda i: -query_lens[i])
     groups: list[list[int]] = []

@@ -6,7 +6,7 @@ and `logits_indices` index those packed rows. Each executor turns this into its 
 layout through `executors.inputs` (the blocks contract's right-padded [B, S] tensors, a
 row per lane, the native step's packed per-token arrays).
 
-A sequence's query tokens normally continue each other. With a draft tree
+A sequence's query tokens normally continue each other. In a tree of query tokens
 (`query_parents`) a token follows its parent instead: it sits at the position after
 its parent's (`positions`), sees the pool's entries and its own ancestors in the step
 (`tree_masks`), and is written to the next slot in query order like any other, so
@@ -85,7 +85,7 @@ def ancestor_masks(parents: Sequence[int]) -> np.ndarray:
     """uint64 per query token: bit j set when the token j offsets before it is itself or
     an ancestor, or lies before the tree (offsets below 0); parents come first."""
     if len(parents) > MAX_TREE_TOKENS:
-        raise ValueError(f"a draft tree of {len(parents)} query tokens is over the "
+        raise ValueError(f"a tree of {len(parents)} query tokens is over the "
                          f"{MAX_TREE_TOKENS} a step's tree mask holds")
     masks: list[int] = []
     for i, parent in enumerate(parents):
@@ -108,7 +108,7 @@ class Executor(Protocol):
 
 
 class TreeExecutor(Executor, Protocol):
-    """An executor that runs draft trees (`StepBatch.query_parents`)."""
+    """An executor that runs trees of query tokens (`StepBatch.query_parents`)."""
 
     tree_attention: bool
 
@@ -131,9 +131,10 @@ class SequenceStep:
 
 
 def make_step_batch(sequences: Sequence[SequenceStep], block_size: int) -> StepBatch:
-    """The one StepBatch builder (engine, model drafter, compile-time measurement):
-    logits rows follow `sequences`' order. Slots stay Python ints until one array at the
-    end: at decode, numpy calls per sequence cost more than their arithmetic."""
+    """The one StepBatch builder (the engine's steps, a second graph's, compile-time
+    measurement): logits rows follow `sequences`' order. Slots stay Python ints until one
+    array at the end: at decode, numpy calls per sequence cost more than their
+    arithmetic."""
     slots: list[int] = []
     logits_indices: list[int] = []
     row = 0

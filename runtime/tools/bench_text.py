@@ -1,9 +1,9 @@
 """Realistic benchmark prompts: short English passages built into the package.
 
-Random token ids make a model repeat itself, which prompt lookup and small drafts then
-predict perfectly (acceptance 1.00 on SmolLM2, where a real prompt got 0.00): a bench of a
-speculating artifact needs text. The passages are plain prose on unrelated everyday topics,
-written for this file (no dataset is needed), tokenized with the artifact's own tokenizer.
+Random token ids make a model repeat itself, which anything that guesses the next tokens
+from earlier ones (prompt lookup, a small model) then gets right every time: a fair bench
+needs text. The passages are plain prose on unrelated everyday topics, written for this
+file (no dataset is needed), tokenized with the artifact's own tokenizer.
 """
 
 from __future__ import annotations
