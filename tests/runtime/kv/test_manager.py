@@ -180,3 +180,27 @@ def test_a_new_request_fills_the_lowest_free_lane_so_running_lanes_stay_packed()
     newcomer = request("e", [77, 78, 79])
     assert admit(manager, newcomer)
     assert manager.lanes["e"] == min(lanes["a"], lanes["b"])
+
+
+# A trailing graph: its pool fills behind the target's over the same tables.
+def test_a_hit_gives_a_trailing_graph_the_blocks_it_holds_in_full_until_they_are_reused():
+    manager = KVCacheManager(num_blocks=5, block_size=4)
+    trailing = manager.trail()
+    a = request("a", list(range(10)))
+    assert manager.allocate_slots(a, 10) and trailing.num_computed(a) == 0
+    trailing.set_computed(a, 7)  # one full block of its own, then part of the next
+    a.num_computed_tokens = 10
+    manager.cache_blocks(a)
+    assert manager.num_cached_blocks["a"] == 2 and trailing.full_blocks == {1}
+    manager.free(a)
+    b = request("b", [*range(8), 99])
+    hits, cached = manager.get_computed_blocks(b)
+    assert cached == 8 and manager.allocate_slots(b, 1, hits)
+    b.num_computed_tokens = cached
+    assert trailing.num_computed(b) == 4  # the target's hit is two blocks, its own one
+    trailing.set_computed(b, 9)
+    manager.cache_blocks(b)  # nothing computed past the target's 8 tokens stays its own
+    assert trailing.num_computed(b) == 8
+    manager.free(b)
+    assert manager.allocate_slots(request("c", list(range(50, 66))), 16)  # reuses every block
+    assert trailing.full_blocks == set()
