@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import cast
 
 import numpy as np
 
@@ -22,7 +21,6 @@ from llmopt.runtime.executors.step_batch import (
     Executor,
     SequenceStep,
     StepBatch,
-    TreeExecutor,
     make_step_batch,
 )
 from llmopt.runtime.kv.manager import KVCacheManager
@@ -158,7 +156,8 @@ class LLMEngine:
         """The tokens each request that caught up emits; logprobs of scored ones recorded.
 
         Requests without drafts are sampled together, one token each; a request with
-        drafts gets its accepted drafts plus one (`Speculator.verify`).
+        drafts gets its accepted drafts plus one (`Speculator.verify`, which also moves an
+        accepted tree branch's entries where its tokens now sit).
         """
         emitted: dict[str, list[int]] = {}
         to_sample: list[Request] = []
@@ -169,12 +168,9 @@ class LLMEngine:
             if request.score_only:
                 record_prompt_logprobs(item, logits[row : row + num_rows])
             elif item.spec_token_ids:
-                rows = logits[row : row + num_rows]
-                tokens, path = self.speculator.verify(request, rows)
+                tokens, rows = self.speculator.verify(item, logits[row : row + num_rows],
+                                                      self.executor, self.kv_cache_manager)
                 emitted[request.request_id] = tokens
-                if path != list(range(len(path))):  # a tree's side branch: its KV, its rows
-                    self._move_branch(item, path)
-                    rows = rows[[0, *(node + 1 for node in path)]]
                 _record_logprobs(request, rows, tokens)  # verified row j gave token j
             elif num_rows:
                 to_sample.append(request)
@@ -202,16 +198,6 @@ class LLMEngine:
             if self.speculator is not None:
                 self.speculator.observe(request, tokens)
         return emitted
-
-    def _move_branch(self, item: ScheduledRequest, path: list[int]) -> None:
-        """Move an accepted tree branch's pool entries to the positions its tokens now
-        have (those of its first nodes that sit on the tree's first branch are there)."""
-        first = item.request.num_computed_tokens + item.num_tokens - item.num_spec_tokens
-        moved = [(node, depth) for depth, node in enumerate(path) if node != depth]
-        executor = cast(TreeExecutor, self.executor)  # it ran the tree
-        executor.move_entries(self.kv_cache_manager.block_ids(item.request),
-                              [first + node for node, _ in moved],
-                              [first + depth for _, depth in moved])
 
     def _postprocess(
         self, scheduled: list[ScheduledRequest], emitted: dict[str, list[int]]

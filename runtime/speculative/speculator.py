@@ -13,11 +13,12 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 from weakref import WeakKeyDictionary
 
 import numpy as np
 
-from llmopt.runtime.executors.step_batch import MAX_TREE_TOKENS, Executor
+from llmopt.runtime.executors.step_batch import MAX_TREE_TOKENS, Executor, TreeExecutor
 from llmopt.runtime.kv.manager import KVCacheManager
 from llmopt.runtime.manifest import KVCacheSpec, Manifest, NgramDraftSpec, SpeculativeSpec
 from llmopt.runtime.request import Request
@@ -114,9 +115,26 @@ class Speculator:
         others += [1] * (len(speculating) - len(drafted))  # reserved slots, no draft
         return drafted, others
 
-    def verify(self, request: Request, logits: np.ndarray) -> tuple[list[int], list[int]]:
-        """The tokens a sequence with drafts emits (its accepted drafts plus one), and the
-        accepted drafts' indices (a chain's: 0, 1, ...; a tree's: a branch)."""
+    def verify(self, item: ScheduledRequest, logits: np.ndarray, target: Executor,
+               kv_cache_manager: KVCacheManager) -> tuple[list[int], np.ndarray]:
+        """The tokens a sequence with drafts emits (its accepted drafts plus one) and the
+        logits rows they were drawn from (row j gave token j). An accepted side branch of
+        a tree has its entries in `target`'s pools moved to the positions its tokens now
+        have."""
+        request = item.request
+        tokens, path = self._verified(request, logits)
+        if path != list(range(len(path))):  # a tree's side branch: its KV, its rows
+            first = request.num_computed_tokens + item.num_tokens - item.num_spec_tokens
+            moved = [(node, depth) for depth, node in enumerate(path) if node != depth]
+            cast(TreeExecutor, target).move_entries(  # it ran the tree
+                kv_cache_manager.block_ids(request), [first + node for node, _ in moved],
+                [first + depth for _, depth in moved])
+            logits = logits[[0, *(node + 1 for node in path)]]
+        return tokens, logits
+
+    def _verified(self, request: Request, logits: np.ndarray) -> tuple[list[int], list[int]]:
+        """The tokens emitted, and the accepted drafts' indices (a chain's: 0, 1, ...; a
+        tree's: a branch)."""
         drafts = self.drafts[request.request_id]
         if drafts.parents is None:
             tokens = verify_drafts(logits, drafts.token_ids, drafts.probs,
