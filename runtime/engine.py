@@ -219,6 +219,7 @@ class LLMEngine:
         return outputs
 
     def _speculation_metrics(self, request: Request) -> SpeculationMetrics:
+        """Its decode steps, and the speculator's counts (zeros without one)."""
         totals = (self.speculator.totals_of(request) if self.speculator is not None
                   else SpeculationTotals())
         return SpeculationMetrics(request.num_decode_steps, totals.num_steps,

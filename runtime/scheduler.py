@@ -186,9 +186,9 @@ class Scheduler:
         """Advance computed tokens, append sampled tokens, finish requests that stop.
 
         `sampled_token_ids` holds the tokens each request that caught up emits this step:
-        one, or its confirmed proposed tokens plus one. They are appended in order until one stops
-        the request; `stop_check(request)` is asked after each (stop strings). Returns
-        the requests that received new tokens.
+        one, or its confirmed proposed tokens plus one. They are appended in order until
+        one stops the request; `stop_check(request)` is asked after each (stop strings).
+        Returns the requests that received new tokens.
         """
         updated = []
         for item in scheduled:
