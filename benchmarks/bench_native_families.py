@@ -29,7 +29,7 @@ import numpy as np
 from _common import REPO_ROOT, RESULTS_DIR, machine_info, write_json
 
 from llmopt.runtime import LLM
-from llmopt.runtime.bench import run_bench
+from llmopt.runtime.tools.bench import run_bench
 
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
                   num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,

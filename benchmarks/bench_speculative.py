@@ -370,7 +370,7 @@ def step_costs(llm, gamma: int, context: int = 128, repeats: int = 15) -> dict[s
     """Median ms of the target's step with q = 1..γ+1 query tokens and of the draft's
     one-token step, batch 1, on a `context`-token sequence; and the ratios that decide
     whether speculation can pay."""
-    from llmopt.runtime.step_batch import SequenceStep, StepBatch, make_step_batch
+    from llmopt.runtime.executors.step_batch import SequenceStep, StepBatch, make_step_batch
 
     engine = llm.engine
     block_size = engine.config.block_size
@@ -404,7 +404,7 @@ def step_costs(llm, gamma: int, context: int = 128, repeats: int = 15) -> dict[s
 def predicted_speedup(alpha: float, gamma: int, costs: dict[str, Any]) -> float:
     """Leviathan et al.'s expected speedup with i.i.d. acceptance α: tokens per step
     (1 - α^(γ+1)) / (1 - α) over the step's cost γ·c + verify(γ+1), in target steps."""
-    from llmopt.runtime.spec.cost_model import expected_tokens, model_step_cost
+    from llmopt.runtime.speculative.cost_model import expected_tokens, model_step_cost
 
     cost = model_step_cost(gamma, costs["draft_cost_ratio"], costs["verify_ratio"][gamma + 1])
     return expected_tokens(alpha, gamma) / cost

@@ -32,10 +32,10 @@ import numpy as np
 from _common import RESULTS_DIR, machine_info, write_json
 
 from llmopt.runtime import LLM, SamplingParams
-from llmopt.runtime.bench import bench_prompts
-from llmopt.runtime.native import executor as native_executor
+from llmopt.runtime.executors import native as native_executor
+from llmopt.runtime.executors.step_batch import SequenceStep, StepBatch, make_step_batch
 from llmopt.runtime.native.library import amx_available, declare_signatures, default_knobs, kernels
-from llmopt.runtime.step_batch import SequenceStep, StepBatch, make_step_batch
+from llmopt.runtime.tools.bench import bench_prompts
 
 
 def load_build(path: str) -> ctypes.CDLL:

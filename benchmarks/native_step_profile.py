@@ -23,8 +23,8 @@ from _common import RESULTS_DIR, machine_info, write_json
 from native_kernels_ab import engine_on, step_batches
 
 from llmopt.runtime import LLM
+from llmopt.runtime.executors.step_batch import StepBatch
 from llmopt.runtime.native.library import kernels, profile_phases
-from llmopt.runtime.step_batch import StepBatch
 
 WARMUP_ROUNDS = 2
 

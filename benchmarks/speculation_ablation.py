@@ -96,7 +96,7 @@ def configurations(gamma: int, extra_gammas: list[int]) -> dict[str, dict[str, A
 def build(llm, config: dict[str, Any] | None, max_batch: int):
     """The speculator `config` describes, built as the runtime builds its default one and
     then stripped of the controllers it leaves out."""
-    from llmopt.runtime.spec.speculator import build_speculator
+    from llmopt.runtime.speculative.speculator import build_speculator
 
     if config is None:
         return None

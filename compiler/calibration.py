@@ -19,7 +19,7 @@ import torch
 from llmopt.compiler.ir import ArchSpec, ModelIR
 from llmopt.compiler.recipe import CalibrationConfig
 from llmopt.compiler.reference import ReferenceModel
-from llmopt.runtime.evaluate import windows_of
+from llmopt.runtime.tools.evaluate import windows_of
 
 Observer = Callable[[int, str, torch.Tensor], None]
 

@@ -20,9 +20,9 @@ from llmopt.compiler.recipe import Recipe
 from llmopt.passes import draft as library
 from llmopt.passes.draft import choice
 from llmopt.passes.draft.config import Config, NgramDraft
-from llmopt.runtime.assembly import graph_executor
+from llmopt.runtime.executors.choose import graph_executor
+from llmopt.runtime.executors.step_batch import Executor
 from llmopt.runtime.manifest import GraphSpec
-from llmopt.runtime.step_batch import Executor
 
 
 def pair_draft(ir: ModelIR, step: PassStep, context: PassContext

@@ -34,7 +34,7 @@ from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.pass_registry import PASSES
 from llmopt.compiler.reference import KVCache, ReferenceModel
 from llmopt.compiler.weight_quant import intra_op_threads
-from llmopt.runtime.evaluate import windows_of
+from llmopt.runtime.tools.evaluate import windows_of
 
 if TYPE_CHECKING:
     from llmopt.compiler.recipe import Recipe
@@ -87,7 +87,7 @@ class QualityProbe:
     def from_passages(cls, ir: ModelIR, windows: int,
                       log: Callable[[str], None] | None = None) -> QualityProbe:
         """Up to `windows` windows of the prose passages built into the package."""
-        from llmopt.runtime.bench_text import PASSAGES
+        from llmopt.runtime.tools.bench_text import PASSAGES
 
         ids = ir.text_tokenizer().encode("\n\n".join(PASSAGES), add_special_tokens=False).ids
         length = min(PASSAGE_WINDOW, ir.arch.max_position, len(ids))

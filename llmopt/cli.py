@@ -214,7 +214,7 @@ def export_hf_command(source: Path, out: Path, fmt: str, overrides: tuple[str, .
 @_one_line_errors
 def inspect_command(artifact: Path, pool_mib: float, as_json: bool) -> None:
     """Sizes, passes, KV bytes per token of ARTIFACT."""
-    from llmopt.runtime.inspect import describe, format_description
+    from llmopt.runtime.tools.inspect import describe, format_description
 
     info = describe(artifact, pool_mib)
     click.echo(json.dumps(info, indent=2) if as_json else format_description(info))
@@ -339,7 +339,7 @@ def eval_command(artifact: Path, text_file: Path, windows: int, seq_len: int,
                  threads: int | None, kernels: str, as_json: bool) -> None:
     """Perplexity of ARTIFACT on a text file, computed by the runtime."""
     from llmopt.runtime import LLM
-    from llmopt.runtime.evaluate import perplexity
+    from llmopt.runtime.tools.evaluate import perplexity
 
     llm = LLM(artifact, num_threads=threads, max_num_batched_tokens=seq_len, kernels=kernels)
     result = perplexity(llm, text_file, windows=windows, seq_len=seq_len)
@@ -377,7 +377,7 @@ def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: 
     """TTFT, decode tok/s per stream, aggregate tok/s, peak RSS (with a draft, also
     acceptance rate and tokens per target step)."""
     from llmopt.runtime import LLM
-    from llmopt.runtime.bench import prompt_kind, run_bench
+    from llmopt.runtime.tools.bench import prompt_kind, run_bench
 
     llm = LLM(artifact, num_threads=threads, max_num_seqs=max(batches),
               max_context=prompt_len + gen_len + 1, kernels=kernels,

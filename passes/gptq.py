@@ -159,19 +159,8 @@ def gptq_quantize(
     diagonal[dead] = 1
     w[:, dead] = 0
     levels = 2**bits - 1
-    groups = -(-k // group_size)
-    if codebook is not None:  # static block absmax (double-quantized where asked)
-        scales, zeros = codebook.scales.clone(), codebook.zeros.clone()
-        perm = torch.argsort(diagonal, descending=True) if act_order else torch.arange(k)
-    elif act_order:
-        # Static groups: every group's scale and zero from the unpermuted float weight.
-        scales, zeros = quant_params(w, bits, group_size, symmetric)
-        perm = torch.argsort(diagonal, descending=True)
-    else:
-        scales, zeros = torch.zeros(n, groups), torch.zeros(n, groups)
-        perm = torch.arange(k)
-        # Blocks hold whole groups, so a group's parameters see all updates before it.
-        block_size = max(group_size, block_size // group_size * group_size)
+    scales, zeros, perm, block_size = _column_order(w, diagonal, bits, group_size, symmetric,
+                                                    act_order, block_size, codebook)
     w = w[:, perm]
 
     def permuted() -> torch.Tensor:  # one [K, K] copy: the widest are gigabytes in float64
@@ -209,6 +198,29 @@ def gptq_quantize(
         return QuantizedLinear(4, group_size, codes, scales, zeros, True,
                                codebook=codebook.codebook), loss
     return QuantizedLinear(bits, group_size, codes, scales, zeros, symmetric), loss
+
+
+def _column_order(w: torch.Tensor, diagonal: torch.Tensor, bits: int, group_size: int,
+                  symmetric: bool, act_order: bool, block_size: int,
+                  codebook: QuantizedLinear | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The starting scales and zeros, the order columns are quantized in, and the block
+    size: static parameters under act_order or a code book, else filled group by group."""
+    n, k = w.shape
+    if codebook is not None:  # static block absmax (double-quantized where asked)
+        scales, zeros = codebook.scales.clone(), codebook.zeros.clone()
+        perm = torch.argsort(diagonal, descending=True) if act_order else torch.arange(k)
+    elif act_order:
+        # Static groups: every group's scale and zero from the unpermuted float weight.
+        scales, zeros = quant_params(w, bits, group_size, symmetric)
+        perm = torch.argsort(diagonal, descending=True)
+    else:
+        groups = -(-k // group_size)
+        scales, zeros = torch.zeros(n, groups), torch.zeros(n, groups)
+        perm = torch.arange(k)
+        # Blocks hold whole groups, so a group's parameters see all updates before it.
+        block_size = max(group_size, block_size // group_size * group_size)
+    return scales, zeros, perm, block_size
 
 
 def _round_column(col: torch.Tensor, s: torch.Tensor, z: torch.Tensor, levels: int,

@@ -6,15 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmopt.runtime.engine import EngineConfig, LLMEngine
-from llmopt.runtime.executor import OrtExecutor
-from llmopt.runtime.kv_cache_manager import KVCacheManager
-from llmopt.runtime.lane_cache_manager import LaneKVCacheManager
-from llmopt.runtime.lane_executor import LaneExecutor
-from llmopt.runtime.manifest import GraphSpec, KVCacheSpec, Manifest
-from llmopt.runtime.native import KERNELS, require_native, unavailable_reason
-from llmopt.runtime.paging import cdiv
-from llmopt.runtime.spec.speculator import build_speculator
-from llmopt.runtime.step_batch import Executor
+from llmopt.runtime.executors.choose import graph_executor, kernels_name
+from llmopt.runtime.executors.step_batch import Executor
+from llmopt.runtime.kv.manager import KVCacheManager
+from llmopt.runtime.kv.paging import cdiv
+from llmopt.runtime.manifest import KVCacheSpec, Manifest
+from llmopt.runtime.speculative.speculator import build_speculator
 from llmopt.runtime.tokenizer import Tokenizer
 
 
@@ -41,68 +38,10 @@ class EngineOptions:
 
 def kv_cache_manager_for(manifest: Manifest, config: EngineConfig) -> KVCacheManager:
     """Lanes when any graph of the artifact reads its KV in place; free placement else."""
-    layouts = {manifest.kv_cache.layout}
-    if manifest.speculative is not None and manifest.speculative.model is not None:
-        layouts.add(manifest.speculative.model.kv_cache.layout)
-    if "lanes" in layouts:
-        return LaneKVCacheManager(config.num_blocks, config.block_size,
-                                  cdiv(config.max_context, config.block_size),
-                                  config.enable_prefix_caching)
-    return KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-
-
-def make_executor(graph_path: Path, kv_cache: KVCacheSpec, *, num_blocks: int,
-                  block_size: int, lane_blocks: int | None, max_position: int,
-                  num_threads: int | None = None, optimization_level: str = "all",
-                  nbits_accuracy_level: int = 0) -> Executor:
-    """The ONNX Runtime executor for a graph's KV layout (lanes need the lane size)."""
-    common = {"num_blocks": num_blocks, "block_size": block_size, "num_threads": num_threads,
-              "optimization_level": optimization_level,
-              "nbits_accuracy_level": nbits_accuracy_level}
-    if kv_cache.layout == "lanes":
-        if lane_blocks is None:
-            raise ValueError("a lanes-layout graph needs a lane size")
-        return LaneExecutor(graph_path, kv_cache, lane_blocks=lane_blocks, **common)
-    return OrtExecutor(graph_path, kv_cache, max_position=max_position, **common)
-
-
-def graph_executor(artifact: Path, graph: GraphSpec, kv_cache: KVCacheSpec, *, kernels: str,
-                   num_blocks: int, block_size: int, lane_blocks: int | None,
-                   max_position: int, num_threads: int | None = None,
-                   optimization_level: str = "all") -> Executor:
-    """The executor `kernels` puts a graph of the artifact on: the native step (see
-    `runs_native`) or ONNX Runtime's executor for its KV layout."""
-    lane_tokens = lane_blocks * block_size if lane_blocks is not None else None
-    if runs_native(kernels, graph, kv_cache, lane_tokens):
-        from llmopt.runtime.native.executor import NativeLaneExecutor
-
-        return NativeLaneExecutor(artifact, graph, kv_cache, num_blocks=num_blocks,
-                                  block_size=block_size, lane_blocks=lane_blocks,
-                                  num_threads=num_threads, max_position=max_position)
-    return make_executor(artifact / graph.file, kv_cache, num_blocks=num_blocks,
-                         block_size=block_size, lane_blocks=lane_blocks,
-                         max_position=max_position, num_threads=num_threads,
-                         optimization_level=optimization_level,
-                         nbits_accuracy_level=graph.nbits_accuracy_level)
-
-
-def kernels_name(executor: Executor) -> str:
-    """Which kernels an executor runs: "native" (llmopt's step) or "onnxruntime"."""
-    from llmopt.runtime.native.executor import NativeLaneExecutor
-
-    return "native" if isinstance(executor, NativeLaneExecutor) else "onnxruntime"
-
-
-def runs_native(kernels: str, graph: GraphSpec, kv_cache: KVCacheSpec,
-                lane_tokens: int | None = None) -> bool:
-    """Whether `kernels` puts this graph on the native step (its lanes `lane_tokens` long);
-    `native` where it cannot run is a one-line error that says why."""
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels: {kernels!r} is not one of {', '.join(KERNELS)}")
-    if kernels == "native":
-        require_native(graph, kv_cache, lane_tokens)
-    return kernels == "native" or (
-        kernels == "auto" and unavailable_reason(graph, kv_cache, lane_tokens) is None)
+    layouts = {graph.kv_cache.layout for graph in manifest.runnable_graphs()}
+    lane_blocks = cdiv(config.max_context, config.block_size) if "lanes" in layouts else None
+    return KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                          lane_blocks)
 
 
 def engine_config(manifest: Manifest, options: EngineOptions) -> EngineConfig:
@@ -154,14 +93,10 @@ def build_engine(path: Path, manifest: Manifest, tokenizer: Tokenizer,
         executor = graph_executor(
             path, spec, kv_cache, kernels=kernels, num_blocks=config.num_blocks,
             block_size=config.block_size,
-            lane_blocks=getattr(kv_cache_manager, "lane_blocks", None),
+            lane_blocks=kv_cache_manager.lane_blocks,
             max_position=max_position, num_threads=threads,
             optimization_level=options.optimization_level)
-        if isinstance(kv_cache_manager, LaneKVCacheManager):
-            kv_cache_manager.copy_listeners.append(executor.copy_block)
-        if hasattr(executor, "forget_block"):  # it keeps rows per block (sinks, tails)
-            kv_cache_manager.block_pool.reuse_listeners.append(executor.forget_block)
-            kv_cache_manager.block_pool.release_listeners.append(executor.release_block)
+        kv_cache_manager.attach(executor.pools)
         return executor
 
     target = executor_for("target", manifest.kv_cache, manifest.model.max_position)

@@ -14,11 +14,17 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import cast
 
 import numpy as np
 
-from llmopt.runtime.kv_cache_manager import KVCacheManager
+from llmopt.runtime.executors.step_batch import (
+    Executor,
+    SequenceStep,
+    StepBatch,
+    make_step_batch,
+)
+from llmopt.runtime.kv.manager import KVCacheManager
+from llmopt.runtime.kv.paging import cdiv
 from llmopt.runtime.logprobs import token_logprobs
 from llmopt.runtime.output import (
     OutputText,
@@ -27,19 +33,11 @@ from llmopt.runtime.output import (
     SpeculationMetrics,
     stop_reason,
 )
-from llmopt.runtime.paging import cdiv
 from llmopt.runtime.request import Request
 from llmopt.runtime.sampler import log_softmax, sample
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
-from llmopt.runtime.spec.speculator import Speculator
-from llmopt.runtime.step_batch import (
-    Executor,
-    SequenceStep,
-    StepBatch,
-    TreeExecutor,
-    make_step_batch,
-)
+from llmopt.runtime.speculative.speculator import SpeculationTotals, Speculator
 from llmopt.runtime.tokenizer import Tokenizer
 
 
@@ -158,7 +156,8 @@ class LLMEngine:
         """The tokens each request that caught up emits; logprobs of scored ones recorded.
 
         Requests without drafts are sampled together, one token each; a request with
-        drafts gets its accepted drafts plus one (`Speculator.verify`).
+        drafts gets its accepted drafts plus one (`Speculator.verify`, which also moves an
+        accepted tree branch's entries where its tokens now sit).
         """
         emitted: dict[str, list[int]] = {}
         to_sample: list[Request] = []
@@ -168,13 +167,10 @@ class LLMEngine:
             request, num_rows = item.request, len(item.logits_offsets())
             if request.score_only:
                 record_prompt_logprobs(item, logits[row : row + num_rows])
-            elif request.spec.token_ids:
-                rows = logits[row : row + num_rows]
-                tokens, path = self.speculator.verify(request, rows)
+            elif item.spec_token_ids:
+                tokens, rows = self.speculator.verify(item, logits[row : row + num_rows],
+                                                      self.executor, self.kv_cache_manager)
                 emitted[request.request_id] = tokens
-                if path != list(range(len(path))):  # a tree's side branch: its KV, its rows
-                    self._move_branch(item, path)
-                    rows = rows[[0, *(node + 1 for node in path)]]
                 _record_logprobs(request, rows, tokens)  # verified row j gave token j
             elif num_rows:
                 to_sample.append(request)
@@ -203,16 +199,6 @@ class LLMEngine:
                 self.speculator.observe(request, tokens)
         return emitted
 
-    def _move_branch(self, item: ScheduledRequest, path: list[int]) -> None:
-        """Move an accepted tree branch's pool entries to the positions its tokens now
-        have (those of its first nodes that sit on the tree's first branch are there)."""
-        first = item.request.num_computed_tokens + item.num_tokens - item.num_spec_tokens
-        moved = [(node, depth) for depth, node in enumerate(path) if node != depth]
-        executor = cast(TreeExecutor, self.executor)  # it ran the tree
-        executor.move_entries(self.kv_cache_manager.block_ids(item.request),
-                              [first + node for node, _ in moved],
-                              [first + depth for _, depth in moved])
-
     def _postprocess(
         self, scheduled: list[ScheduledRequest], emitted: dict[str, list[int]]
     ) -> list[RequestOutput]:
@@ -227,10 +213,17 @@ class LLMEngine:
             tracked = self.requests[request.request_id]
             if tracked.text is not None and request.is_finished:
                 tracked.text.finish()
-            outputs.append(make_output(tracked))
+            outputs.append(make_output(tracked, self._speculation_metrics(request)))
             if request.is_finished:
                 del self.requests[request.request_id]
         return outputs
+
+    def _speculation_metrics(self, request: Request) -> SpeculationMetrics:
+        """Its decode steps, and the speculator's counts (zeros without one)."""
+        totals = (self.speculator.totals_of(request) if self.speculator is not None
+                  else SpeculationTotals())
+        return SpeculationMetrics(request.num_decode_steps, totals.num_steps,
+                                  totals.num_draft_tokens, totals.num_accepted_tokens)
 
     def _hit_stop_string(self, request: Request) -> bool:
         """Decode the request's newest token; True when a stop string has appeared."""
@@ -238,9 +231,8 @@ class LLMEngine:
         return text is not None and text.add_tokens(request.output_token_ids[-1:])
 
 
-def make_output(tracked: _Tracked) -> RequestOutput:
+def make_output(tracked: _Tracked, speculation: SpeculationMetrics) -> RequestOutput:
     request, text = tracked.request, tracked.text
-    spec = request.spec
     return RequestOutput(
         request_id=request.request_id,
         prompt=tracked.prompt,
@@ -254,8 +246,7 @@ def make_output(tracked: _Tracked) -> RequestOutput:
             request.finished_time,
             request.num_preemptions,
             request.num_cached_tokens,
-            SpeculationMetrics(request.num_decode_steps, spec.num_steps,
-                               spec.num_draft_tokens, spec.num_accepted_tokens),
+            speculation,
         ),
         prompt_logprobs=request.prompt_logprobs,
         logprobs=(list(request.output_logprobs)

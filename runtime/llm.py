@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from llmopt.runtime.artifact import load_manifest
-from llmopt.runtime.assembly import EngineOptions, build_engine, kernels_name
+from llmopt.runtime.assembly import EngineOptions, build_engine
+from llmopt.runtime.executors.choose import kernels_name
 from llmopt.runtime.output import RequestOutput
 from llmopt.runtime.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from llmopt.runtime.scheduler import check_prompt_length
@@ -25,8 +26,8 @@ class LLM:
     with a draft speculates unless `speculative=False`; `num_speculative_tokens` and
     `speculative_max_batch_size` override the γ and batch-size limit the compiler chose.
     With the compiler's step costs in the manifest, each sequence drafts only as many
-    tokens as pay for themselves: its recent acceptance per draft source, against draft
-    prices the engine measures from its own step timings at the running batch size
+    tokens as pay for themselves: its recent acceptance per draft source, against the
+    step prices the compiler measured, at the running batch size
     (`adaptive_speculation=False`: always γ, wherever the batch-size limit allows).
     `drafts` picks which of the artifact's drafts run: "all", "ngram" or "model".
     `draft_tree=True` makes a suffix n-gram draft propose trees (several candidates per

@@ -5,6 +5,7 @@ The compiler writes it (`llmopt.compiler.artifact`), the runtime validates it he
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -119,7 +120,7 @@ class NgramDraftSpec(_Strict):
     sequence's tokens (max_n down to min_n) that occurred earlier in it proposes the
     tokens that followed its latest occurrence. `suffix`: follower counts over the
     sequence and the optional `corpus` decide each token and how far to draft
-    (`runtime/spec/suffix.py`)."""
+    (`runtime/speculative/suffix.py`)."""
 
     min_n: int = 1
     max_n: int = 4
@@ -182,3 +183,35 @@ class Manifest(_Strict):
     recipe: dict[str, Any] = Field(default_factory=dict)
     passes: list[dict[str, Any]] = Field(default_factory=list)
     tools: dict[str, str] = Field(default_factory=dict)
+
+    def runnable_graphs(self) -> list[RunnableGraph]:
+        """Every graph the runtime runs, with what this manifest states about it: the
+        target, then a draft model where the artifact has one."""
+        model = self.model
+        graphs = [RunnableGraph("target", self.kv_cache, model.num_layers, model.vocab_size,
+                                model.max_position, (), "model", "model.num_layers",
+                                "kv_cache")]
+        draft = self.speculative.model if self.speculative else None
+        if draft is not None:
+            graphs.append(RunnableGraph(
+                draft.graph, draft.kv_cache, len(draft.kv_cache.layers), draft.vocab_size,
+                draft.max_position, (draft.token_map,) if draft.token_map else (),
+                "speculative.model", "speculative.model.kv_cache.layers",
+                "speculative.model.kv_cache"))
+        return graphs
+
+
+@dataclass(frozen=True)
+class RunnableGraph:
+    """A graph the runtime runs and what the manifest states about it, with where it
+    states it (for messages)."""
+
+    name: str  # key in Manifest.graphs
+    kv_cache: KVCacheSpec
+    num_layers: int
+    vocab_size: int
+    max_position: int
+    side_files: tuple[str, ...]  # other files the runtime reads for it
+    section: str  # where vocab_size and max_position are stated
+    layers_field: str
+    kv_field: str

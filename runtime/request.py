@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llmopt.runtime.block_pool import BlockHash
+from llmopt.runtime.kv.block_pool import BlockHash
 from llmopt.runtime.logprobs import TokenLogprob
 from llmopt.runtime.sampling_params import SamplingParams
-from llmopt.runtime.spec.state import SpecState
 
 
 class RequestStatus(enum.Enum):
@@ -50,7 +49,6 @@ class Request:
     prompt_logprobs: np.ndarray | None = field(init=False, default=None)
     generator: np.random.Generator = field(init=False)
     num_decode_steps: int = field(init=False, default=0)  # steps that gave it tokens
-    spec: SpecState = field(init=False, default_factory=SpecState)  # speculative decoding
     # With sampling_params.logprobs set: one entry per output token.
     output_logprobs: list[TokenLogprob] = field(init=False, default_factory=list)
 

@@ -41,7 +41,7 @@ def token_probs(
 ) -> np.ndarray:
     """float64 [vocab]: the distribution `sample` draws a non-greedy row from.
 
-    Speculative decoding needs it whole: the acceptance ratio p(x)/q(x) and the residual
+    Rejection sampling needs it whole: the acceptance ratio p(x)/q(x) and the residual
     max(0, p - q) are exact only against the distribution actually sampled from.
     """
     row = np.array(logits, dtype=np.float32)[None, :]

@@ -9,12 +9,13 @@ admitted running request is preempted by recompute: its blocks are freed and it 
 back to the front of the waiting queue with its output tokens kept as known tokens,
 so recomputing them continues exactly where it stopped.
 
-Speculation: when the step's caller passes a draft budget (`max_drafts`), a running
-request that is decoding gets up to that many more slots (and budget) for draft tokens,
-which the engine fills before the step runs; the target computes them with the last
-known token, and only the accepted ones count as computed afterwards (roll back by
-length: rejected slots are simply overwritten later, and never reach the prefix cache).
-A request's drafts are dropped before anything is preempted for them.
+Proposed tokens: when the step's caller passes a budget of extra slots (`max_proposed`), a
+running request that is decoding gets up to that many more slots (and budget) for tokens
+the caller proposes after its known ones (`spec_token_ids`) before the step runs; the
+target computes them with the last known token, and only the ones its output confirms
+count as computed afterwards (roll back by length: the other slots are simply
+overwritten later, and never reach the prefix cache). A request's extra slots are
+dropped before anything is preempted for them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from llmopt.runtime.kv_cache_manager import KVCacheManager
+from llmopt.runtime.kv.manager import KVCacheManager
 from llmopt.runtime.request import Request, RequestStatus
 
 
@@ -44,17 +45,22 @@ class SchedulerConfig:
 class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens computed this step, from position request.num_computed_tokens
-    num_spec_tokens: int = 0  # of those, slots for draft tokens after the known ones
+    num_spec_tokens: int = 0  # of those, slots for proposed tokens after the known ones
+    spec_token_ids: tuple[int, ...] = ()  # the tokens proposed into them
+    # Each proposed token's parent among them (-1: the last known token) when they form a
+    # tree; None: a chain.
+    spec_parents: tuple[int, ...] | None = None
 
     def query_token_ids(self) -> list[int]:
-        """The tokens this step computes: known ones, then the request's drafts."""
+        """The tokens this step computes: known ones, then the proposed ones."""
         request, start = self.request, self.request.num_computed_tokens
-        return (request.all_token_ids + request.spec.token_ids)[start : start + self.num_tokens]
+        known_and_proposed = request.all_token_ids + list(self.spec_token_ids)
+        return known_and_proposed[start : start + self.num_tokens]
 
     def query_parents(self) -> list[int] | None:
-        """Each query token's parent offset when the drafts are a tree (None: a chain):
-        the known tokens continue each other, a draft follows its parent."""
-        parents = self.request.spec.parents
+        """Each query token's parent offset when the proposed tokens are a tree (None: a
+        chain): the known tokens continue each other, a proposed one follows its parent."""
+        parents = self.spec_parents
         if parents is None or not self.num_spec_tokens:
             return None
         known = self.num_tokens - self.num_spec_tokens
@@ -65,16 +71,16 @@ class ScheduledRequest:
         """Query offsets whose logits the step needs.
 
         Its last query row when the step catches it up with its known tokens (that row
-        gives the next token), and with draft tokens the rows of the last known token and
-        of every draft (the target's distribution after each); every row that has a next
-        token when it is scored.
+        gives the next token), and with proposed tokens the rows of the last known token
+        and of every proposed one (the target's distribution after each); every row that
+        has a next token when it is scored.
         """
         request, start, n = self.request, self.request.num_computed_tokens, self.num_tokens
         if request.score_only:
             return range(min(n, request.num_tokens - 1 - start))
-        num_drafts = len(request.spec.token_ids)
-        if start + n == request.num_tokens + num_drafts:
-            return range(n - 1 - num_drafts, n)
+        num_proposed = len(self.spec_token_ids)
+        if start + n == request.num_tokens + num_proposed:
+            return range(n - 1 - num_proposed, n)
         return range(0)
 
 
@@ -100,10 +106,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(
-        self, max_drafts: Callable[[Request], int] | None = None
+        self, max_proposed: Callable[[Request], int] | None = None
     ) -> list[ScheduledRequest]:
-        """This step's requests and token counts; `max_drafts(request)`: how many draft
-        slots a decoding request may take (None: no speculation this step)."""
+        """This step's requests and token counts; `max_proposed(request)`: how many slots
+        for proposed tokens a decoding request may take (None: none this step)."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         num_preemptions = self.num_preemptions
@@ -113,7 +119,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            num_spec = self._num_spec_tokens(request, budget, max_drafts) if max_drafts else 0
+            num_spec = (self._num_spec_tokens(request, budget, max_proposed)
+                        if max_proposed else 0)
             if num_spec and self.kv_cache_manager.allocate_slots(request, num_tokens + num_spec):
                 scheduled.append(ScheduledRequest(request, num_tokens + num_spec, num_spec))
                 budget -= num_tokens + num_spec
@@ -131,14 +138,15 @@ class Scheduler:
         return scheduled
 
     def _num_spec_tokens(self, request: Request, budget: int,
-                         max_drafts: Callable[[Request], int]) -> int:
-        """Draft slots for a decoding request: its budget, within the step's, the context
-        and what is left of max_tokens (drafts past the last output token are wasted)."""
+                         max_proposed: Callable[[Request], int]) -> int:
+        """Slots for proposed tokens of a decoding request: its budget, within the step's,
+        the context and what is left of max_tokens (a token proposed past the last output
+        token is wasted)."""
         if request.score_only or request.num_tokens - request.num_computed_tokens != 1:
             return 0
         left = request.sampling_params.max_tokens - len(request.output_token_ids)
         room = self.config.max_context - request.num_tokens
-        return max(0, min(max_drafts(request), budget - 1, room, left - 1))
+        return max(0, min(max_proposed(request), budget - 1, room, left - 1))
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int) -> bool:
         """Allocate slots, preempting the latest admitted requests until they fit.
@@ -163,8 +171,6 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = request.num_cached_tokens = num_cached_tokens
-            request.spec.num_draft_computed_tokens = (
-                self.kv_cache_manager.num_draft_cached_tokens(computed_blocks))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             admitted.append(ScheduledRequest(request, num_tokens))
@@ -180,17 +186,17 @@ class Scheduler:
         """Advance computed tokens, append sampled tokens, finish requests that stop.
 
         `sampled_token_ids` holds the tokens each request that caught up emits this step:
-        one, or its accepted drafts plus one. They are appended in order until one stops
-        the request; `stop_check(request)` is asked after each (stop strings). Returns
-        the requests that received new tokens.
+        one, or its confirmed proposed tokens plus one. They are appended in order until
+        one stops the request; `stop_check(request)` is asked after each (stop strings).
+        Returns the requests that received new tokens.
         """
         updated = []
         for item in scheduled:
             request = item.request
-            num_drafts = request.spec.clear_drafts()
+            num_proposed = len(item.spec_token_ids)
             emitted = sampled_token_ids.get(request.request_id, ())
-            num_accepted = max(len(emitted) - 1, 0) if num_drafts else 0
-            request.num_computed_tokens += item.num_tokens - num_drafts + num_accepted
+            num_confirmed = max(len(emitted) - 1, 0) if num_proposed else 0
+            request.num_computed_tokens += item.num_tokens - num_proposed + num_confirmed
             if request.num_computed_tokens < request.num_tokens:
                 self.kv_cache_manager.cache_blocks(request)
                 continue  # a prefill chunk: more known tokens to compute
@@ -199,9 +205,6 @@ class Scheduler:
                 self.finish_request(request, "length")
                 continue
             reason = self._append_tokens(request, emitted, stop_check)
-            # The draft model's KV is valid only up to the last accepted token.
-            request.spec.num_draft_computed_tokens = min(
-                request.spec.num_draft_computed_tokens, request.num_computed_tokens)
             self.kv_cache_manager.cache_blocks(request)
             updated.append(request)
             if reason is not None:
@@ -239,8 +242,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
-        request.num_computed_tokens = request.spec.num_draft_computed_tokens = 0
-        request.spec.clear_drafts()
+        request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -16,7 +16,7 @@ from test_end_to_end import GREEDY, shared_prefix_requests
 from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.recipe import Recipe
 from llmopt.runtime import LLM
-from llmopt.runtime.inspect import describe, format_description
+from llmopt.runtime.tools.inspect import describe, format_description
 
 STATIC_INT8 = {"dtype": "int8", "key_scales": "channel", "value_scales": "channel"}
 STATIC_INT4 = {**STATIC_INT8, "dtype": "int4"}
@@ -194,7 +194,7 @@ def test_sinks_live_with_first_blocks(artifacts):
     requests = shared_prefix_requests()
     for request in requests:  # one at a time: each shared prefix is a cache hit
         llm.generate([request], GREEDY)
-    sinks = llm.engine.executor.sinks
+    sinks = llm.engine.executor.pools.sinks
     first_blocks = {tuple(r[:4]) for r in requests}  # block size 4
     assert len(first_blocks) == 9 and len(sinks.row_of_block) == 9
     assert len(set(sinks.row_of_block.values())) == 9

@@ -40,8 +40,8 @@ from bench_speculative import encode_mix  # noqa: E402
 
 from llmopt.passes.draft.measure import timed_step  # noqa: E402
 from llmopt.runtime import LLM, SamplingParams  # noqa: E402
-from llmopt.runtime.spec.speculator import make_ngram_drafter  # noqa: E402
-from llmopt.runtime.spec.suffix import (  # noqa: E402
+from llmopt.runtime.speculative.speculator import make_ngram_drafter  # noqa: E402
+from llmopt.runtime.speculative.suffix import (  # noqa: E402
     NgramIndex,
     SuffixSettings,
     suffix_draft,

@@ -41,8 +41,8 @@ from llmopt.passes.draft import data as draft_data
 from llmopt.passes.draft.choice import target_tokenizer
 from llmopt.passes.draft.measure import PagedRunner, Trajectory, run_lengths, timed_step
 from llmopt.runtime import LLM
-from llmopt.runtime.paging import cdiv
-from llmopt.runtime.spec.drafter import NgramDrafter
+from llmopt.runtime.kv.paging import cdiv
+from llmopt.runtime.speculative.drafter import NgramDrafter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _common and the benchmarks
 from _common import REPO_ROOT, RESULTS_DIR, machine_info, write_json  # noqa: E402

@@ -41,8 +41,8 @@ from llmopt.passes.draft.config import (
     make_config as make_config,  # the config of one kind, from its options
 )
 from llmopt.passes.draft.distill import DistillSettings, distill, text_windows
-from llmopt.runtime.paging import cdiv
-from llmopt.runtime.step_batch import Executor
+from llmopt.runtime.executors.step_batch import Executor
+from llmopt.runtime.kv.paging import cdiv
 
 # (model, graph path, pool blocks, blocks per lane) -> the model lowered as the artifact
 # will hold it, run as the runtime runs it by default
@@ -228,7 +228,7 @@ def measure_pairing(ir: ModelIR, draft: ModelIR | None, token_map: torch.Tensor 
     """Run target (and draft) from a temporary directory, as the artifact will hold them,
     and measure them there."""
     from llmopt.passes.draft import choice as m
-    from llmopt.runtime.assembly import kernels_name
+    from llmopt.runtime.executors.choose import kernels_name
 
     recipe = inputs.recipe
     block_size = recipe.runtime.block_size
@@ -263,7 +263,7 @@ def _ngram_lookup(ngram: NgramOptions | None, corpus: list[int] | None) -> Any:
     if ngram is None:
         return None
     from llmopt.runtime.manifest import NgramDraftSpec
-    from llmopt.runtime.spec.speculator import make_ngram_drafter
+    from llmopt.runtime.speculative.speculator import make_ngram_drafter
 
     spec = NgramDraftSpec.model_validate(ngram.model_dump())
     array = None if corpus is None else np.asarray(corpus, dtype=np.int64)

@@ -26,14 +26,14 @@ from llmopt.passes.draft.measure import (
     run_lengths,
     simulate,
 )
+from llmopt.runtime.executors.step_batch import Executor
+from llmopt.runtime.kv.paging import cdiv
 from llmopt.runtime.manifest import TokenizerSpec
-from llmopt.runtime.paging import cdiv
-from llmopt.runtime.spec.cost_model import (
+from llmopt.runtime.speculative.cost_model import (
     best_gamma,
     expected_tokens_per_position,
     model_step_cost,
 )
-from llmopt.runtime.step_batch import Executor
 from llmopt.runtime.tokenizer import Tokenizer
 
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llmopt.runtime.paging import cdiv
-from llmopt.runtime.step_batch import Executor, SequenceStep, make_step_batch
+from llmopt.runtime.executors.step_batch import Executor, SequenceStep, make_step_batch
+from llmopt.runtime.kv.paging import cdiv
 
 
 # --- acceptance ---------------------------------------------------------------------------

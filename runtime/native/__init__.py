@@ -10,8 +10,8 @@ keys and values written into the sequence's lane (float32, or the `kv_cache` pas
 codes with static per-channel scales), attention over the lane, RMS norms.
 It reads the artifact's weights where the compiler wrote them (the graph's weights file,
 memory-mapped; `compiler/native_plan.py` records where each one is) and the same KV lanes
-as `LaneExecutor`, so block tables, prefix caching, preemption and speculation are the
-engine's as before.
+as `LaneExecutor`, so everything above the executor (block tables, prefix caching,
+preemption) is the engine's as before.
 
 `kernels` in `EngineOptions` (CLI `--kernels`): `auto`, the default, takes it where it runs
 and ONNX Runtime elsewhere; `native` insists; `onnxruntime` never uses it. ONNX Runtime

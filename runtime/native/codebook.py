@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from llmopt.runtime.kv.paging import cdiv
 from llmopt.runtime.native.plan import QuantizedMatrix
-from llmopt.runtime.paging import cdiv
 
 
 def lookup_table(codebook: tuple[float, ...]) -> np.ndarray:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmopt.runtime.kv.paging import cdiv
 from llmopt.runtime.native.arena import HugePageArena
 from llmopt.runtime.native.codebook import codebook_arrays
 from llmopt.runtime.native.library import (
@@ -29,7 +30,6 @@ from llmopt.runtime.native.plan import (
     QuantizedMatrix,
     Tensor,
 )
-from llmopt.runtime.paging import cdiv
 
 LAYER_MATRICES = ("qkv", "o", "gate_up", "down")  # in the order a layer runs them
 

@@ -90,12 +90,8 @@ def reserve_kv_pool(llm: LLM) -> None:
     """Write every KV pool page once, so the server's memory is its steady state from the
     start: a pool the machine cannot hold fails now, not mid-load, and RSS stays flat
     instead of growing as the free queue cycles through blocks never touched before."""
-    speculator = llm.engine.speculator
-    drafter = speculator.drafter if speculator is not None else None
-    drafters = [drafter, getattr(drafter, "first", None), getattr(drafter, "second", None)]
-    executors = [llm.engine.executor, *(getattr(d, "executor", None) for d in drafters)]
-    for executor in executors:
-        for pool in getattr(executor, "pools", {}).values():
+    for pools in llm.engine.kv_cache_manager.pools:  # every graph's
+        for pool in pools.values():
             pool.fill(0)
 
 

@@ -6,18 +6,23 @@ Token timings are taken on the engine thread, the moment a step produces the tok
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from llmopt.runtime.output import RequestOutput
 
-if TYPE_CHECKING:
-    from llmopt.runtime.serve.engine_loop import EngineRequest
-
 PREFIX = "llmopt"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+
+
+class TokenTimes(Protocol):
+    """What the metrics read and keep of a request's stream (the engine loop's request)."""
+
+    arrival_time: float
+    num_tokens_seen: int
+    last_token_time: float
 
 
 class ServerMetrics:
@@ -59,7 +64,7 @@ class ServerMetrics:
     def request_finished(self, outcome: str) -> None:
         self.requests.labels(**self._labels, outcome=outcome).inc()
 
-    def observe_tokens(self, request: EngineRequest, output: RequestOutput, now: float) -> None:
+    def observe_tokens(self, request: TokenTimes, output: RequestOutput, now: float) -> None:
         """TTFT on a request's first tokens, inter-token latency on later ones (a step that
         gives k tokens, with speculation, counts as k gaps of 1/k of the time)."""
         new = len(output.token_ids) - request.num_tokens_seen

@@ -18,10 +18,9 @@ from llmopt.compiler.ir import ArchSpec, ModelIR
 from llmopt.compiler.kv_layout import cache_tensors, kv_cache_spec
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.runtime import contract as C
+from llmopt.runtime.kv.paging import step_blocks
+from llmopt.runtime.kv.pools import SinkStore, TailStore
 from llmopt.runtime.manifest import KVCacheSpec
-from llmopt.runtime.paging import step_blocks
-from llmopt.runtime.sink_store import SinkStore
-from llmopt.runtime.tail_store import TailStore
 
 # Test modules share helpers by name (`from test_lower import ...`) under importlib mode.
 sys.path.insert(0, str(Path(__file__).parent))

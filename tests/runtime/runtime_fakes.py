@@ -15,10 +15,10 @@ import tokenizers
 from tokenizers import models, pre_tokenizers
 
 from llmopt.runtime.engine import EngineConfig, LLMEngine
+from llmopt.runtime.executors.step_batch import StepBatch
 from llmopt.runtime.manifest import TokenizerSpec
 from llmopt.runtime.output import RequestOutput
 from llmopt.runtime.sampling_params import SamplingParams
-from llmopt.runtime.step_batch import StepBatch
 from llmopt.runtime.tokenizer import Tokenizer
 
 VOCAB_SIZE = 64

@@ -5,7 +5,8 @@ CHECK = """
 import sys
 import llmopt.runtime
 from llmopt.runtime import LLM, SamplingParams
-import llmopt.runtime.engine, llmopt.runtime.executor, llmopt.runtime.llm, llmopt.runtime.tokenizer
+import llmopt.runtime.engine, llmopt.runtime.executors.gathered
+import llmopt.runtime.llm, llmopt.runtime.tokenizer
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "onnx"))
 print(heavy)
 """

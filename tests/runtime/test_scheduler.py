@@ -1,6 +1,6 @@
 import pytest
 
-from llmopt.runtime.kv_cache_manager import KVCacheManager
+from llmopt.runtime.kv.manager import KVCacheManager
 from llmopt.runtime.request import Request, RequestStatus
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.scheduler import ScheduledRequest, Scheduler, SchedulerConfig

@@ -12,8 +12,8 @@ from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.runtime.artifact import load_manifest
-from llmopt.runtime.assembly import make_executor
-from llmopt.runtime.step_batch import StepBatch
+from llmopt.runtime.executors.choose import make_executor
+from llmopt.runtime.executors.step_batch import StepBatch
 
 SPECIALS = ["<pad>", "<s>", "</s>"]
 TARGET_TOKENS = SPECIALS + [chr(c) for c in range(32, 127)] + [f"w{i}" for i in range(158)]

@@ -13,7 +13,7 @@ from llmopt.passes.draft.measure import (
     run_lengths,
     simulate,
 )
-from llmopt.runtime.spec.drafter import NgramDrafter
+from llmopt.runtime.speculative.drafter import NgramDrafter
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

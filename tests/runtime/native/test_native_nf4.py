@@ -21,8 +21,8 @@ from llmopt.compiler.nf4 import FP4_CODE, NF4_CODE, codebook_quantize, pack_bnb
 from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.recipe import Recipe
 from llmopt.runtime import LLM, SamplingParams
+from llmopt.runtime.executors.native import NativeLaneExecutor
 from llmopt.runtime.native.codebook import lookup_table
-from llmopt.runtime.native.executor import NativeLaneExecutor
 from llmopt.runtime.native.library import default_knobs, kernels
 from llmopt.runtime.native.plan import QuantizedMatrix, Tensor
 from llmopt.runtime.native.weights import codebook_matrix

@@ -30,8 +30,8 @@ from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.quant_format import QuantizedLinear, pack_matmul_nbits
 from llmopt.compiler.recipe import Recipe
 from llmopt.runtime import LLM, SamplingParams
-from llmopt.runtime.lane_executor import LaneExecutor
-from llmopt.runtime.native.executor import NativeLaneExecutor
+from llmopt.runtime.executors.lanes import LaneExecutor
+from llmopt.runtime.executors.native import NativeLaneExecutor
 from llmopt.runtime.native.library import (
     AMX_VARIABLE,
     KVLayout,
@@ -543,7 +543,7 @@ def test_a_lanes_run_of_tokens_attends_as_each_token_would_alone(name, artifacts
     """A step's consecutive tokens of one lane attend together (kernels.c's attend_run,
     runs of up to 8): each token's logits equal, bit for bit, what the same token gives
     fed alone, one step at a time, and a second sequence in the step changes nothing."""
-    from llmopt.runtime.step_batch import SequenceStep, make_step_batch
+    from llmopt.runtime.executors.step_batch import SequenceStep, make_step_batch
 
     def executor():
         llm = LLM(artifacts[name], kernels="native", speculative=False)
@@ -578,7 +578,7 @@ def test_the_last_layer_runs_only_the_rows_whose_logits_a_step_returns(name, thr
     equal, bit for bit, the same rows' of the same step returning every row's, and so do
     the lanes it writes; also with the rows cut into chunks of 5 (the kept rows of several
     chunks) and split between threads."""
-    from llmopt.runtime.step_batch import SequenceStep, make_step_batch
+    from llmopt.runtime.executors.step_batch import SequenceStep, make_step_batch
 
     def run(wanted: list[list[int]]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         llm = LLM(artifacts[name], kernels="native", speculative=False, num_threads=threads)
@@ -610,7 +610,7 @@ def test_a_draft_tree_attends_as_each_branch_would_as_a_chain(name, artifacts):
     branch's first node) gives each node, bit for bit, the logits the same tokens give
     as a chain of its branch, and writes the same codes; a move brings a branch's
     entries to the positions a chain would have put them in."""
-    from llmopt.runtime.step_batch import SequenceStep, make_step_batch
+    from llmopt.runtime.executors.step_batch import SequenceStep, make_step_batch
 
     def executor():
         llm = LLM(artifacts[name], kernels="native", speculative=False)
@@ -647,7 +647,7 @@ def test_draft_trees_change_no_greedy_output(artifacts):
     """Suffix drafts as trees, verified under the tree mask: alone, and batched with
     shared prefixes in a pool of fewer lanes than requests, the outputs are plain
     decoding's. (Which branch wins is up to the random tiny model; the engine's tests in
-    tests/runtime/spec/test_suffix.py make side branches win, also under preemption.)"""
+    tests/runtime/speculative/test_suffix.py make side branches win, also under preemption.)"""
     prompts = [p + p[-9:] * 2 for p in requests()]  # repeats give the n-gram drafts matches
     plain = LLM(artifacts["llama-sym-h8"], kernels="native", speculative=False)
     alone = [plain.generate([p], GREEDY)[0].token_ids for p in prompts]

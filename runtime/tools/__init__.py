@@ -1,0 +1,1 @@
+"""User tools over a loaded artifact: `bench`, `evaluate` (perplexity), `inspect`."""
