@@ -87,18 +87,19 @@ def llmopt_worker(artifact: Path, threads: int) -> dict[str, Any]:
     started = time.perf_counter()
     llm = LLM(str(artifact), num_threads=threads)
     load_seconds = time.perf_counter() - started
-    rss = _rss_gib()
+    rss, peak = _rss_gib(), _rss_gib("VmHWM")  # after loading, and the peak while loading
     b1, b8 = run_bench(llm, 1, PROMPT, GEN), run_bench(llm, 8, PROMPT, GEN)
     return {"load_seconds": round(load_seconds, 1), "load_rss_gib": round(rss, 2),
+            "load_peak_rss_gib": round(peak, 2),
             "kernels": llm.execution_summary(),
             "prefill_tok_s": round(PROMPT / (b1.ttft_ms / 1000), 1),
             "b1_tok_s": round(b1.decode_tok_s_per_stream, 2),
             "b8_tok_s": round(b8.decode_aggregate_tok_s, 2)}
 
 
-def _rss_gib() -> float:
+def _rss_gib(field: str = "VmRSS") -> float:
     status = Path("/proc/self/status").read_text()
-    return int(re.search(r"VmRSS:\s+(\d+) kB", status)[1]) / 2**20
+    return int(re.search(field + r":\s+(\d+) kB", status)[1]) / 2**20
 
 
 def llama_cpp(checkpoint: Path, out_dir: Path, shape: str, args: argparse.Namespace
@@ -151,13 +152,14 @@ def measure_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dic
 
 
 def print_table(rows: dict[str, dict[str, Any]]) -> None:
-    print("| shape | compile s | compile peak GiB | artifact GiB | load s | load RSS GiB "
+    print("| shape | compile s | compile peak GiB | artifact GiB | load s | load RSS (peak) GiB "
           "| prefill tok/s | b1 tok/s (bound) | b8 tok/s | llama.cpp b1 / b8 |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for shape, r in rows.items():
         cpp = r.get("llama.cpp", {})
         print(f"| {shape} | {r.get('compile_seconds', '-')} | {r.get('compile_peak_rss_gib', '-')} "
-              f"| {r['artifact_gib']} | {r['load_seconds']} | {r['load_rss_gib']} "
+              f"| {r['artifact_gib']} | {r['load_seconds']} "
+              f"| {r['load_rss_gib']} ({r.get('load_peak_rss_gib', '-')}) "
               f"| {r['prefill_tok_s']} | {r['b1_tok_s']} ({r['b1_bound_tok_s']}) "
               f"| {r['b8_tok_s']} | {cpp.get('b1_tok_s', '-')} / {cpp.get('b8_tok_s', '-')} |")
 

@@ -13,7 +13,6 @@ from llmopt.runtime.native import unavailable_reason
 from llmopt.runtime.native.library import machine_reason
 
 WEIGHT_PASSES = ("rtn", "gptq", "awq", "gguf_weights")
-FAST_HEAD = "include_lm_head: true, lm_head_bits: 8"
 
 
 def kernel_forecast(recipe: Recipe, artifact: Path) -> list[str]:
@@ -34,13 +33,15 @@ def recipe_fix(recipe: Recipe) -> str | None:
     """The first recipe change the native step needs, or None where none is known."""
     weight_passes = [step for step in recipe.passes if step.name in WEIGHT_PASSES]
     if not weight_passes:
-        return ("quantize the weights: add `- rtn: {bits: 4, symmetric: true, "
-                f"{FAST_HEAD}}}` (or `- gguf_weights: {{include_lm_head: true}}` for a "
-                "GGUF source)")
+        return ("quantize the weights: add `- rtn: {bits: 4, symmetric: true}` (its default "
+                "8-bit LM head and int8 activations are the native step's; "
+                "`- gguf_weights: {include_lm_head: true}` for a GGUF source)")
     step = weight_passes[-1]
     if not _includes_head(step.config):
-        head = "include_lm_head: true" if step.name == "gguf_weights" else FAST_HEAD
-        return f"the LM head is float: add `{head}` to the {step.name} pass"
+        if step.name == "gguf_weights":
+            return "the LM head is float: add `include_lm_head: true` to the gguf_weights pass"
+        return (f"the LM head is float: drop `include_lm_head: false` from the {step.name} "
+                "pass (its default quantizes the head at 8 bits)")
     if recipe.target.nbits_accuracy_level != 4:
         return ("set `target.nbits_accuracy_level: 4` (the native step multiplies int8 "
                 "activations)")
@@ -50,4 +51,4 @@ def recipe_fix(recipe: Recipe) -> str | None:
 
 
 def _includes_head(config: Any) -> bool:
-    return bool(getattr(config, "include_lm_head", False))
+    return getattr(config, "include_lm_head", False) is not False  # None: the default, included

@@ -41,8 +41,10 @@ class TargetConfig(_Strict):
     # Contrib (fused) operators for ONNX Runtime, or standard ONNX only.
     operator_set: Literal["onnxruntime", "standard"] = "onnxruntime"
     # MatMulNBits' accuracy_level for quantized linears: 0 computes in float32 (exactly the
-    # fake-quantized model); 4 quantizes activations to int8 per block (faster, not exact).
-    nbits_accuracy_level: Literal[0, 4] = 0
+    # fake-quantized model); 4 quantizes activations to int8 per block (faster, not exact;
+    # what the native step runs). Unset: 4 where a weight pass quantizes the LM head by its
+    # default (the fast path), else 0; `Recipe` resolves it, so it is never None after.
+    nbits_accuracy_level: Literal[0, 4] | None = None
     # How integer weights reach ONNX Runtime: its MatMulNBits kernel directly, or standard
     # blocked DequantizeLinear → MatMul (which ONNX Runtime fuses back into MatMulNBits);
     # auto: the operator set's form (benchmarks/bench_int4.py measures both).
@@ -97,6 +99,16 @@ class Recipe(_Strict):
     @field_serializer("passes")
     def _dump_passes(self, steps: list[PassStep]) -> list[dict[str, Any]]:
         return [{step.name: step.config.model_dump(mode="json")} for step in steps]
+
+    @model_validator(mode="after")
+    def _resolve_accuracy_level(self) -> Recipe:
+        if self.target.nbits_accuracy_level is None:
+            fast = any(getattr(step.config, "include_lm_head", False) is None
+                       for step in self.passes)
+            # a copy: the default TargetConfig instance is shared between recipes
+            target = self.target.model_copy(update={"nbits_accuracy_level": 4 if fast else 0})
+            object.__setattr__(self, "target", target)  # frozen: set once, while validating
+        return self
 
     @model_validator(mode="after")
     def _budget_has_text(self) -> Recipe:

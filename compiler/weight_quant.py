@@ -24,10 +24,12 @@ class WeightQuantConfig(BaseModel):
     bits: Literal[4, 8] = 4
     group_size: Literal[32, 64, 128] = 128
     symmetric: bool = False
-    # The LM head (a large share of a small model's weights when tied) stays float unless asked.
-    include_lm_head: bool = False
-    # The LM head's own width when included (default: `bits`). An 8-bit head beside 4-bit
-    # decoder linears keeps most of the head's quality; a 4-bit one reads half the bytes.
+    # The LM head: unset (None) quantizes it at 8 bits (nf4: its 4-bit code book), as the
+    # native step multiplies integer codes only; false keeps it float; true takes
+    # `lm_head_bits`, else `bits`. A tied head's codes are the embedding table too.
+    include_lm_head: bool | None = None
+    # The LM head's own width when included. An 8-bit head beside 4-bit decoder linears
+    # keeps most of the head's quality; a 4-bit one reads half the bytes.
     lm_head_bits: Literal[4, 8] | None = None
     skip: list[str] = Field(default_factory=list)  # glob patterns of linear names
     # "int": integer codes with scales and zero points; "nf4": bitsandbytes' NormalFloat
@@ -39,8 +41,8 @@ class WeightQuantConfig(BaseModel):
     def _patterns_are_strings(self) -> WeightQuantConfig:
         if any(not p for p in self.skip):
             raise ValueError("skip patterns must be non-empty")
-        if self.lm_head_bits is not None and not self.include_lm_head:
-            raise ValueError("lm_head_bits needs include_lm_head: true")
+        if self.lm_head_bits is not None and self.include_lm_head is False:
+            raise ValueError("lm_head_bits needs the LM head included (include_lm_head: false)")
         if self.format == "nf4" and 8 in (self.bits, self.lm_head_bits):
             raise ValueError("format nf4 is a 4-bit code book: bits and lm_head_bits must be 4")
         if self.double_quant and self.format != "nf4":
@@ -49,9 +51,22 @@ class WeightQuantConfig(BaseModel):
 
     def for_linear(self, name: str) -> WeightQuantConfig:
         """This config as it applies to linear `name` (the LM head may take its own bits)."""
-        if name == "lm_head" and self.lm_head_bits not in (None, self.bits):
-            return self.model_copy(update={"bits": self.lm_head_bits})
+        if name == "lm_head" and self.head_bits() != self.bits:
+            return self.model_copy(update={"bits": self.head_bits()})
         return self
+
+    @property
+    def quantizes_head(self) -> bool:
+        """Whether the pass quantizes the LM head (unset: yes)."""
+        return self.include_lm_head is not False
+
+    def head_bits(self) -> int:
+        """The LM head's width: `lm_head_bits`, else 8 for an unset head, else `bits`."""
+        if self.lm_head_bits is not None:
+            return self.lm_head_bits
+        if self.include_lm_head is None and self.format == "int":
+            return 8
+        return self.bits
 
 
 def round_to_nearest(w: torch.Tensor, config: WeightQuantConfig,
@@ -66,7 +81,7 @@ def round_to_nearest(w: torch.Tensor, config: WeightQuantConfig,
 def target_linears(ir: ModelIR, config: WeightQuantConfig) -> list[str]:
     """Linear names to quantize, in execution order: decoder linears, then the LM head."""
     names = [f"layers.{i}.{p}" for i in range(ir.arch.num_layers) for p in DECODER_LINEARS]
-    if config.include_lm_head:
+    if config.include_lm_head is not False:  # None: the default, included
         names.append("lm_head")
     chosen = [n for n in names if not any(fnmatch.fnmatch(n, pat) for pat in config.skip)]
     already = [n for n in chosen if n in ir.quantized]

@@ -23,7 +23,7 @@ README = ROOT / "README.md"
 # Recipes another slow test already compiles in full (their cost is paid once in CI).
 COMPILED_ELSEWHERE = {"smollm2-135m-instruct.yaml": "tests/test_smollm2.py"}
 # Recipes the README's "Which recipe?" says reach llmopt's native step (where the CPU can).
-NATIVE = {"smollm2-135m-int4.yaml", "smollm2-135m-q4_1.yaml"}
+NATIVE = {"smollm2-135m-int4.yaml", "smollm2-135m-q4_1.yaml", "hf-dir-int4-kv8.yaml"}
 
 
 def needs_real_model(recipe: Path) -> bool:

@@ -142,9 +142,20 @@ class NativeWeights:
         arrays, matrix = quantized_matrix(*self._quantized(spec), spec.n, spec.k, spec.bits,
                                           offsets, spec.block, place=self._arena.place)
         self._keep += arrays
+        self._release(spec.codes, spec.scales, spec.zeros, spec.offsets)
         if spec.bias is not None:  # the graph adds it to the projection's output
             matrix.bias = self._pointer(spec.bias)
         return matrix
+
+    def _release(self, *tensors: Tensor | None) -> None:
+        """Gives back the file pages of tensors now copied into the arena, as each matrix is
+        repacked: loading then holds the arena and one matrix's pages, not the whole file
+        twice. A page shared with a tensor read in place faults back in from the file."""
+        for tensor in tensors:
+            if tensor is None or tensor.values is not None or not tensor.length:
+                continue
+            start = tensor.offset - tensor.offset % mmap.PAGESIZE
+            self._map.madvise(mmap.MADV_DONTNEED, start, tensor.offset + tensor.length - start)
 
     def _rows(self, spec: EmbeddingRows) -> QRows:
         """Embedding rows, read in place (zero points one per byte)."""

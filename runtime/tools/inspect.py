@@ -71,7 +71,8 @@ def _weights(manifest: Manifest) -> dict[str, Any]:
             "pass": report["name"], "bits": config.get("bits"),
             "group_size": config.get("group_size"), "symmetric": config.get("symmetric"),
             "format": config.get("format", "int"), "double_quant": config.get("double_quant"),
-            "linears": report["linears"], "lm_head": bool(config.get("include_lm_head")),
+            "linears": report["linears"],  # an unset head (None) is an included one
+            "lm_head": config.get("include_lm_head", False) is not False,
             "bytes": report["weight_bytes"].get("quantized"),
             "float32_bytes": report["weight_bytes"].get("float32")})
     storage = manifest.recipe.get("target", {}).get("weight_dtype", "float32")

@@ -19,10 +19,10 @@ def recipe(passes: list, target: dict | None = None) -> Recipe:
 
 
 @pytest.mark.parametrize(("passes", "target", "fix"), [
-    ([], A8, "quantize the weights: add `- rtn: {bits: 4, symmetric: true, "
-             "include_lm_head: true, lm_head_bits: 8}`"),
-    ([{"rtn": {"bits": 4}}], A8, "the LM head is float: add `include_lm_head: true, "
-                                 "lm_head_bits: 8` to the rtn pass"),
+    ([], A8, "quantize the weights: add `- rtn: {bits: 4, symmetric: true}`"),
+    ([{"rtn": {"bits": 4, "include_lm_head": False}}], A8,
+     "the LM head is float: drop `include_lm_head: false` from the rtn pass"),
+    ([{"rtn": {"bits": 4}}], {}, None),  # the defaults: an 8-bit head, int8 activations
     ([{"gguf_weights": {}}], A8, "the LM head is float: add `include_lm_head: true` to the "
                                  "gguf_weights pass"),
     ([RTN], {}, "set `target.nbits_accuracy_level: 4`"),

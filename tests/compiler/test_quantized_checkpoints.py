@@ -241,7 +241,8 @@ def test_export_hf_command(tiny_checkpoints, tmp_path):
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"model: {tiny_checkpoints['llama']}\n"
-                      "passes:\n  - rtn: {bits: 4, group_size: 32, symmetric: true}\n")
+                      "passes:\n  - rtn: {bits: 4, group_size: 32, symmetric: true, "
+                      "include_lm_head: false}\n")
     result = CliRunner().invoke(main, ["export-hf", str(recipe), "-o", str(tmp_path / "out"),
                                        "--format", "gptq"])
     assert result.exit_code == 0, result.output

@@ -115,7 +115,7 @@ def test_one_alpha_without_clipping_is_rtn(tiny_checkpoints, calibration_text):
 
 
 @pytest.mark.parametrize(("arch", "options"), [
-    ("llama", {"group_size": 32}),
+    ("llama", {"group_size": 32, "include_lm_head": False}),
     ("qwen2", {"group_size": 32, "symmetric": True, "include_lm_head": True,
                "duo_scaling": False}),
 ])

@@ -32,7 +32,7 @@ def recipe(checkpoint: Path, text: Path, operator_set: str = "onnxruntime",
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text"])
 def test_artifact_computes_the_fake_quantized_model(arch, tiny_checkpoints, word_text, tmp_path):
-    config = {"bits": 4, "group_size": 32, "include_lm_head": arch == "llama"}
+    config = {"bits": 4, "group_size": 32, "include_lm_head": arch == "llama"}  # stated
     manifest = compile_recipe(recipe(tiny_checkpoints[arch], word_text, **config), tmp_path / "a",
                               log=lambda _: None)
     report = manifest.passes[0]
@@ -77,7 +77,7 @@ def test_target_selection(tiny_checkpoints):
 def test_standard_onnx_form_computes_the_same(symmetric, tiny_checkpoints, word_text, tmp_path):
     """Blocked DequantizeLinear → MatMul (what TensorRT takes; symmetric: signed int4 with
     no zero points) gives the fake-quantized model's numbers under ONNX Runtime too."""
-    config = {"bits": 4, "group_size": 32, "symmetric": symmetric}
+    config = {"bits": 4, "group_size": 32, "symmetric": symmetric, "include_lm_head": False}
     compile_recipe(recipe(tiny_checkpoints["llama"], word_text, "standard", **config),
                    tmp_path / "std", log=lambda _: None)
     graph = onnx.load(str(tmp_path / "std" / "target.onnx"))
@@ -98,7 +98,8 @@ def test_the_recipe_picks_the_quantized_matmul_form(tiny_checkpoints, word_text,
     fused operators (both forms are benchmarked); the numbers stay the same."""
     scores = {}
     for form in ("matmul_nbits", "dequantize_linear"):
-        base = recipe(tiny_checkpoints["llama"], word_text, bits=4, group_size=32)
+        base = recipe(tiny_checkpoints["llama"], word_text, bits=4, group_size=32,
+                      include_lm_head=False)
         r = base.model_copy(update={"target": base.target.model_copy(
             update={"quantized_matmul": form})})
         compile_recipe(r, tmp_path / form, log=lambda _: None)
@@ -115,7 +116,22 @@ def test_lm_head_takes_its_own_bits(tiny_checkpoints):
                   None).ir
     assert out.quantized["lm_head"].bits == 8 and out.quantized["layers.0.q_proj"].bits == 4
     with pytest.raises(ValueError, match="include_lm_head"):
-        rtn.Config(lm_head_bits=8)
+        rtn.Config(include_lm_head=False, lm_head_bits=8)
+
+
+def test_defaults_quantize_the_head_at_8_bits_for_int8_activations(tiny_checkpoints):
+    """An unset head is the native step's: 8-bit codes (nf4: its own code book), and the
+    recipe's unset accuracy level follows it to 4; a stated head keeps level 0."""
+    out = rtn.run(load_checkpoint(str(tiny_checkpoints["llama"])),
+                  rtn.Config(bits=4, group_size=32), None).ir
+    assert out.quantized["lm_head"].bits == 8 and out.quantized["layers.0.q_proj"].bits == 4
+    assert rtn.Config(format="nf4", group_size=64).head_bits() == 4
+    assert rtn.Config(bits=4, include_lm_head=True).head_bits() == 4
+    levels = [Recipe(model="unused", passes=[{"rtn": head}]).target.nbits_accuracy_level
+              for head in ({}, {"include_lm_head": True}, {"include_lm_head": False})]
+    assert levels == [4, 0, 0]
+    stated = Recipe(model="unused", passes=[{"rtn": {}}], target={"nbits_accuracy_level": 0})
+    assert stated.target.nbits_accuracy_level == 0
 
 
 @pytest.mark.parametrize("symmetric", [True, False])

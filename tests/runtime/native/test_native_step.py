@@ -72,7 +72,12 @@ def rtn(symmetric: bool, head_bits: int, group_size: int = 32) -> dict:
 
 HEAD_DIM_64 = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
                "head_dim": 64}
+# head size 128 (Llama-3.1-8B's, Qwen2.5-7B's) with an untied LM head
+HEAD_DIM_128 = {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
+                "head_dim": 128, "tie_word_embeddings": False}
 STATIC = {"key_scales": "channel", "value_scales": "channel"}  # lanes read the codes in place
+# the weight passes' defaults: the LM head at 8 bits, and int8 activations (target unset)
+RTN_DEFAULT_HEAD = {"rtn": {"bits": 4, "group_size": 32, "symmetric": True}}
 SUFFIX = {"draft": {"kind": "ngram", "ngram": {"method": "suffix", "min_confidence": 0.2},
                     "gamma": 4}}  # drafts trees with draft_tree=True
 ARTIFACTS = {  # name -> (architecture, passes, target options)
@@ -114,6 +119,13 @@ ARTIFACTS = {  # name -> (architecture, passes, target options)
     "qwen3-qk-norm-kv8": ("qwen3", [{"kv_cache": {"dtype": "int8", **STATIC}}, rtn(True, 8)],
                           A8),
     "gguf-q4_1": ("gguf", [{"gguf_weights": {"include_lm_head": True}}], A8),
+    # the fast recipes at real sizes' head sizes and biases, on the passes' defaults: int8 KV
+    # with static scales, int4 weights, an 8-bit (untied) head; `rtn: {bits: 4}` as it is
+    "llama-d128-kv-int8": ("llama-d128", [{"kv_cache": {"dtype": "int8", **STATIC}},
+                                          RTN_DEFAULT_HEAD, SUFFIX], {}),
+    "qwen2-bias-kv-int8": ("qwen2", [{"kv_cache": {"dtype": "int8", **STATIC}},
+                                     RTN_DEFAULT_HEAD, SUFFIX], {}),
+    "llama-rtn-defaults": ("llama", [{"rtn": {"bits": 4}}], {}),
     # a distilled one-layer draft model, compiled with the target's options: both native
     "llama-self-draft": ("llama", [rtn(True, 8), {"draft": {
         "kind": "self", "layers": 1, "distill_steps": 5, "gamma": 3, "prompts": 2,
@@ -129,8 +141,9 @@ def artifacts(tiny_checkpoints, word_text, tmp_path_factory) -> dict[str, Path]:
                            ffn=128)
     d64 = build_tiny_checkpoint("llama", root / "llama-d64", overrides=HEAD_DIM_64)
     i96 = build_tiny_checkpoint("llama", root / "llama-i96", overrides={"intermediate_size": 96})
+    d128 = build_tiny_checkpoint("llama", root / "llama-d128", overrides=HEAD_DIM_128)
     sources = {**{arch: str(path) for arch, path in tiny_checkpoints.items()}, "gguf": str(gguf),
-               "llama-d64": str(d64), "llama-i96": str(i96)}
+               "llama-d64": str(d64), "llama-i96": str(i96), "llama-d128": str(d128)}
     out = {}
     for name, (source, passes, target) in ARTIFACTS.items():
         recipe = Recipe(model=sources[source], passes=passes, target=target,
@@ -367,7 +380,8 @@ def _torch(array: np.ndarray):
                                   "llama-kv-float16", "llama-d64-kv-int4",
                                   "llama-d64-kv-int8-rotate", "llama-g128-kv-int8",
                                   "llama-asym-g64-h8", "qwen2-bias", "qwen3-qk-norm",
-                                  "qwen3-qk-norm-kv8"])
+                                  "qwen3-qk-norm-kv8", "llama-d128-kv-int8",
+                                  "qwen2-bias-kv-int8", "llama-rtn-defaults"])
 def test_the_step_matches_onnx_runtime(name, artifacts):
     native, reference = (LLM(artifacts[name], kernels=k, speculative=False)
                          for k in ("native", "onnxruntime"))
@@ -375,7 +389,10 @@ def test_the_step_matches_onnx_runtime(name, artifacts):
     plan = native.manifest.graphs["target"].native
     assert (plan["layers"][0]["qkv"]["offsets"] is not None) == (name == "gguf-q4_1")
     assert plan["layers"][0]["down"]["block"] == {"llama-g128-kv-int8": 128,
+                                                  "llama-rtn-defaults": 128,
                                                   "llama-asym-g64-h8": 64}.get(name, 32)
+    if ARTIFACTS[name][2] == {}:  # the defaults: an 8-bit head, int8 activations
+        assert plan["head"]["bits"] == 8
     if name == "llama-asym-g64-h8":  # the embedding gathered from the head's codes
         assert plan["embed"]["codes"]["block"] == 64
     tokens = (requests()[1] * 4)[:100]
@@ -401,6 +418,11 @@ def test_the_step_matches_onnx_runtime(name, artifacts):
                                       "llama-kv-int8-rotate": int8_kv,
                                       "llama-g128-kv-int8": int8_kv,
                                       "qwen3-qk-norm-kv8": (*int8_kv[:3], 6),
+                                      # far more sensitive to int8 KV than the others:
+                                      # ONNX Runtime's own int8 lanes move its log-probs by
+                                      # nats against float lanes; layer 0's codes still match
+                                      "llama-d128-kv-int8": (1.2, 0.2, 0.6, 16),
+                                      "qwen2-bias-kv-int8": int8_kv,
                                       }.get(name, (0.1, 0.01, 0.05, 2))
     assert np.abs(got - expected).max() < largest
     assert np.abs(got - expected).mean() < mean
@@ -421,7 +443,8 @@ def test_the_step_matches_onnx_runtime(name, artifacts):
 
 @pytest.mark.parametrize("name", ["llama-sym-h8", "llama-self-draft", "llama-kv-int4-mixed",
                                   "llama-kv-float16", "llama-d64-kv-int4",
-                                  "llama-g128-kv-int8", "qwen2-bias", "qwen3-qk-norm"])
+                                  "llama-g128-kv-int8", "qwen2-bias", "qwen3-qk-norm",
+                                  "llama-d128-kv-int8", "qwen2-bias-kv-int8"])
 def test_batching_preemption_and_speculation_change_nothing(name, artifacts):
     prompts = requests()
     llm = LLM(artifacts[name], kernels="native", speculative=False)
