@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -29,9 +29,19 @@ class _Strict(BaseModel):
 
 
 class CalibrationConfig(_Strict):
-    text: str | None = None  # a UTF-8 text file; lossy passes need it
+    text: str | None = None  # a UTF-8 text file, mixed with the model's own samples
     samples: int = Field(128, gt=0)
     seq_len: int = Field(512, gt=0)
+    # Share of the windows sampled from the model itself (compiler/calibration_mix.py);
+    # auto: all of them without a text, a measured share with one. 0: the text alone.
+    model_samples: Annotated[float, Field(ge=0, le=1)] | Literal["auto"] = "auto"
+
+    @model_validator(mode="after")
+    def _text_for_the_rest(self) -> CalibrationConfig:
+        if self.model_samples != "auto" and self.model_samples < 1 and self.text is None:
+            raise ValueError(f"model_samples {self.model_samples} leaves windows to "
+                             "calibration.text, which is not set")
+        return self
 
 
 class TargetConfig(_Strict):

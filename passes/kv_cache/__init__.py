@@ -199,12 +199,12 @@ def _check_sinks(sink_tokens: int, context: int, what: str) -> None:
 
 
 def _windows(ir: ModelIR, config: Config, context: PassContext | None):
-    if context is None or context.recipe.calibration.text is None:
+    if context is None:
         raise ValueError("kv_cache: static scales, smooth_keys, auto_skip and max_kl need "
-                         "calibration.text")
+                         "the recipe's calibration block")
     calibration = context.recipe.calibration
     return calibration_windows(ir, calibration.model_copy(update={
-        "samples": min(config.calibration_samples, calibration.samples)}))
+        "samples": min(config.calibration_samples, calibration.samples)}), context.log)
 
 
 def store(ir: ModelIR, index: int, dtype: str, config: Config,

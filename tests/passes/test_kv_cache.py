@@ -32,8 +32,10 @@ def load(tiny_checkpoints):
 
 @pytest.fixture(scope="module")
 def context(tiny_checkpoints, word_text) -> PassContext:
+    # text windows only (model_samples 0): what they cover is checked below
     recipe = Recipe(model=str(tiny_checkpoints["llama"]),
-                    calibration={"text": str(word_text), "samples": 2, "seq_len": 64})
+                    calibration={"text": str(word_text), "samples": 2, "seq_len": 64,
+                                 "model_samples": 0})
     return PassContext(recipe=recipe, log=lambda _: None)
 
 
