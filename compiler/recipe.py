@@ -73,10 +73,10 @@ class QualityConfig(_Strict):
     # real text (eval_text or calibration.text): the perplexity of the model's own samples
     # is not a text perplexity.
     max_ppl_increase_pct: float | None = Field(None, ge=0)
-    # What the passes measure on, the first of: `eval_text` (held-out text), the last
-    # `eval_windows` windows of calibration.text (held out from calibration, which takes
-    # the first), else `sampled_sequences` sequences of `sampled_tokens` tokens sampled
-    # from the input model itself (temperature 1, `seed`): always available, any language.
+    # What the passes measure on: `sampled_sequences` sequences of `sampled_tokens` tokens
+    # sampled from the input model itself (temperature 1, `seed`: always available, any
+    # language, no calibration domain), and held-out text, the first of: `eval_text`, the
+    # last `eval_windows` windows of calibration.text (calibration takes the first).
     eval_text: str | None = None
     eval_windows: int = Field(8, gt=0)
     eval_seq_len: int = Field(512, gt=0)
@@ -119,9 +119,9 @@ class Recipe(_Strict):
         return self
 
     def quality_kind(self) -> str:
-        """What lossy passes are measured on: "off", "eval_text", "calibration_tail" (model
-        samples if no window is left past calibration) or "samples" — the one decision
-        `QualityProbe.for_recipe` builds its probe from."""
+        """What text lossy passes are measured on besides the model's samples: "off",
+        "eval_text", "calibration_tail" (none if no window is left past calibration) or
+        "samples" (none) — the one decision `QualityProbes.for_recipe` builds from."""
         if not self.quality.measure:
             return "off"
         if self.quality.eval_text is not None:
@@ -130,15 +130,17 @@ class Recipe(_Strict):
 
     def quality_source(self) -> str:
         """What lossy passes will be measured on, in words."""
-        quality = self.quality
-        return {
+        quality, kind = self.quality, self.quality_kind()
+        samples = (f"{quality.sampled_sequences} x {quality.sampled_tokens} tokens sampled "
+                   "from the model")
+        text = {
             "off": "not measured (quality.measure: false)",
             "eval_text": f"quality.eval_text {quality.eval_text}",
             "calibration_tail": f"the held-out tail of calibration.text {self.calibration.text} "
-                                "(model samples if no window is left past calibration)",
-            "samples": f"{quality.sampled_sequences} x {quality.sampled_tokens} tokens sampled "
-                       "from the model",
-        }[self.quality_kind()]
+                                "(if a window is left past calibration)",
+            "samples": samples,
+        }[kind]
+        return f"{text}, and {samples}" if kind in ("eval_text", "calibration_tail") else text
 
     def quality_text(self) -> str | None:
         """The text passes measure their cost on: eval_text, else calibration.text (None:
