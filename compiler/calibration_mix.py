@@ -33,7 +33,7 @@ from llmopt.runtime.evaluate import windows_of
 Log = Callable[[str], None]
 MIXED_SHARE = 0.5  # `model_samples: auto` with a calibration.text
 SAMPLE_SEED = 1_000_003  # the calibration samples' generator; the probe's uses quality.seed
-SAMPLE_BATCH = 32  # sequences sampled together: bounds the KV cache's memory
+SAMPLE_BATCH = 64  # sequences sampled together: bounds the KV cache's memory
 PROGRESS_EVERY_S = 10.0
 
 
