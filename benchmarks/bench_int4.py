@@ -221,7 +221,7 @@ def timed_result(case: Case, prefill_s: float, total_s: float) -> dict[str, floa
 
 
 def run_llmopt(spec: dict[str, str], threads: int, cases: list[Case]) -> list[dict[str, float]]:
-    """`runtime.bench.run_bench` per case: prefill = mean TTFT over the batch, decode =
+    """`runtime.tools.bench.run_bench` per case: prefill = mean TTFT over the batch, decode =
     mean per-stream speed after the first token, decode aggregate = tokens per second once
     every stream has its first token (streams admitted early decode beside later prompts'
     prefill chunks, which their per-stream speed counts)."""

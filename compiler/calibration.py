@@ -16,22 +16,19 @@ from contextlib import contextmanager
 
 import torch
 
+from llmopt.compiler import calibration_mix
 from llmopt.compiler.ir import ArchSpec, ModelIR
 from llmopt.compiler.recipe import CalibrationConfig
 from llmopt.compiler.reference import ReferenceModel
-from llmopt.runtime.tools.evaluate import windows_of
 
 Observer = Callable[[int, str, torch.Tensor], None]
 
 
-def calibration_windows(ir: ModelIR, config: CalibrationConfig) -> torch.Tensor:
-    """int64 [samples, seq_len]: consecutive non-overlapping windows of the calibration text
-    (the first `samples` of them), tokenized without special tokens."""
-    if config.text is None:
-        raise ValueError("this pass needs calibration data: set calibration.text in the recipe")
-    windows = windows_of(ir.text_token_ids(config.text), config.seq_len, config.samples,
-                         minimum=config.samples, source=f"calibration.text {config.text}")
-    return torch.tensor(windows, dtype=torch.int64)
+def calibration_windows(ir: ModelIR, config: CalibrationConfig,
+                        log: Callable[[str], None] | None = None) -> torch.Tensor:
+    """int64 [samples, seq_len]: the calibration set, the model's own samples mixed with
+    calibration.text's first windows as `calibration.model_samples` says (calibration_mix)."""
+    return calibration_mix.calibration_windows(ir, config, log)
 
 
 class LayerwiseRunner:

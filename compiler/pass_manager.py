@@ -14,7 +14,7 @@ from typing import Any
 
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.pass_registry import PassStep, load_pass
-from llmopt.compiler.quality import QualityProbe
+from llmopt.compiler.quality_sources import QualityProbes, samples_line
 from llmopt.compiler.recipe import Recipe
 
 
@@ -35,14 +35,14 @@ class PassContext:
 
     recipe: Recipe
     log: Callable[[str], None]
-    _probe: QualityProbe | None = None
+    _probe: QualityProbes | None = None
 
-    def quality_probe(self, ir: ModelIR) -> QualityProbe | None:
-        """What to measure a pass's cost on: `quality.eval_text`, else the tail of
-        `calibration.text`, else samples of the first measured pass's input model; built
-        once per compile. None with `quality.measure: false`."""
+    def quality_probe(self, ir: ModelIR) -> QualityProbes | None:
+        """What to measure a pass's cost on: samples of the first measured pass's input
+        model, and `quality.eval_text` (else the tail of `calibration.text`) when there is
+        one; built once per compile. None with `quality.measure: false`."""
         if self._probe is None:
-            self._probe = QualityProbe.for_recipe(self.recipe, ir, self.log)
+            self._probe = QualityProbes.for_recipe(self.recipe, ir, self.log)
         return self._probe
 
 
@@ -82,8 +82,8 @@ def pass_budget(config: Any, recipe_budget: float | None) -> float | None:
 LOW_TOP1_AGREEMENT = 0.80
 # What keeps more of the input model, per lossy pass, for the warning below.
 BETTER_CHOICES = {
-    "rtn": "a calibrated pass (gptq or awq with calibration.text), group_size: 32 or an 8-bit "
-           "LM head (lm_head_bits: 8) keeps more",
+    "rtn": "a calibrated pass (gptq or awq), group_size: 32 or an 8-bit LM head "
+           "(lm_head_bits: 8) keeps more",
     "gptq": "group_size: 32 or 64, an 8-bit LM head (lm_head_bits: 8) or bits: 8 keeps more",
     "awq": "group_size: 32 or 64, an 8-bit LM head (lm_head_bits: 8) or bits: 8 keeps more",
     "kv_cache": "dtype: int8, or static per-channel key scales (key_scales: channel), keeps more",
@@ -101,6 +101,9 @@ def check_budget(name: str, report: dict[str, Any], budget: float | None,
     if not quality:
         return
     log(f"      {name}: {quality_line(quality)}")
+    also = samples_line(quality)
+    if also:
+        log(f"      {name}: {also}")
     warn_if_drifting(name, quality, log)
     if budget is not None and quality["ppl_increase_pct"] is None:
         log(f"      {name}: no perplexity to hold to the budget of {budget} %")

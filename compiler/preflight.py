@@ -27,19 +27,6 @@ def check_output_directory(out: Path) -> None:
         raise FileExistsError(f"{out} exists and is not an llmopt artifact; not replacing it")
 
 
-def check_calibration_text(recipe: Recipe) -> None:
-    """A pass that calibrates has calibration.text: said now, not after the model loads.
-    (A pass Config says so with `needs_calibration_text()`.)"""
-    if recipe.calibration.text is not None:
-        return
-    for index, step in enumerate(recipe.passes):
-        needs = getattr(step.config, "needs_calibration_text", None)
-        if needs is not None and needs():
-            raise ValueError(f"passes.{index} ({step.name}) needs calibration.text: set it in "
-                             "the recipe to a UTF-8 text file of the kind of text the model "
-                             "will see")
-
-
 def check_pass_options(recipe: Recipe) -> None:
     """Each pass's options against the rest of the recipe (a Config says what it rules out
     with `check_recipe(recipe)`)."""
@@ -91,11 +78,10 @@ def _existing_parent(path: Path) -> Path:
 
 
 def check_recipe(recipe: Recipe, out: Path) -> CheckpointRef:
-    """The passes' order constraints, their options against the recipe, their calibration
-    text, where the artifact goes, where the checkpoint is, and whether it fits."""
+    """The passes' order constraints, their options against the recipe, where the artifact
+    goes, where the checkpoint is, and whether it fits. (Calibration needs no text.)"""
     check_order([step.name for step in recipe.passes])
     check_pass_options(recipe)
-    check_calibration_text(recipe)
     check_output_directory(out)
     ref = resolve_checkpoint(recipe.model)
     check_resources(recipe, ref, out)

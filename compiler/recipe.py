@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -29,9 +29,19 @@ class _Strict(BaseModel):
 
 
 class CalibrationConfig(_Strict):
-    text: str | None = None  # a UTF-8 text file; lossy passes need it
+    text: str | None = None  # a UTF-8 text file, mixed with the model's own samples
     samples: int = Field(128, gt=0)
     seq_len: int = Field(512, gt=0)
+    # Share of the windows sampled from the model itself (compiler/calibration_mix.py);
+    # auto: all of them without a text, a measured share with one. 0: the text alone.
+    model_samples: Annotated[float, Field(ge=0, le=1)] | Literal["auto"] = "auto"
+
+    @model_validator(mode="after")
+    def _text_for_the_rest(self) -> CalibrationConfig:
+        if self.model_samples != "auto" and self.model_samples < 1 and self.text is None:
+            raise ValueError(f"model_samples {self.model_samples} leaves windows to "
+                             "calibration.text, which is not set")
+        return self
 
 
 class TargetConfig(_Strict):
@@ -65,10 +75,10 @@ class QualityConfig(_Strict):
     # real text (eval_text or calibration.text): the perplexity of the model's own samples
     # is not a text perplexity.
     max_ppl_increase_pct: float | None = Field(None, ge=0)
-    # What the passes measure on, the first of: `eval_text` (held-out text), the last
-    # `eval_windows` windows of calibration.text (held out from calibration, which takes
-    # the first), else `sampled_sequences` sequences of `sampled_tokens` tokens sampled
-    # from the input model itself (temperature 1, `seed`): always available, any language.
+    # What the passes measure on: `sampled_sequences` sequences of `sampled_tokens` tokens
+    # sampled from the input model itself (temperature 1, `seed`: always available, any
+    # language, no calibration domain), and held-out text, the first of: `eval_text`, the
+    # last `eval_windows` windows of calibration.text (calibration takes the first).
     eval_text: str | None = None
     eval_windows: int = Field(8, gt=0)
     eval_seq_len: int = Field(512, gt=0)
@@ -121,9 +131,9 @@ class Recipe(_Strict):
         return self
 
     def quality_kind(self) -> str:
-        """What lossy passes are measured on: "off", "eval_text", "calibration_tail" (model
-        samples if no window is left past calibration) or "samples" — the one decision
-        `QualityProbe.for_recipe` builds its probe from."""
+        """What text lossy passes are measured on besides the model's samples: "off",
+        "eval_text", "calibration_tail" (none if no window is left past calibration) or
+        "samples" (none) — the one decision `QualityProbes.for_recipe` builds from."""
         if not self.quality.measure:
             return "off"
         if self.quality.eval_text is not None:
@@ -132,15 +142,17 @@ class Recipe(_Strict):
 
     def quality_source(self) -> str:
         """What lossy passes will be measured on, in words."""
-        quality = self.quality
-        return {
+        quality, kind = self.quality, self.quality_kind()
+        samples = (f"{quality.sampled_sequences} x {quality.sampled_tokens} tokens sampled "
+                   "from the model")
+        text = {
             "off": "not measured (quality.measure: false)",
             "eval_text": f"quality.eval_text {quality.eval_text}",
             "calibration_tail": f"the held-out tail of calibration.text {self.calibration.text} "
-                                "(model samples if no window is left past calibration)",
-            "samples": f"{quality.sampled_sequences} x {quality.sampled_tokens} tokens sampled "
-                       "from the model",
-        }[self.quality_kind()]
+                                "(if a window is left past calibration)",
+            "samples": samples,
+        }[kind]
+        return f"{text}, and {samples}" if kind in ("eval_text", "calibration_tail") else text
 
     def quality_text(self) -> str | None:
         """The text passes measure their cost on: eval_text, else calibration.text (None:

@@ -324,30 +324,46 @@ def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_t
 
 @main.command("eval")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--text", "text_file", required=True,
+@click.option("--text", "text_files", required=True, multiple=True,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="UTF-8 text to score (the protocol: tokenized once without BOS).")
+              help="UTF-8 text to score (the protocol: tokenized once without BOS); "
+                   "repeat for several texts, one row each.")
 @click.option("--windows", type=POSITIVE, default=64, show_default=True,
               help="Non-overlapping windows scored (the first N).")
 @click.option("--seq-len", type=POSITIVE, default=512, show_default=True,
               help="Tokens per window.")
 @THREADS
 @KERNELS
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per text.")
 @_one_line_errors
-def eval_command(artifact: Path, text_file: Path, windows: int, seq_len: int,
+def eval_command(artifact: Path, text_files: tuple[Path, ...], windows: int, seq_len: int,
                  threads: int | None, kernels: str, as_json: bool) -> None:
-    """Perplexity of ARTIFACT on a text file, computed by the runtime."""
+    """Perplexity of ARTIFACT on one or more text files, computed by the runtime."""
     from llmopt.runtime import LLM
     from llmopt.runtime.tools.evaluate import perplexity
 
     llm = LLM(artifact, num_threads=threads, max_num_batched_tokens=seq_len, kernels=kernels)
-    result = perplexity(llm, text_file, windows=windows, seq_len=seq_len)
-    if as_json:
-        click.echo(json.dumps(result.to_dict()))
-    else:
-        click.echo(f"perplexity {result.ppl:.4f} over {result.tokens} tokens "
-                   f"({result.windows} x {result.seq_len}, {result.seconds:.1f} s)")
+    results = []
+    for text_file in text_files:
+        result = perplexity(llm, text_file, windows=windows, seq_len=seq_len)
+        results.append((text_file, result))
+        if as_json:
+            click.echo(json.dumps({**result.to_dict(), "text": str(text_file)}))
+        elif len(text_files) == 1:
+            click.echo(f"perplexity {result.ppl:.4f} over {result.tokens} tokens "
+                       f"({result.windows} x {result.seq_len}, {result.seconds:.1f} s)")
+    if not as_json and len(text_files) > 1:
+        _perplexity_table(results)
+
+
+def _perplexity_table(results: list[tuple[Path, Any]]) -> None:
+    """One row per text: its perplexity, the tokens and windows scored, the time taken."""
+    width = max(len(str(path)) for path, _ in results)
+    click.echo(f"{'text':<{width}}  {'perplexity':>10}  {'tokens':>7}  {'windows':>9}  "
+               f"{'seconds':>7}")
+    for path, r in results:
+        click.echo(f"{str(path):<{width}}  {r.ppl:>10.4f}  {r.tokens:>7}  "
+                   f"{f'{r.windows} x {r.seq_len}':>9}  {r.seconds:>7.1f}")
 
 
 @main.command("bench")

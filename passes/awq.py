@@ -52,7 +52,7 @@ class Config(WeightQuantConfig):
     # off: s = mean|x|^α as in the paper.
     duo_scaling: bool = True
 
-    def needs_calibration_text(self) -> bool:  # checked before loading (preflight)
+    def needs_calibration_text(self) -> bool:  # reads calibration windows
         return True
 
 
@@ -117,7 +117,7 @@ class InputStats:
 def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     started = time.perf_counter()
     targets = set(target_linears(ir, config))
-    windows = calibration_windows(ir, context.recipe.calibration)
+    windows = calibration_windows(ir, context.recipe.calibration, context.log)
     sampler = TokenSampler(min(1.0, config.search_tokens / windows.numel()))
     out = ir.copy()
     runner = LayerwiseRunner(out, windows)

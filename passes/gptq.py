@@ -51,7 +51,7 @@ class Config(WeightQuantConfig):
     damp: float = Field(0.01, gt=0)  # added to H's diagonal, times its mean
     block_size: int = Field(128, gt=0)  # columns per lazy batch update
 
-    def needs_calibration_text(self) -> bool:  # checked before loading (preflight)
+    def needs_calibration_text(self) -> bool:  # reads calibration windows
         return True
 
 
@@ -78,7 +78,7 @@ class HessianAccumulator:
 def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     started = time.perf_counter()
     targets = set(target_linears(ir, config))
-    windows = calibration_windows(ir, context.recipe.calibration)
+    windows = calibration_windows(ir, context.recipe.calibration, context.log)
     out = ir.copy()
     runner = LayerwiseRunner(out, windows)  # reads out.weights: sees each quantized linear
     errors: dict[str, float] = {}

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from llmopt.compiler.calibration_mix import calibration_windows
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
@@ -137,11 +138,13 @@ def _load(model: str | None) -> ModelIR:
 
 def _calibration_windows(ir: ModelIR, config: DraftModelConfig,
                          inputs: PairingInputs) -> torch.Tensor:
-    text = inputs.recipe.calibration.text
-    if text is None:
-        raise ValueError(f"the {config.kind} draft needs calibration text (distillation or "
-                         "head_vocab): set calibration.text in the recipe")
-    return text_windows(ir, text, config.distill_seq_len)
+    """Every window of calibration.text; without one, the target's own samples
+    (calibration.samples of them, compiler/calibration_mix.py)."""
+    calibration = inputs.recipe.calibration
+    if calibration.text is None:
+        return calibration_windows(ir, calibration.model_copy(
+            update={"seq_len": config.distill_seq_len}), inputs.log)
+    return text_windows(ir, calibration.text, config.distill_seq_len)
 
 
 def _self_windows(ir: ModelIR, config: DraftModelConfig, inputs: PairingInputs) -> Any:

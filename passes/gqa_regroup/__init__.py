@@ -139,7 +139,7 @@ def _statistics(ir: ModelIR, candidates: list[int], config: Config, context: Pas
     if not config.needs_calibration_text():
         return {}, [], torch.empty(0, 0, dtype=torch.long)
     started = time.perf_counter()
-    windows = calibration_windows(ir, context.recipe.calibration)
+    windows = calibration_windows(ir, context.recipe.calibration, context.log)
     layer_fit = config.fit == "layer" and config.fit_steps
     keep = max(config.sensitivity_windows, (config.fit_windows or 8) if layer_fit else 0)
     averaged = windows[:config.moment_windows]

@@ -5,22 +5,26 @@ Recipe: `- kv_cache: {dtype: int8}`; options:
   group_size     channels per dynamic scale group (divides head_dim; default: one per head)
   value_group_size   values' group size when it differs (default: group_size)
   key_scales     "token": dynamic, computed in the graph at write time per token and group;
-                 "channel": static per-channel scales calibrated on `calibration.text`;
+                 "channel": static per-channel scales calibrated on calibration windows;
                  "block": dynamic per channel within each paged block (KIVI), computed when
                  the block is full; a query reads its own block's keys unrounded (they wait
-                 in float32 beside the pool until the block fills)
+                 in float32 beside the pool until the block fills); "auto" (the default):
+                 channel for int4 where the recipe names no layout (defaults.py), else token
   value_scales   the same for values
   static_scales  how channel scales are chosen: "search" (int8/int4: the clip per channel
                  that minimises attention-weighted rounding error, calibrate.py), "absmax"
                  (nothing clips), "auto" (search for int4, absmax otherwise)
   skip_layers    layer indices stored in `skip_dtype` (float32, or int8 with the same
-                 scale options) instead of `dtype`
+                 scale options; auto: int8 for the int4 default, else float32) instead of
+                 `dtype`
   auto_skip      N: the N layers whose cache suffers most from `dtype` (each measured alone
                  on calibration windows, sensitivity.py) join skip_layers. With int4 and
                  skip_dtype int8, a few layers buy most of int4's loss back (README table).
   max_kl         a quality target: the fewest most-sensitive layers (at least auto_skip) in
                  skip_dtype for which the whole cache's KL on calibration windows is at most
                  this; an error naming the key when even all but one layer do not reach it.
+                 auto: defaults.py's target for the int4 default (as close as all but one
+                 layer get), none otherwise.
   smooth_keys    SmoothAttention strength α (QServe): keys are divided per channel by
                  amax_c^α and queries multiplied by it, folded into the q/k projections
                  (or qk-norm weights), shared by each rotary pair: exact in real arithmetic,
@@ -40,7 +44,7 @@ them, so the measured cost is the artifact's cost.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -48,6 +52,7 @@ from llmopt.compiler.calibration import calibration_windows
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.kv_cache_format import FLOAT_KV_DTYPES, kv_sides
 from llmopt.compiler.pass_manager import PassContext, PassResult
+from llmopt.passes.kv_cache import defaults
 from llmopt.passes.kv_cache.calibrate import (
     SideStats,
     kv_absmax,
@@ -68,20 +73,27 @@ class Config(BaseModel):
     dtype: Literal["float16", "bfloat16", "fp8_e4m3", "int8", "int4"]
     group_size: int | None = Field(None, gt=0)
     value_group_size: int | None = Field(None, gt=0)
-    key_scales: Literal["token", "channel", "block"] = "token"
-    value_scales: Literal["token", "channel"] = "token"
+    # auto (key_scales, value_scales, skip_dtype, max_kl): by dtype, defaults.py
+    key_scales: Literal["auto", "token", "channel", "block"] = "auto"
+    value_scales: Literal["auto", "token", "channel"] = "auto"
     static_scales: Literal["auto", "search", "absmax"] = "auto"  # see calibrate.py
     skip_layers: list[int] = Field(default_factory=list)
-    skip_dtype: Literal["float32", "int8"] = "float32"
+    skip_dtype: Literal["auto", "float32", "int8"] = "auto"
     auto_skip: int = Field(0, ge=0)  # the N most sensitive layers (measured) join skip_layers
-    max_kl: float | None = Field(None, gt=0)  # ... or as many as this KL target takes
+    max_kl: Annotated[float, Field(gt=0)] | Literal["auto"] | None = "auto"  # ... or as many
+    # as this KL target takes
     smooth_keys: float | None = Field(None, gt=0, le=1)
     rotate: bool | Literal["auto"] = "auto"
     sink_tokens: int = Field(0, ge=0)
     calibration_samples: int = Field(16, gt=0)  # windows of calibration.text for statistics
 
+    def resolved(self) -> Config:
+        """Every `auto` but rotate's set for the dtype (defaults.py)."""
+        return defaults.resolved(self)
+
     def check_recipe(self, recipe: Recipe) -> None:
         """What the rest of the recipe rules out (preflight: before the model loads)."""
+        self = self.resolved()
         _check_sinks(self.sink_tokens, recipe.runtime.max_context, "runtime.max_context")
         if self.sink_tokens > recipe.runtime.block_size:
             raise ValueError(f"kv_cache.sink_tokens: {self.sink_tokens} do not fit one block "
@@ -96,12 +108,15 @@ class Config(BaseModel):
     def needs_calibration_text(self) -> bool:
         """Static (channel) scales, smooth_keys, auto_skip and max_kl measure calibration
         windows."""
+        self = self.resolved()
         return (self.smooth_keys is not None or self.auto_skip > 0 or self.max_kl is not None
                 or "channel" in (self.key_scales, self.value_scales))
 
 
 def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     started = time.perf_counter()
+    strict = defaults.max_kl_is_a_target(config)
+    config = config.resolved()
     config = config.model_copy(update={"rotate": resolved_rotate(ir, config)})
     check_config(ir, config, context)
     block_size = context.recipe.runtime.block_size if context is not None else None
@@ -145,7 +160,7 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
         count = config.auto_skip
         if config.max_kl is not None:
             fewest, kl_by_skipped = fewest_for_kl(
-                lambda n: probe.of(skipping(n)), len(kept) - 1, config.max_kl)
+                lambda n: probe.of(skipping(n)), len(kept) - 1, config.max_kl, strict)
             count = max(count, fewest)
         for i in worst_first[:count]:
             stored[i] = config.skip_dtype
@@ -199,12 +214,12 @@ def _check_sinks(sink_tokens: int, context: int, what: str) -> None:
 
 
 def _windows(ir: ModelIR, config: Config, context: PassContext | None):
-    if context is None or context.recipe.calibration.text is None:
+    if context is None:
         raise ValueError("kv_cache: static scales, smooth_keys, auto_skip and max_kl need "
-                         "calibration.text")
+                         "the recipe's calibration block")
     calibration = context.recipe.calibration
     return calibration_windows(ir, calibration.model_copy(update={
-        "samples": min(config.calibration_samples, calibration.samples)}))
+        "samples": min(config.calibration_samples, calibration.samples)}), context.log)
 
 
 def store(ir: ModelIR, index: int, dtype: str, config: Config,

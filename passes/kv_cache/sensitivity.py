@@ -54,11 +54,12 @@ def layer_sensitivity(float_ir: ModelIR, quantize: Callable[[ModelIR, int], None
     return sensitivity
 
 
-def fewest_for_kl(kl_with: Callable[[int], float], most: int, max_kl: float
-                  ) -> tuple[int, dict[int, float]]:
+def fewest_for_kl(kl_with: Callable[[int], float], most: int, max_kl: float,
+                  strict: bool = True) -> tuple[int, dict[int, float]]:
     """The fewest n in 0..most whose `kl_with(n)` (the whole cache's KL with the n most
     sensitive layers in skip_dtype) is <= max_kl, by bisection (more such layers cost less),
-    and every KL measured on the way; raises when even `most` does not reach it."""
+    and every KL measured on the way; when even `most` does not reach it, raises (`strict`)
+    or returns `most`."""
     measured: dict[int, float] = {}
 
     def kl(n: int) -> float:
@@ -66,6 +67,8 @@ def fewest_for_kl(kl_with: Callable[[int], float], most: int, max_kl: float
             measured[n] = kl_with(n)
         return measured[n]
 
+    if kl(most) > max_kl and not strict:
+        return most, measured
     if kl(most) > max_kl:
         raise ValueError(f"kv_cache.max_kl: {max_kl} not reached (KL {kl(most):.4g} with "
                          f"{most} layers in skip_dtype, all that leave one in dtype)")

@@ -88,8 +88,12 @@ def test_without_eval_text_the_calibration_texts_tail_is_measured(tiny_checkpoin
     _, (report,) = apply_passes(ir, recipe.passes, context)
     every = ir.text_token_ids(word_text)
     last = (len(every) // 64) * 64
-    assert context.quality_probe(ir).windows[-1] == every[last - 64 : last]
+    assert context.quality_probe(ir).text.windows[-1] == every[last - 64 : last]
     assert report["quality"]["tokens"] == 2 * 63
+    # and on the model's own samples, which no calibration text shares a domain with
+    on_samples = report["quality"]["on_samples"]
+    assert on_samples["tokens"] == 16 * 255 and on_samples["kl"] > 0
+    assert on_samples["source"].startswith("16 sequences of 256 tokens sampled")
     off = recipe.model_copy(update={"quality": recipe.quality.model_copy(
         update={"measure": False})})
     _, (report,) = apply_passes(ir, off.passes, PassContext(off, lambda _: None))
@@ -104,9 +108,12 @@ def test_the_quality_measurement_reports_its_progress(tiny_checkpoints, word_tex
     lines: list[str] = []
     apply_passes(ir, recipe.passes, PassContext(recipe, lines.append))
     progress = [line.strip() for line in lines if line.strip().startswith("quality:")]
-    assert progress[0] == ("quality: measuring 3 windows of 64 tokens (the pass's input and "
-                           "output models)")
-    assert progress[-1].startswith("quality: 3/3 windows, ")
+    opening = progress.index("quality: measuring 3 windows of 64 tokens (the pass's input "
+                             "and output models)")
+    assert progress[opening + 1].startswith("quality: 3/3 windows, ")
+    assert progress[-1].startswith("quality: 16/16 windows, ")  # then the model's samples
+    assert any(line.strip().startswith("rtn: on the model's own samples: KL ")
+               for line in lines)
 
 
 def test_the_log_names_only_the_options_a_recipe_set():
@@ -127,7 +134,7 @@ def test_a_pass_that_changes_many_top_choices_is_warned_about_in_words():
     assert lines[-1] == (
         "      warning: after rtn the model picks its input's top token only 64.6 % of the "
         "time: generated text will differ visibly and chat answers may lose coherence; a "
-        "calibrated pass (gptq or awq with calibration.text), group_size: 32 or an 8-bit LM "
+        "calibrated pass (gptq or awq), group_size: 32 or an 8-bit LM "
         "head (lm_head_bits: 8) keeps more")
     lines.clear()
     check_budget("rtn", {"quality": {**quality, "top1_agreement": 0.9}}, None, lines.append)

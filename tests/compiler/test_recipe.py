@@ -96,5 +96,7 @@ def test_the_recipe_says_what_lossy_passes_will_be_measured_on(tmp_path):
         "not measured (quality.measure: false)")
     recipe = Recipe(model="m", calibration={"text": str(tmp_path / "calib.txt")})
     assert recipe.quality_source().startswith("the held-out tail of calibration.text ")
+    assert recipe.quality_source().endswith(", and 16 x 256 tokens sampled from the model")
     recipe = Recipe(model="m", quality={"eval_text": "e.txt"})
-    assert recipe.quality_source() == "quality.eval_text e.txt"
+    assert recipe.quality_source() == ("quality.eval_text e.txt, and 16 x 256 tokens sampled "
+                                       "from the model")

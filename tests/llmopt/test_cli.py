@@ -73,6 +73,26 @@ def test_eval_and_bench_and_inspect(artifact, tmp_path):
     assert code == 0 and info["kv_bytes_per_token"] == 3 * 2 * 2 * 16 * 4
 
 
+def test_eval_scores_several_texts_one_row_each(artifact, tmp_path):
+    texts = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    texts[0].write_text("the quick brown fox jumps over the lazy dog " * 20)
+    texts[1].write_text("def f(x):\n    return x + 1\n" * 40)
+    args = ["eval", artifact, "--text", texts[0], "--text", texts[1], "--windows", "2",
+            "--seq-len", "32"]
+    code, out, _ = run(*args, "--json")
+    records = [json.loads(line) for line in out.strip().splitlines()]
+    assert code == 0 and [r["text"] for r in records] == [str(t) for t in texts]
+    alone = json.loads(run("eval", artifact, "--text", texts[1], "--windows", "2",
+                           "--seq-len", "32", "--json")[1])
+    assert records[1]["ppl"] == alone["ppl"] and records[0]["ppl"] != alone["ppl"]
+    code, out, _ = run(*args)
+    lines = out.strip().splitlines()
+    assert code == 0 and lines[0].split() == ["text", "perplexity", "tokens", "windows",
+                                              "seconds"]
+    assert [line.split()[0] for line in lines[1:]] == [str(t) for t in texts]
+    assert float(lines[2].split()[1]) == pytest.approx(alone["ppl"], abs=1e-4)
+
+
 def test_bench_prints_sequences_that_fit_the_pool(artifact):
     code, out, _ = run("bench", artifact, "--batch", "1", "--prompt-len", "8", "--gen-len", "4",
                        "--pool-mib", "1")
@@ -264,10 +284,12 @@ def test_a_gguf_compile_log_has_no_dequantizing_progress_bar(family_checkpoints,
     assert "de-quantizing" not in result.stderr and "%|" not in result.stderr
 
 
-def test_awq_without_calibration_text_is_refused_before_loading(tmp_path):
-    recipe = write_recipe(tmp_path, f"model: {tmp_path}\npasses:\n  - awq: {{bits: 4}}\n")
+def test_a_text_share_without_calibration_text_is_refused_before_loading(tmp_path):
+    recipe = write_recipe(tmp_path, f"model: {tmp_path}\npasses:\n  - awq: {{bits: 4}}\n"
+                                    "calibration: {model_samples: 0.5}\n")
     code, _, err = run("compile", recipe, "-o", tmp_path / "out")
-    assert_one_line_error(code, err, "error: passes.0 (awq) needs calibration.text")
+    assert_one_line_error(code, err, "calibration: model_samples 0.5 leaves windows to "
+                                     "calibration.text, which is not set")
     assert not (tmp_path / "out").exists()
 
 

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from llmopt.compiler.calibration import calibration_windows
+from llmopt.compiler.kv_layout import lane_storable
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.pass_manager import PassContext
 from llmopt.compiler.recipe import Recipe, RecipeError, load_recipe
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes import kv_cache, rtn
-from llmopt.passes.kv_cache import calibrate, sensitivity
+from llmopt.passes.kv_cache import calibrate, defaults, sensitivity
 
 IDS = torch.tensor([[5, 17, 99, 3, 42, 8, 61, 200, 7, 13, 150, 77]])
 
@@ -32,8 +33,10 @@ def load(tiny_checkpoints):
 
 @pytest.fixture(scope="module")
 def context(tiny_checkpoints, word_text) -> PassContext:
+    # text windows only (model_samples 0): what they cover is checked below
     recipe = Recipe(model=str(tiny_checkpoints["llama"]),
-                    calibration={"text": str(word_text), "samples": 2, "seq_len": 64})
+                    calibration={"text": str(word_text), "samples": 2, "seq_len": 64,
+                                 "model_samples": 0})
     return PassContext(recipe=recipe, log=lambda _: None)
 
 
@@ -109,7 +112,8 @@ def test_recipe_errors_name_the_key(tmp_path, entry, key):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text"])  # plain, v bias, qk-norm
 def test_rotation_is_exact_before_quantization(load, arch):
     ir = load(arch)
-    out = kv_cache.run(ir, kv_cache.Config(dtype="int4", rotate=True), None).ir
+    out = kv_cache.run(ir, kv_cache.Config(dtype="int4", key_scales="token", rotate=True),
+                       None).ir
     assert out.arch.layers[0].kv_rotate_keys
     torch.testing.assert_close(ReferenceModel(with_float_kv(out)).forward(IDS),
                                ReferenceModel(ir).forward(IDS), rtol=0, atol=1e-4)
@@ -121,7 +125,7 @@ def test_rotate_auto_rotates_int8_wherever_it_applies(load):
     ir = load("llama")
     int8 = kv_cache.run(ir, kv_cache.Config(dtype="int8"), None)
     assert int8.report["rotate"] and all(s.kv_rotate_keys for s in int8.ir.arch.layers)
-    int4 = kv_cache.run(ir, kv_cache.Config(dtype="int4"), None)
+    int4 = kv_cache.run(ir, kv_cache.Config(dtype="int4", key_scales="token"), None)
     assert not int4.report["rotate"] and not int4.ir.arch.layers[0].kv_rotate_keys
     # after a weight pass the values' rotation cannot be folded: auto stays off, while
     # asking for it is an error naming the key
@@ -216,6 +220,42 @@ def test_an_unreachable_max_kl_is_an_error_naming_the_key(load, context):
                              skip_dtype="int8", max_kl=1e-12, calibration_samples=2)
     with pytest.raises(ValueError, match="kv_cache.max_kl: 1e-12 not reached"):
         kv_cache.run(load("llama"), config, context)
+
+
+def test_int4_alone_is_static_per_channel_with_sensitive_layers_in_int8(load, context):
+    config = kv_cache.Config(dtype="int4", calibration_samples=2)
+    resolved = config.resolved()
+    assert (resolved.key_scales, resolved.value_scales, resolved.skip_dtype) == (
+        "channel", "channel", "int8")
+    assert resolved.max_kl == defaults.INT4_MAX_KL
+    result = kv_cache.run(load("llama"), config, context)
+    layers = result.ir.arch.layers
+    assert all(s.kv_key_scales == s.kv_value_scales == "channel" for s in layers)
+    assert [i for i, s in enumerate(layers) if s.kv_dtype == "int8"] == result.report["skipped"]
+    measured = result.report["kl_by_skipped"]
+    assert measured[len(result.report["skipped"])] <= defaults.INT4_MAX_KL or (
+        len(result.report["skipped"]) == len(layers) - 1)
+    assert all(lane_storable(s) for s in layers)  # what the native step reads in place
+
+
+def test_the_int4_defaults_target_is_the_best_the_layers_allow(load, context, monkeypatch):
+    monkeypatch.setattr(defaults, "INT4_MAX_KL", 1e-12)  # out of reach: no error
+    result = kv_cache.run(load("llama"), kv_cache.Config(dtype="int4", calibration_samples=2),
+                          context)
+    assert len(result.report["skipped"]) == load("llama").arch.num_layers - 1
+
+
+@pytest.mark.parametrize(("options", "keys", "values", "skip", "max_kl"), [
+    ({"dtype": "int8"}, "token", "token", "float32", None),
+    ({"dtype": "int4", "group_size": 32}, "token", "token", "float32", None),
+    ({"dtype": "int4", "key_scales": "block"}, "block", "token", "float32", None),
+    ({"dtype": "int4", "key_scales": "channel"}, "channel", "token", "float32", None),
+    ({"dtype": "int4", "auto_skip": 3}, "channel", "channel", "int8", None),
+    ({"dtype": "int4", "max_kl": 0.2}, "channel", "channel", "int8", 0.2),
+])
+def test_a_recipe_that_names_a_layout_keeps_it(options, keys, values, skip, max_kl):
+    r = kv_cache.Config(**options).resolved()
+    assert (r.key_scales, r.value_scales, r.skip_dtype, r.max_kl) == (keys, values, skip, max_kl)
 
 
 def test_fewest_for_kl_bisects_the_sensitivity_order():

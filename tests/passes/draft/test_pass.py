@@ -205,3 +205,16 @@ def test_tiny_draft_distilled_on_its_own_continuations(target_dir, word_text, tm
     assert report["distill_data"]["generation_seconds"] >= 0
     assert report["distillation"]["steps"] == 3 and report["distillation"]["seconds"] >= 0
     assert manifest.speculative.model.kind == "tiny" and manifest.speculative.model.vocab_size == 64
+
+
+def test_without_calibration_text_a_draft_distills_on_the_targets_samples(target_dir,
+                                                                          tmp_path):
+    recipe = Recipe(model=str(target_dir), passes=[{"draft": {
+        **QUICK, "kind": "tiny", "num_layers": 1, "head_vocab": 64, "distill_steps": 2,
+        "distill_seq_len": 16}}], calibration={"samples": 4},
+        runtime={"block_size": 4, "max_context": 128})
+    lines: list[str] = []
+    compile_recipe(recipe, tmp_path / "s", log=lines.append)
+    manifest = load_manifest(tmp_path / "s")
+    assert manifest.passes[0]["distillation"]["steps"] == 2
+    assert any("calibration: sampling 4 sequences of 16 tokens" in line for line in lines)

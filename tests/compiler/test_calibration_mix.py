@@ -1,0 +1,82 @@
+"""Calibration windows without the user's text: the model's own samples, mixed with a text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from llmopt.compiler import calibration_mix
+from llmopt.compiler.calibration_mix import calibration_windows, interleave, model_share
+from llmopt.compiler.loader import load_checkpoint
+from llmopt.compiler.quality import sample_sequences
+from llmopt.compiler.recipe import CalibrationConfig
+from llmopt.runtime.tools.evaluate import windows_of
+
+
+@pytest.fixture(scope="module")
+def ir(tiny_checkpoints):
+    return load_checkpoint(str(tiny_checkpoints["llama"]))
+
+
+def test_the_preallocated_cache_samples_what_the_growing_cache_samples(ir):
+    drawn = calibration_mix.sample(ir, 3, 24, seed=5)
+    assert drawn.tolist() == sample_sequences(ir, 3, 24, seed=5)
+
+
+def test_batches_of_samples_come_from_one_generator(ir, monkeypatch):
+    monkeypatch.setattr(calibration_mix, "SAMPLE_BATCH", 2)
+    drawn = calibration_mix.sample(ir, 5, 12, seed=5)
+    assert drawn.shape == (5, 12)
+    assert drawn[:2].tolist() == sample_sequences(ir, 2, 12, seed=5)
+    assert len({tuple(row) for row in drawn.tolist()}) == 5
+
+
+def test_without_a_text_every_window_is_sampled_from_the_model(ir):
+    config = CalibrationConfig(samples=4, seq_len=16)
+    assert model_share(config) == 1.0
+    windows = calibration_windows(ir, config)
+    assert windows.shape == (4, 16) and windows.dtype == torch.int64
+    expected = calibration_mix.sample(ir, 4, 16, calibration_mix.SAMPLE_SEED)
+    assert torch.equal(windows, expected)
+
+
+def test_a_text_is_mixed_in_and_the_two_are_spread_evenly(ir, word_text):
+    config = CalibrationConfig(text=str(word_text), samples=4, seq_len=16)
+    assert model_share(config) == calibration_mix.MIXED_SHARE
+    windows = calibration_windows(ir, config.model_copy(update={"model_samples": 0.5}))
+    text = windows_of(ir.text_token_ids(word_text), 16, 2)
+    sampled = calibration_mix.model_samples(ir, 2, 16)
+    assert windows.tolist() == [sampled[0].tolist(), text[0], sampled[1].tolist(), text[1]]
+
+
+def test_model_samples_zero_is_the_texts_first_windows(ir, word_text):
+    config = CalibrationConfig(text=str(word_text), samples=3, seq_len=16, model_samples=0)
+    assert calibration_windows(ir, config).tolist() == windows_of(
+        ir.text_token_ids(word_text), 16, 3)
+
+
+def test_a_compile_draws_its_samples_once(ir, monkeypatch):
+    calls = []
+    real = calibration_mix.sample
+    monkeypatch.setattr(calibration_mix, "sample",
+                        lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    first = calibration_mix.model_samples(ir, 3, 8)
+    assert torch.equal(calibration_mix.model_samples(ir, 2, 8), first[:2])
+    changed = ir.copy()
+    changed.weights["final_norm"] = changed.weights["final_norm"] * 2
+    calibration_mix.model_samples(changed, 2, 8)
+    assert calls == [3, 2]
+
+
+def test_interleave_spreads_the_smaller_set():
+    a, b = torch.arange(2)[:, None], torch.arange(10, 16)[:, None]
+    assert interleave(a, b).flatten().tolist() == [0, 10, 11, 12, 1, 13, 14, 15]
+    assert interleave(a, b[:0]).flatten().tolist() == [0, 1]
+    assert interleave(a[:0], b).flatten().tolist() == list(range(10, 16))
+
+
+def test_a_text_share_needs_a_text():
+    with pytest.raises(ValidationError, match="leaves windows to calibration.text"):
+        CalibrationConfig(model_samples=0.25)
+    assert CalibrationConfig(model_samples=1).model_samples == 1
