@@ -40,6 +40,7 @@ from llmopt.runtime.step_batch import (
     TreeExecutor,
     make_step_batch,
 )
+from llmopt.runtime.structured.manager import StructuredOutputManager
 from llmopt.runtime.tokenizer import Tokenizer
 
 
@@ -99,8 +100,10 @@ class LLMEngine:
         self.kv_cache_manager = kv_cache_manager or KVCacheManager(
             config.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config, self.kv_cache_manager, eos_token_ids)
+        self.eos_token_ids = list(eos_token_ids)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.eos_token_ids)
         self.requests: dict[str, _Tracked] = {}  # unfinished ones
+        self._structured: StructuredOutputManager | None = None  # made on first use
         self._ids = itertools.count()
 
     def add_request(
@@ -114,12 +117,24 @@ class LLMEngine:
         """Queue a request; it is scheduled from the next step on. Returns its id."""
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        grammar = (self.structured.matcher(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         request = Request(str(next(self._ids)), list(prompt_token_ids), params, score_only)
+        request.grammar = grammar
         self.scheduler.add_request(request)  # raises on a prompt too long for the context
         text = (OutputText(self.tokenizer, params.stop, params.include_stop_str_in_output)
                 if self.tokenizer is not None else None)
         self.requests[request.request_id] = _Tracked(request, prompt, text)
         return request.request_id
+
+    @property
+    def structured(self) -> StructuredOutputManager:
+        """Grammars for structured outputs, built for the tokenizer on first use."""
+        if self._structured is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need a tokenizer")
+            self._structured = StructuredOutputManager(self.tokenizer, self.eos_token_ids)
+        return self._structured
 
     def abort_request(self, request_id: str) -> None:
         tracked = self.requests.pop(request_id, None)
@@ -139,6 +154,8 @@ class LLMEngine:
             return []
         if speculator is not None:
             scheduled = speculator.propose(scheduled)
+            if self._structured is not None:
+                scheduled = self._structured.trim_drafts(scheduled)
         logits = self.executor.execute(self._step_batch(scheduled))
         emitted = self._process_logits(scheduled, logits)
         return self._postprocess(scheduled, emitted)
@@ -170,7 +187,7 @@ class LLMEngine:
                 record_prompt_logprobs(item, logits[row : row + num_rows])
             elif request.spec.token_ids:
                 rows = logits[row : row + num_rows]
-                tokens, path = self.speculator.verify(request, rows)
+                tokens, path = self.speculator.verify(request, self._masked_drafts(request, rows))
                 emitted[request.request_id] = tokens
                 if path != list(range(len(path))):  # a tree's side branch: its KV, its rows
                     self._move_branch(item, path)
@@ -185,6 +202,8 @@ class LLMEngine:
             # a decode step's rows are all sampled, in order: a view, not a 3 MB copy
             rows = (logits[first : last + 1] if last - first + 1 == len(sample_rows)
                     else logits[sample_rows])
+            if self._structured is not None:
+                rows = self._structured.mask_rows(to_sample, rows)
             token_ids = sample(
                 rows,
                 [r.sampling_params for r in to_sample],
@@ -199,9 +218,17 @@ class LLMEngine:
         for request_id, tokens in emitted.items():
             request = self.requests[request_id].request
             request.num_decode_steps += 1
+            if request.grammar is not None:
+                StructuredOutputManager.accept(request, tokens)
             if self.speculator is not None:
                 self.speculator.observe(request, tokens)
         return emitted
+
+    def _masked_drafts(self, request: Request, rows: np.ndarray) -> np.ndarray:
+        """A drafting request's rows; a constrained one's masked by its grammar."""
+        if request.grammar is None or self._structured is None:
+            return rows
+        return self._structured.mask_draft_rows(request, rows)
 
     def _move_branch(self, item: ScheduledRequest, path: list[int]) -> None:
         """Move an accepted tree branch's pool entries to the positions its tokens now

@@ -1,0 +1,97 @@
+"""StructuredOutputManager: what the engine asks of structured outputs in a step.
+
+Each constrained request holds an llguidance matcher at the state after its output so far.
+Per step: drafts a deterministic drafter proposed are cut where the grammar rejects them
+(`trim_drafts`); the rows to sample get their masks in one batch (`mask_rows`); a request
+verifying drafts gets each row masked at the state after the drafts before it
+(`mask_draft_rows`), so the exact rule sees the constrained distribution p and an
+invalid draft has p = 0; the tokens emitted then advance the matcher (`accept`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from llmopt.runtime.structured.compiler import GrammarCompiler
+from llmopt.runtime.structured.masks import allow_all, apply_masks, fill_mask, fill_masks
+from llmopt.runtime.structured.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from llmopt.runtime.request import Request
+    from llmopt.runtime.scheduler import ScheduledRequest
+    from llmopt.runtime.tokenizer import Tokenizer
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: Sequence[int]):
+        self.compiler = GrammarCompiler(tokenizer, eos_token_ids)
+        self.vocab_size = self.compiler.vocab_size
+        self._executor: Any = None  # llguidance's thread pool, made on the first batch
+
+    def matcher(self, params: StructuredOutputsParams) -> Any:
+        return self.compiler.matcher(params)
+
+    def mask_rows(self, requests: Sequence[Request], logits: np.ndarray) -> np.ndarray:
+        """`logits` [len(requests), vocab] with the constrained requests' rows masked."""
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if not constrained:
+            return logits
+        bitmask = allow_all(len(requests), self.vocab_size)
+        if self._executor is None and len(constrained) > 1:
+            self._executor = self.compiler._llg.LLExecutor(num_threads=2)
+        part = allow_all(len(constrained), self.vocab_size)
+        fill_masks(self._executor, [requests[i].grammar for i in constrained], part)
+        bitmask[constrained] = part
+        return apply_masks(logits, bitmask)
+
+    def mask_draft_rows(self, request: Request, logits: np.ndarray) -> np.ndarray:
+        """A drafting request's rows, each masked at the grammar state its row predicts
+        from: row 0 after the output so far, row i + 1 after draft node i's path (a chain's
+        path is drafts 0..i). Rows behind an invalid draft are never read; left unmasked."""
+        spec, matcher = request.spec, request.grammar
+        parents = spec.parents if spec.parents is not None else range(-1, len(spec.token_ids) - 1)
+        bitmask = allow_all(len(spec.token_ids) + 1, self.vocab_size)
+        fill_mask(matcher, bitmask, 0)
+        paths: list[list[int]] = []
+        for node, parent in enumerate(parents):
+            path = [*(paths[parent] if parent >= 0 else []), spec.token_ids[node]]
+            paths.append(path)
+            if matcher.validate_tokens(path) == len(path):
+                matcher.consume_tokens(path)
+                fill_mask(matcher, bitmask, node + 1)
+                matcher.rollback(len(path))
+        return apply_masks(logits, bitmask)
+
+    def trim_drafts(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """Cut a constrained request's chain of drafts before its first one the grammar
+        rejects, where that changes no output's distribution: deterministic drafts (kept
+        with probability p(x) = 0 otherwise, the replacement drawn from p) or greedy."""
+        out = list(scheduled)
+        for i, item in enumerate(scheduled):
+            request, spec = item.request, item.request.spec
+            if (request.grammar is None or not spec.token_ids or spec.parents is not None
+                    or not (spec.probs is None or request.sampling_params.greedy)):
+                continue
+            valid = request.grammar.validate_tokens(spec.token_ids)
+            cut = len(spec.token_ids) - valid
+            if cut:
+                spec.token_ids = spec.token_ids[:valid]
+                spec.probs = spec.probs[:valid] if spec.probs is not None and valid else None
+                out[i] = dataclasses.replace(item, num_tokens=item.num_tokens - cut,
+                                             num_spec_tokens=item.num_spec_tokens - cut)
+        return out
+
+    @staticmethod
+    def accept(request: Request, tokens: Sequence[int]) -> None:
+        """Advance the request's matcher over the tokens it emitted (up to its end)."""
+        matcher = request.grammar
+        for token in tokens:
+            if matcher.is_stopped():
+                return
+            if not matcher.consume_token(token):
+                raise RuntimeError(f"the grammar rejected emitted token {token}: "
+                                   f"{matcher.get_error()}")
