@@ -31,7 +31,7 @@ from llmopt.runtime.serve.protocol import (
 )
 from llmopt.runtime.serve.responses import ResponseBuilder, error_body, sse, usage
 from llmopt.runtime.serve.tools.reply import ToolReply
-from llmopt.runtime.serve.tools.request import ToolPlan, plan_tools
+from llmopt.runtime.serve.tools.request import ToolError, ToolPlan, plan_tools
 from llmopt.runtime.serve.tools.text import reply_text
 from llmopt.runtime.structured.compiler import GrammarError
 from llmopt.runtime.structured.manager import StructuredOutputManager
@@ -209,8 +209,8 @@ async def _tool_plan(server: Server, body: ChatCompletionRequest) -> ToolPlan | 
     """The request's tools, each one's parameter schema checked by the grammar engine."""
     try:
         plan = plan_tools(body, server.llm.tokenizer.spec.chat_template)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="tools") from exc
+    except ToolError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
     for function in plan.functions if plan is not None else ():
         if function.get("parameters") is not None:
             await server.check_constraint(StructuredOutputsParams(json=function["parameters"]),

@@ -19,9 +19,9 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
-from llmopt.runtime.structured.compiler import JSON_WHITESPACE
-
 ALNUM = string.ascii_letters + string.digits
+# Templates write calls with `tojson` (one space after ',' and ':'): at most that much.
+CALL_WHITESPACE = r"\x20?"
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def call_schema(fmt: ToolFormat, tools: list[dict[str, Any]]) -> dict[str, Any]:
         "required": ["name", fmt.args_key], "additionalProperties": False,
     } for tool in tools]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {"x-guidance": {"whitespace_pattern": JSON_WHITESPACE}, **schema}
+    return {"x-guidance": {"whitespace_pattern": CALL_WHITESPACE}, **schema}
 
 
 def grammar(fmt: ToolFormat, tools: list[dict[str, Any]], parallel: bool,

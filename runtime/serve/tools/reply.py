@@ -44,7 +44,7 @@ class ToolReply:
             if region is not None else []
         if not calls:
             return text, []
-        return (content.strip() or None,
+        return (content if content.strip() else None,
                 [_tool_call(self.fmt.new_call_id(), c.name, c.arguments) for c in calls])
 
     def delta(self, text: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
@@ -78,8 +78,8 @@ class ToolReply:
     def _held(self, content: str) -> int:
         """Characters at the end of `content` that may still become the marker."""
         marker = self.fmt.marker
-        if not marker:  # llama3: until something other than whitespace shows
-            return len(content) if not content.strip() else 0
+        if not marker:  # llama3: until the reply's start shows it is no call
+            return len(content) if PYTHON_TAG.startswith(content.lstrip()) else 0
         for size in range(min(len(marker) - 1, len(content)), 0, -1):
             if content.endswith(marker[:size]):
                 return size

@@ -17,6 +17,14 @@ FORMATS_HELP = ("tool calls need a chat template with a tool-call format llmopt 
                 "Qwen2.5/Qwen3's <tool_call>, Llama 3.1+'s JSON or Mistral's [TOOL_CALLS]")
 
 
+class ToolError(ValueError):
+    """A bad tools request; `param` names the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -68,26 +76,26 @@ class ToolPlan:
 
 
 def plan_tools(fields: ToolFields, template: str | None) -> ToolPlan | None:
-    """The request's tool plan (None without tools); ValueError naming a bad field."""
+    """The request's tool plan (None without tools); ToolError naming a bad field."""
     choice = fields.tool_choice
     if not fields.tools:
         if choice is not None and choice != "none":
-            raise ValueError("tool_choice needs tools")
+            raise ToolError("tool_choice needs tools", "tool_choice")
         return None
     functions = [t.function.model_dump(exclude_none=True) for t in fields.tools]
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
-        raise ValueError(f"tools: function names must be unique, got {names}")
+        raise ToolError(f"tools: function names must be unique, got {names}", "tools")
     if isinstance(choice, NamedToolChoice):
         choice = choice.function.name
         if choice not in names:
-            raise ValueError(f"tool_choice names the function '{choice}', which is not among "
-                             f"the tools {names}")
+            raise ToolError(f"tool_choice names the function '{choice}', which is not among "
+                            f"the tools {names}", "tool_choice")
     choice = choice or "auto"
     fmt = formats.detect_tool_format(template)
     if fmt is None and choice != "none":
-        raise ValueError(f"{FORMATS_HELP}; this model's template has none (send "
-                         "tool_choice 'none', or no tools)")
+        raise ToolError(f"{FORMATS_HELP}; this model's template has none (send "
+                        "tool_choice 'none', or no tools)", "tools")
     return ToolPlan([t.model_dump(exclude_none=True) for t in fields.tools], functions, fmt,
                     choice, fields.parallel_tool_calls)
 
