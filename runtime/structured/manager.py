@@ -5,7 +5,9 @@ Per step: drafts a deterministic drafter proposed are cut where the grammar reje
 (`trim_drafts`); the rows to sample get their masks in one batch (`mask_rows`); a request
 verifying drafts gets each row masked at the state after the drafts before it
 (`mask_draft_rows`), so the exact rule sees the constrained distribution p and an
-invalid draft has p = 0; the tokens emitted then advance the matcher (`accept`).
+invalid draft has p = 0; the tokens emitted then advance the matcher (`accept`). Near the
+end of a request's `max_tokens` its rows allow only the next token of the grammar's
+closing path (`closing.py`), so the answer finishes valid.
 """
 
 from __future__ import annotations
@@ -16,8 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from llmopt.runtime.structured.closing import Closer
 from llmopt.runtime.structured.compiler import GrammarCompiler
-from llmopt.runtime.structured.masks import allow_all, apply_masks, fill_mask, fill_masks
+from llmopt.runtime.structured.masks import (
+    allow_all,
+    allow_only,
+    apply_masks,
+    fill_mask,
+    fill_masks,
+)
 from llmopt.runtime.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -30,6 +39,7 @@ class StructuredOutputManager:
     def __init__(self, tokenizer: Tokenizer, eos_token_ids: Sequence[int]):
         self.compiler = GrammarCompiler(tokenizer, eos_token_ids)
         self.vocab_size = self.compiler.vocab_size
+        self.closer = Closer(tokenizer, eos_token_ids or [tokenizer.eos_token_id])
         self._executor: Any = None  # llguidance's thread pool, made on the first batch
 
     def matcher(self, params: StructuredOutputsParams) -> Any:
@@ -41,11 +51,19 @@ class StructuredOutputManager:
         if not constrained:
             return logits
         bitmask = allow_all(len(requests), self.vocab_size)
-        if self._executor is None and len(constrained) > 1:
-            self._executor = self.compiler._llg.LLExecutor(num_threads=2)
-        part = allow_all(len(constrained), self.vocab_size)
-        fill_masks(self._executor, [requests[i].grammar for i in constrained], part)
-        bitmask[constrained] = part
+        free = []  # rows the grammar masks; the others are closing their answer
+        for i in constrained:
+            forced = self.closer.forced_token(requests[i].grammar, _budget(requests[i]))
+            if forced is None:
+                free.append(i)
+            else:
+                allow_only(bitmask, i, forced)
+        if free:
+            if self._executor is None and len(free) > 1:
+                self._executor = self.compiler._llg.LLExecutor(num_threads=2)
+            part = allow_all(len(free), self.vocab_size)
+            fill_masks(self._executor, [requests[i].grammar for i in free], part)
+            bitmask[free] = part
         return apply_masks(logits, bitmask)
 
     def mask_draft_rows(self, request: Request, logits: np.ndarray) -> np.ndarray:
@@ -55,16 +73,24 @@ class StructuredOutputManager:
         spec, matcher = request.spec, request.grammar
         parents = spec.parents if spec.parents is not None else range(-1, len(spec.token_ids) - 1)
         bitmask = allow_all(len(spec.token_ids) + 1, self.vocab_size)
-        fill_mask(matcher, bitmask, 0)
+        budget = _budget(request)
+        self._fill(matcher, bitmask, 0, budget)
         paths: list[list[int]] = []
         for node, parent in enumerate(parents):
             path = [*(paths[parent] if parent >= 0 else []), spec.token_ids[node]]
             paths.append(path)
             if matcher.validate_tokens(path) == len(path):
                 matcher.consume_tokens(path)
-                fill_mask(matcher, bitmask, node + 1)
+                self._fill(matcher, bitmask, node + 1, budget - len(path))
                 matcher.rollback(len(path))
         return apply_masks(logits, bitmask)
+
+    def _fill(self, matcher: Any, bitmask: np.ndarray, row: int, budget: int) -> None:
+        forced = self.closer.forced_token(matcher, budget)
+        if forced is None:
+            fill_mask(matcher, bitmask, row)
+        else:
+            allow_only(bitmask, row, forced)
 
     def trim_drafts(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
         """Cut a constrained request's chain of drafts before its first one the grammar
@@ -95,3 +121,8 @@ class StructuredOutputManager:
             if not matcher.consume_token(token):
                 raise RuntimeError(f"the grammar rejected emitted token {token}: "
                                    f"{matcher.get_error()}")
+
+
+def _budget(request: Request) -> int:
+    """Tokens the request may still generate."""
+    return request.sampling_params.max_tokens - len(request.output_token_ids)

@@ -17,6 +17,11 @@ def allow_all(rows: int, vocab_size: int) -> np.ndarray:
     return np.full((rows, num_words(vocab_size)), -1, dtype=np.int32)
 
 
+def allow_only(bitmask: np.ndarray, row: int, token: int) -> None:
+    bitmask[row] = 0
+    bitmask[row, token >> 5] = np.int32(np.uint32(1 << (token & 31)).view(np.int32))
+
+
 def fill_mask(matcher: Any, bitmask: np.ndarray, row: int) -> None:
     """Write `matcher`'s next-token mask into `bitmask[row]`."""
     target = bitmask[row]

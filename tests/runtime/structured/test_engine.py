@@ -137,3 +137,20 @@ def test_draft_rows_are_masked_at_the_state_after_their_path(llm):
         np.testing.assert_array_equal(np.isfinite(masked[row]), allowed.astype(bool))
     assert np.isfinite(masked[5]).all()  # behind the rejected draft: unread, unmasked
     assert request.grammar.validate_tokens(tokens) == len(tokens)  # rolled back
+
+
+def test_an_answer_closes_within_its_token_budget(llm):
+    """However short max_tokens (down to a few tokens more than the schema's shortest
+    object needs), the answer finishes as valid JSON: the budget's last tokens close it."""
+    closer = llm.engine.structured.closer
+    shortest = len(closer.closing_path(llm.engine.structured.matcher(CONSTRAINTS["json"]),
+                                       1000))
+    budgets = [shortest + 3, shortest + 10, shortest + 40, 120]
+    outputs = llm.generate(PROMPTS[:1] * len(budgets),
+                           [greedy(CONSTRAINTS["json"], budget) for budget in budgets])
+    for budget, output in zip(budgets, outputs, strict=True):
+        assert output.finish_reason == "stop" and len(output.token_ids) <= budget
+        assert_obeys("json", output.text)
+    unbounded = StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}})
+    output = llm.generate(PROMPTS[:1], greedy(unbounded, 60))[0]
+    assert output.finish_reason == "stop" and isinstance(json.loads(output.text), list)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmopt.runtime.structured.masks import allow_all, apply_masks
+from llmopt.runtime.structured.masks import allow_all, allow_only, apply_masks
 
 
 def test_apply_masks_keeps_exactly_the_allowed_tokens():
@@ -29,3 +29,12 @@ def test_tokens_past_the_mask_are_never_allowed():
     masked = apply_masks(logits, allow_all(1, 64))  # two words, every bit set
     assert not np.isneginf(masked[0, :64]).any()
     assert np.isneginf(masked[0, 64:]).all() and masked.shape == (1, 100)
+
+
+def test_allow_only_allows_exactly_one_token():
+    for token in (0, 31, 32, 63, 70):
+        bitmask = allow_all(2, 96)
+        allow_only(bitmask, 1, token)
+        masked = apply_masks(np.zeros((2, 96), dtype=np.float32), bitmask)
+        assert np.flatnonzero(np.isfinite(masked[1])).tolist() == [token]
+        assert np.isfinite(masked[0]).all()
