@@ -30,9 +30,8 @@ from llmopt.runtime.serve.protocol import (
     SamplingRequest,
 )
 from llmopt.runtime.serve.responses import ResponseBuilder, error_body, sse, usage
-from llmopt.runtime.serve.tools.reply import ToolReply
+from llmopt.runtime.serve.tools.choices import ChoiceReplies
 from llmopt.runtime.serve.tools.request import ToolError, ToolPlan, plan_tools
-from llmopt.runtime.serve.tools.text import reply_text
 from llmopt.runtime.structured.compiler import GrammarError
 from llmopt.runtime.structured.manager import StructuredOutputManager
 from llmopt.runtime.structured.params import StructuredOutputsParams
@@ -260,7 +259,8 @@ async def _generate(server: Server, body: ChatCompletionRequest | CompletionRequ
     generation.start(request)
     builder = ResponseBuilder(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                               body.model, server.llm.tokenizer)
-    replies = _ToolReplies(server, tools, body.n)
+    replies = ChoiceReplies(server.llm.tokenizer, server.llm.engine.eos_token_ids, tools,
+                            body.n)
     if body.stream:
         return StreamingResponse(
             _stream(server, generation, builder, body, len(prompt_ids), replies),
@@ -274,40 +274,6 @@ async def _generate(server: Server, body: ChatCompletionRequest | CompletionRequ
     choices = [replies.choice(builder, i, o) for i, o in enumerate(finals)]
     return JSONResponse(builder.response(
         choices, usage(len(prompt_ids), sum(len(o.token_ids) for o in finals))))
-
-
-class _ToolReplies:
-    """Each choice's reply read for tool calls, when the request's tools ask for it."""
-
-    def __init__(self, server: Server, tools: ToolPlan | None, n: int):
-        self.tokenizer = server.llm.tokenizer
-        self.end_ids = set(server.llm.engine.eos_token_ids)
-        parse = tools is not None and tools.parses_calls and tools.format is not None
-        self.replies = [ToolReply(tools.format) for _ in range(n)] if parse else None
-
-    def choice(self, builder: ResponseBuilder, index: int,
-               output: RequestOutput) -> dict[str, Any]:
-        if self.replies is None:
-            return builder.choice(index, output.text, output.finish_reason, output.logprobs)
-        content, calls = self.replies[index].whole(self._text(output))
-        return builder.choice(index, content, _finish(output, bool(calls)), output.logprobs,
-                              tool_calls=calls)
-
-    def delta(self, index: int, output: RequestOutput,
-              sent: int) -> tuple[str, list[dict[str, Any]], str | None]:
-        """(content delta, tool call deltas, finish reason) of an output."""
-        if self.replies is None:
-            return output.text[sent:], [], output.finish_reason
-        reply = self.replies[index]
-        content, calls = reply.delta(self._text(output), output.finished)
-        return content, calls, _finish(output, bool(reply.calls))
-
-    def _text(self, output: RequestOutput) -> str:
-        return reply_text(self.tokenizer, output, self.end_ids)
-
-
-def _finish(output: RequestOutput, called: bool) -> str | None:
-    return "tool_calls" if called and output.finish_reason == "stop" else output.finish_reason
 
 
 def _release(server: Server, generation: Generation) -> None:
@@ -330,7 +296,7 @@ async def _collect(generation: Generation) -> list[RequestOutput]:
 
 async def _stream(server: Server, generation: Generation, builder: ResponseBuilder,
                   body: SamplingRequest, num_prompt_tokens: int,
-                  replies: _ToolReplies) -> AsyncIterator[str]:
+                  replies: ChoiceReplies) -> AsyncIterator[str]:
     """Server-sent events: deltas per choice, a final chunk with finish_reason, optional
     usage, then `data: [DONE]`."""
     sent_text = [0] * body.n

@@ -4,10 +4,11 @@ A small model can loop inside an unbounded array or string until `max_tokens` cu
 answer off, unparseable. So once the tokens left barely cover the shortest way the grammar
 allows to finish, the answer is steered onto that way: each step allows only the next token
 of a closing path, ending with the end of sequence. The path is found greedily on a copy of
-the matcher: forced tokens, else the end of sequence, else (inside a string, told by plain
-letters being allowed) the closing quote, else the first allowed of `}`, `]`, `,`, `0`,
-`false`, `null`, `[`, `{`, `"`, else the lowest allowed token that is not whitespace. The
-answer finishes complete and valid, shortened; until then nothing changes.
+the matcher: forced tokens, else the end of sequence, else (among a few allowed tokens) one
+that completes the grammar, else for JSON (inside a string, told by plain letters being
+allowed) the closing quote, else the first allowed of `}`, `]`, `,`, `0`, `false`, `null`,
+`[`, `{`, `"`, else the lowest allowed token that is not whitespace. The answer finishes
+complete and valid, shortened; until then nothing changes.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from llmopt.runtime.tokenizer import Tokenizer
 
 CLOSERS = ["}", "]", ",", "0", "false", "null", "[", "{"]
 LETTERS = "qxzkjQXZKJ"  # never allowed outside a JSON string (unlike t, f, n, e, E)
 WINDOW = 96  # look for the closing path only this close to the budget's end
 MARGIN = 8  # a token can open several levels at once: start closing this much early
+LOOKAHEAD = 256  # try each allowed token for one that completes the grammar, up to this many
 
 
 class Closer:
@@ -58,16 +62,29 @@ class Closer:
         return path
 
     def _next(self, matcher: Any) -> int:
-        mask = matcher.compute_bitmask()
-
-        def allowed(token: int) -> bool:
-            return bool(mask[token >> 3] >> (token & 7) & 1)
-
-        in_string = any(allowed(t) for t in self.letters)
-        order = [*self.eos, *(self.quote if in_string else ()), *self.closers, *self.quote]
-        first = next((t for t in order if allowed(t)), None)
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8),
+                             bitorder="little")
+        tokens = np.flatnonzero(bits).tolist()
+        allowed = set(tokens)
+        eos = next((t for t in self.eos if t in allowed), None)
+        if eos is not None:
+            return eos
+        if len(tokens) <= LOOKAHEAD:
+            done = next((t for t in tokens if _completes(matcher, t)), None)
+            if done is not None:
+                return done
+        in_string = any(t in allowed for t in self.letters)
+        order = [*(self.quote if in_string else ()), *self.closers, *self.quote]
+        first = next((t for t in order if t in allowed), None)
         if first is not None:
             return first
-        tokens = [i * 8 + bit for i, byte in enumerate(mask) if byte for bit in range(8)
-                  if byte >> bit & 1]
         return next((t for t in tokens if t not in self.whitespace), tokens[0])
+
+
+def _completes(matcher: Any, token: int) -> bool:
+    """Whether `token` leaves the grammar complete (tried, then taken back)."""
+    if not matcher.consume_token(token):
+        return False
+    done = matcher.is_accepting()
+    matcher.rollback(1)
+    return done

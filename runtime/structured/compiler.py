@@ -42,7 +42,7 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Tokenizer, eos_token_ids: Sequence[int]):
         llg = import_llguidance()
-        self._llg = llg
+        self.llguidance = llg
         eos = list(eos_token_ids) or [tokenizer.eos_token_id]
         try:
             self.tokenizer = llg.LLTokenizer(tokenizer.tokenizer.to_str(), eos_token=eos)
@@ -57,7 +57,7 @@ class GrammarCompiler:
 
     def matcher(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A fresh matcher at the constraint's start, for one request."""
-        matcher = self._llg.LLMatcher(self.tokenizer, self.grammar(params))
+        matcher = self.llguidance.LLMatcher(self.tokenizer, self.grammar(params))
         if matcher.is_error():
             raise GrammarError(f"{params.kind}: {_first_line(matcher.get_error())}")
         return matcher
@@ -74,10 +74,10 @@ class GrammarCompiler:
 
     def _compile(self, params: StructuredOutputsParams) -> str:
         try:
-            grammar = to_grammar(self._llg, params)
+            grammar = to_grammar(self.llguidance, params)
         except ValueError as exc:
             raise GrammarError(f"{params.kind}: {exc}") from exc
-        failed, messages = self._llg.LLMatcher.validate_grammar_with_warnings(
+        failed, messages = self.llguidance.LLMatcher.validate_grammar_with_warnings(
             grammar, self.tokenizer)
         if failed:
             raise GrammarError(f"{params.kind}: {_first_line(messages[0])}")

@@ -60,7 +60,7 @@ class StructuredOutputManager:
                 allow_only(bitmask, i, forced)
         if free:
             if self._executor is None and len(free) > 1:
-                self._executor = self.compiler._llg.LLExecutor(num_threads=2)
+                self._executor = self.compiler.llguidance.LLExecutor(num_threads=2)
             part = allow_all(len(free), self.vocab_size)
             fill_masks(self._executor, [requests[i].grammar for i in free], part)
             bitmask[free] = part
