@@ -10,6 +10,10 @@ inter-token latency (per request: (end - first token) / (tokens - 1)) p50/p99, f
   llmopt-int4         ... --no-speculative
   llama-server        llama.cpp's C++ server, Q4_0, --parallel slots, continuous batching
   llama-cpp-python    llama-cpp-python's server (`python -m llama_cpp.server`), Q4_0
+  vllm                vLLM-CPU's OpenAI server (`python -m vllm.entrypoints.openai.api_server`,
+                      from its own environment, --vllm-python) serving `--vllm-model`: an
+                      `llmopt export-hf` checkpoint (GPTQ or AWQ), bfloat16 activations, a
+                      small KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)
 
 The Q4_0 GGUF is llama.cpp's own quantization of the package GGUF dequantized to F32
 (bench_int4.py's helpers). Targets, at the highest rate where an anchor's p99 TTFT stays
@@ -48,6 +52,7 @@ from _serve_client import (  # noqa: E402
 TEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext2-valid.tokens.txt"
 LLMOPT = ("llmopt-int4-spec", "llmopt-int4")
 ANCHORS = ("llama-server", "llama-cpp-python")
+VLLM = "vllm"
 PORT = 8411
 TTFT_LIMIT_MS = 2000.0
 TARGETS = {"llama-cpp-python": 1.5, "llama-server": 1.0}
@@ -109,9 +114,22 @@ def server_command(system: str, args: argparse.Namespace, gguf: Path | None,
         return [args.llama_server, "-m", str(gguf), "--port", str(port), "-t", threads, "-tb",
                 threads, "-np", str(args.parallel), "-c", str(args.parallel * 1024),
                 "--no-webui"]
+    if system == VLLM:
+        return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                args.vllm_model, "--port", str(port), "--served-model-name", VLLM,
+                "--max-model-len", "1024", "--max-num-seqs", str(args.parallel),
+                "--dtype", "bfloat16"]
     return [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port",
             str(port), "--n_threads", threads, "--n_threads_batch", threads, "--n_ctx", "1024",
             "--interrupt_requests", "False"]  # its default cuts a stream when the next arrives
+
+
+def server_env(system: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
+    """vLLM-CPU takes its threads and KV cache size from the environment."""
+    if system != VLLM:
+        return env
+    return {**env, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(args.threads)}
 
 
 def health_url(system: str, port: int) -> str:
@@ -134,7 +152,8 @@ def run_all(systems: list[str], args: argparse.Namespace, gguf: Path | None,
             command = server_command(system, args, gguf, port)
             log = RESULTS_DIR / f"bench_serve-{system}.log"
             servers[system] = stack.enter_context(
-                ServerProcess(command, health_url(system, port), log, env))
+                ServerProcess(command, health_url(system, port), log,
+                              server_env(system, args, env)))
             url = f"http://127.0.0.1:{port}/v1/completions"
             asyncio.run(open_loop(url, bodies(workloads.warm_up, system), 100.0, 0))
         for rate, workload in zip(args.rates, workloads.per_rate, strict=True):
@@ -295,6 +314,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--llama-quantize", default=None, help="path of llama-quantize")
     parser.add_argument("--llama-cpp-lib", default=None,
                         help="LLAMA_CPP_LIB_PATH for llama-cpp-python (its own libs if unset)")
+    parser.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",
+                        help="python of an environment with vllm-cpu installed")
+    parser.add_argument("--vllm-model", default=None,
+                        help="checkpoint vLLM serves (an `llmopt export-hf` directory)")
+    parser.add_argument("--vllm-kv-gib", type=int, default=1,
+                        help="VLLM_CPU_KVCACHE_SPACE: vLLM-CPU's KV cache, GiB")
     parser.add_argument("--out-dir", default="out/serve-bench")
     parser.add_argument("--overhead-rounds", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
@@ -322,6 +347,8 @@ def main() -> None:
     if "llama-server" in systems and not args.llama_server:
         print("llama-server: skipped (no --llama-server path)")
         systems.remove("llama-server")
+    if VLLM in systems and not args.vllm_model:
+        sys.exit("--systems vllm needs --vllm-model (an `llmopt export-hf` checkpoint)")
     rows = run_all(systems, args, gguf, workloads)
     report = {"machine": machine, "rows": rows, "targets": targets_check(rows),
               "capacity": capacity_check(rows),

@@ -38,6 +38,7 @@ from llmopt.runtime.sampler import log_softmax, sample
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from llmopt.runtime.speculative.speculator import SpeculationTotals, Speculator
+from llmopt.runtime.structured.manager import StructuredOutputManager
 from llmopt.runtime.tokenizer import Tokenizer
 
 
@@ -97,8 +98,10 @@ class LLMEngine:
         self.kv_cache_manager = kv_cache_manager or KVCacheManager(
             config.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config, self.kv_cache_manager, eos_token_ids)
+        self.eos_token_ids = list(eos_token_ids)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.eos_token_ids)
         self.requests: dict[str, _Tracked] = {}  # unfinished ones
+        self._structured: StructuredOutputManager | None = None  # made on first use
         self._ids = itertools.count()
 
     def add_request(
@@ -112,12 +115,24 @@ class LLMEngine:
         """Queue a request; it is scheduled from the next step on. Returns its id."""
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        grammar = (self.structured.matcher(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         request = Request(str(next(self._ids)), list(prompt_token_ids), params, score_only)
+        request.grammar = grammar
         self.scheduler.add_request(request)  # raises on a prompt too long for the context
         text = (OutputText(self.tokenizer, params.stop, params.include_stop_str_in_output)
                 if self.tokenizer is not None else None)
         self.requests[request.request_id] = _Tracked(request, prompt, text)
         return request.request_id
+
+    @property
+    def structured(self) -> StructuredOutputManager:
+        """Grammars for structured outputs, built for the tokenizer on first use."""
+        if self._structured is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need a tokenizer")
+            self._structured = StructuredOutputManager(self.tokenizer, self.eos_token_ids)
+        return self._structured
 
     def abort_request(self, request_id: str) -> None:
         tracked = self.requests.pop(request_id, None)
@@ -137,6 +152,8 @@ class LLMEngine:
             return []
         if speculator is not None:
             scheduled = speculator.propose(scheduled)
+            if self._structured is not None:
+                scheduled = self._structured.trim_drafts(scheduled, speculator.drafts)
         logits = self.executor.execute(self._step_batch(scheduled))
         emitted = self._process_logits(scheduled, logits)
         return self._postprocess(scheduled, emitted)
@@ -168,8 +185,10 @@ class LLMEngine:
             if request.score_only:
                 record_prompt_logprobs(item, logits[row : row + num_rows])
             elif item.spec_token_ids:
-                tokens, rows = self.speculator.verify(item, logits[row : row + num_rows],
+                rows = logits[row : row + num_rows]
+                tokens, used = self.speculator.verify(item, self._masked_drafts(item, rows),
                                                       self.executor, self.kv_cache_manager)
+                rows = rows[used]
                 emitted[request.request_id] = tokens
                 _record_logprobs(request, rows, tokens)  # verified row j gave token j
             elif num_rows:
@@ -181,6 +200,8 @@ class LLMEngine:
             # a decode step's rows are all sampled, in order: a view, not a 3 MB copy
             rows = (logits[first : last + 1] if last - first + 1 == len(sample_rows)
                     else logits[sample_rows])
+            if self._structured is not None:
+                rows = self._structured.mask_rows(to_sample, rows)
             token_ids = sample(
                 rows,
                 [r.sampling_params for r in to_sample],
@@ -195,9 +216,17 @@ class LLMEngine:
         for request_id, tokens in emitted.items():
             request = self.requests[request_id].request
             request.num_decode_steps += 1
+            if request.grammar is not None:
+                StructuredOutputManager.accept(request, tokens)
             if self.speculator is not None:
                 self.speculator.observe(request, tokens)
         return emitted
+
+    def _masked_drafts(self, item: ScheduledRequest, rows: np.ndarray) -> np.ndarray:
+        """A drafting request's rows; a constrained one's masked by its grammar."""
+        if item.request.grammar is None or self._structured is None:
+            return rows
+        return self._structured.mask_draft_rows(item, rows)
 
     def _postprocess(
         self, scheduled: list[ScheduledRequest], emitted: dict[str, list[int]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -51,6 +52,9 @@ class Request:
     num_decode_steps: int = field(init=False, default=0)  # steps that gave it tokens
     # With sampling_params.logprobs set: one entry per output token.
     output_logprobs: list[TokenLogprob] = field(init=False, default_factory=list)
+    # With sampling_params.structured_outputs: its llguidance matcher, at the state after
+    # the output so far (runtime/structured/).
+    grammar: Any = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

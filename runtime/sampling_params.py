@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from llmopt.runtime.structured.params import StructuredOutputsParams
+
 # New tokens when neither the caller nor the checkpoint's generation config says: the CLI's
 # `--max-tokens` default and `LLM.generate`'s (SamplingParams() itself keeps vLLM's 16).
 DEFAULT_MAX_TOKENS = 128
@@ -26,6 +28,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # kept in the output, like eos
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k = each output token's logprob and k best
+    # The output must match a JSON schema, regex, choice or grammar (runtime/structured/).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise a single stop string to a list through object.__setattr__.
@@ -50,6 +54,12 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
         _check(self.logprobs is None or self.logprobs >= 0,
                f"logprobs must be >= 0 or None, got {self.logprobs}")
+        _check(self.structured_outputs is None or isinstance(
+            self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs must be a StructuredOutputsParams")
+        _check(self.structured_outputs is None or not self.ignore_eos,
+               "ignore_eos cannot be combined with structured_outputs: a finished grammar "
+               "allows only the end of sequence")
 
     @property
     def greedy(self) -> bool:

@@ -73,8 +73,11 @@ class Tokenizer:
             **{**tokens, **kwargs},
         )
 
-    def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> list[int]:
+        """`kwargs` reach the template as variables (`tools=[...]`, as transformers')."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        **kwargs)
         return self.encode(text, add_bos=False, add_eos=False)  # the template wrote its own
 
     @functools.cached_property

@@ -43,3 +43,12 @@ def word_text(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("text") / "text.txt"
     path.write_text(" ".join(rng.choice(words) for _ in range(4000)))
     return path
+
+
+@pytest.fixture(scope="session")
+def tool_artifact(tmp_path_factory) -> Path:
+    """A tiny Qwen2 artifact with Qwen2.5's tool-capable template and an n-gram draft
+    (tiny_tool_artifact.py); its checkpoint is in the folder beside it."""
+    from tiny_tool_artifact import build_tool_artifact
+
+    return build_tool_artifact(tmp_path_factory.mktemp("tools"))

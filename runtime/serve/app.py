@@ -6,6 +6,7 @@ engine requests to the EngineLoop and relay its outputs, whole or as server-sent
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -29,6 +30,11 @@ from llmopt.runtime.serve.protocol import (
     SamplingRequest,
 )
 from llmopt.runtime.serve.responses import ResponseBuilder, error_body, sse, usage
+from llmopt.runtime.serve.tools.choices import ChoiceReplies
+from llmopt.runtime.serve.tools.request import ToolError, ToolPlan, plan_tools
+from llmopt.runtime.structured.compiler import GrammarError
+from llmopt.runtime.structured.manager import StructuredOutputManager
+from llmopt.runtime.structured.params import StructuredOutputsParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -59,7 +65,17 @@ class Server:
         self.capacity = llm.engine.config.max_num_seqs + config.max_waiting
         self.in_flight = 0  # engine requests admitted and not yet finished
         self.draining = False  # set on SIGTERM: admit nothing new
+        self.structured = _structured_outputs(llm)
         reserve_kv_pool(llm)
+
+    async def check_constraint(self, params: StructuredOutputsParams, field: str) -> None:
+        """A 400 naming the problem when the grammar engine cannot compile `params`."""
+        if isinstance(self.structured, str):
+            raise APIError(400, f"{field}: {self.structured}", param=field)
+        try:  # compiling a large schema takes a while: off the event loop
+            await asyncio.to_thread(self.structured.compiler.check, params)
+        except GrammarError as exc:
+            raise APIError(400, f"{field}: {exc}", param=field) from exc
 
     def admit(self, num_requests: int) -> None:
         if self.draining:
@@ -84,6 +100,15 @@ class Server:
         if model != self.config.served_model_name:
             raise APIError(404, f"the model '{model}' does not exist; this server serves "
                            f"'{self.config.served_model_name}'", "not_found_error", "model")
+
+
+def _structured_outputs(llm: LLM) -> StructuredOutputManager | str:
+    """The engine's grammars, built now rather than in the first request; without
+    llguidance, why not."""
+    try:
+        return llm.engine.structured
+    except GrammarError as exc:
+        return str(exc)
 
 
 def reserve_kv_pool(llm: LLM) -> None:
@@ -149,12 +174,14 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         server.check_auth(request)
         server.check_model(body.model)
+        tools = await _tool_plan(server, body)
         try:
             messages = [m.template_dict() for m in body.messages]
-            prompt_ids = server.llm.tokenizer.encode_chat(messages)
+            prompt_ids = server.llm.tokenizer.encode_chat(
+                messages, tools=tools.template_tools if tools else None)
         except Exception as exc:  # noqa: BLE001 - a template error is the client's input
             raise APIError(400, f"messages: {exc}", param="messages") from exc
-        return await _generate(server, body, request, prompt_ids, chat=True)
+        return await _generate(server, body, request, prompt_ids, chat=True, tools=tools)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -173,17 +200,54 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         return await _generate(server, body, request, prompt_ids, chat=False)
 
 
+async def _tool_plan(server: Server, body: ChatCompletionRequest) -> ToolPlan | None:
+    """The request's tools, each one's parameter schema checked by the grammar engine."""
+    try:
+        plan = plan_tools(body, server.llm.tokenizer.spec.chat_template)
+    except ToolError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+    for function in plan.functions if plan is not None else ():
+        if function.get("parameters") is not None:
+            await server.check_constraint(StructuredOutputsParams(json=function["parameters"]),
+                                          f"tools[{function['name']}].parameters")
+    return plan
+
+
+async def _constraint(server: Server, body: ChatCompletionRequest | CompletionRequest,
+                      tools: ToolPlan | None) -> StructuredOutputsParams | None:
+    """What the output must match: a forced tool call, or the response format asked."""
+    try:
+        params, field = body.constraint()
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+    forced = tools.constraint(server.llm.tokenizer) if tools is not None else None
+    if forced is not None:
+        if params is not None:
+            raise APIError(400, f"tool_choice '{tools.choice}' forces a tool call; it cannot "
+                           f"be combined with {field}", param="tool_choice")
+        params, field = forced, "tool_choice"
+    if params is not None:
+        await server.check_constraint(params, field)
+    return params
+
+
 async def _generate(server: Server, body: ChatCompletionRequest | CompletionRequest,
-                    request: Request, prompt_ids: list[int], chat: bool) -> Response:
+                    request: Request, prompt_ids: list[int], chat: bool,
+                    tools: ToolPlan | None = None) -> Response:
     max_context = server.llm.engine.config.max_context
     try:
         check_prompt_length(len(prompt_ids), max_context, False)
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages" if chat else "prompt") from exc
+    constraint = await _constraint(server, body, tools)
+    if constraint is not None and body.ignore_eos:
+        raise APIError(400, "ignore_eos cannot be combined with a constrained output",
+                       param="ignore_eos")
     room = max_context - len(prompt_ids)
     wanted = body.requested_max_tokens or (room if chat else DEFAULT_COMPLETION_MAX_TOKENS)
     defaults = server.llm.default_params
-    params = [body.sampling_params(defaults, min(wanted, room), i, body.num_logprobs)
+    params = [body.sampling_params(defaults, min(wanted, room), i, body.num_logprobs,
+                                   constraint)
               for i in range(body.n)]
     server.admit(body.n)
     generation = Generation(server.loop, prompt_ids, params)
@@ -191,17 +255,19 @@ async def _generate(server: Server, body: ChatCompletionRequest | CompletionRequ
     generation.start(request)
     builder = ResponseBuilder(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                               body.model, server.llm.tokenizer)
+    replies = ChoiceReplies(server.llm.tokenizer, server.llm.engine.eos_token_ids, tools,
+                            body.n)
     if body.stream:
-        return StreamingResponse(_stream(server, generation, builder, body, len(prompt_ids)),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _stream(server, generation, builder, body, len(prompt_ids), replies),
+            media_type="text/event-stream")
     try:
         finals = await _collect(generation)
     except ClientDisconnected:
         return Response(status_code=499)  # nobody reads it; the choices were aborted
     finally:
         _release(server, generation)
-    choices = [builder.choice(i, o.text, o.finish_reason, o.logprobs) for i, o in
-               enumerate(finals)]
+    choices = [replies.choice(builder, i, o) for i, o in enumerate(finals)]
     return JSONResponse(builder.response(
         choices, usage(len(prompt_ids), sum(len(o.token_ids) for o in finals))))
 
@@ -225,7 +291,8 @@ async def _collect(generation: Generation) -> list[RequestOutput]:
 
 
 async def _stream(server: Server, generation: Generation, builder: ResponseBuilder,
-                  body: SamplingRequest, num_prompt_tokens: int) -> AsyncIterator[str]:
+                  body: SamplingRequest, num_prompt_tokens: int,
+                  replies: ChoiceReplies) -> AsyncIterator[str]:
     """Server-sent events: deltas per choice, a final chunk with finish_reason, optional
     usage, then `data: [DONE]`."""
     sent_text = [0] * body.n
@@ -236,13 +303,13 @@ async def _stream(server: Server, generation: Generation, builder: ResponseBuild
             for i in range(body.n):
                 yield sse(builder.chunk(i, "", None, None, first=True))
         async for i, output in generation.outputs():
-            delta = output.text[sent_text[i]:]
+            delta, calls, finish_reason = replies.delta(i, output, sent_text[i])
             new_logprobs = (output.logprobs[sent_logprobs[i]:]
                             if output.logprobs is not None else None)
-            if delta or output.finished or new_logprobs:
-                yield sse(builder.chunk(i, delta, output.finish_reason, new_logprobs,
-                                        text_offset=sent_text[i]))
-            sent_text[i] = len(output.text)
+            if delta or calls or output.finished or new_logprobs:
+                yield sse(builder.chunk(i, delta, finish_reason, new_logprobs,
+                                        text_offset=sent_text[i], tool_calls=calls))
+            sent_text[i] += len(delta)
             sent_logprobs[i] += len(new_logprobs or ())
             num_generated[i] = len(output.token_ids)
         if body.include_usage:

@@ -6,11 +6,16 @@ accepted and ignored, as vLLM does; a value out of range is a 400 naming the fie
 
 from __future__ import annotations
 
+import contextlib
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmopt.runtime.sampling_params import SamplingParams
+from llmopt.runtime.serve.constraints import ConstraintFields
+from llmopt.runtime.serve.tools.request import ToolFields
+from llmopt.runtime.structured.params import StructuredOutputsParams
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
@@ -33,11 +38,22 @@ class ChatMessage(BaseModel):
                 raise ValueError("only text content parts are supported")
             message["content"] = "".join(parts)
         message["role"] = "system" if self.role == "developer" else self.role
+        for call in message.get("tool_calls") or ():
+            _arguments_as_object(call)
         return message
 
 
-class SamplingRequest(BaseModel):
-    """The sampling fields chat and completions share."""
+def _arguments_as_object(call: Any) -> None:
+    """Templates write a call's arguments with `tojson`: give them the object that the
+    JSON string OpenAI sends encodes (as vLLM does)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        with contextlib.suppress(json.JSONDecodeError):  # not JSON: the template gets text
+            function["arguments"] = json.loads(function["arguments"])
+
+
+class SamplingRequest(ConstraintFields):
+    """The sampling fields chat and completions share (and what constrains the output)."""
 
     model_config = ConfigDict(extra="ignore")
     model: str
@@ -65,7 +81,8 @@ class SamplingRequest(BaseModel):
         return stop
 
     def sampling_params(self, defaults: SamplingParams, max_tokens: int, seed_offset: int,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """Engine parameters: the request's values over the artifact's generation defaults."""
         chosen = {
             "temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
@@ -84,6 +101,7 @@ class SamplingRequest(BaseModel):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            structured_outputs=structured,
         )
 
     @property
@@ -91,7 +109,7 @@ class SamplingRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, gt=0)
     logprobs: bool = False

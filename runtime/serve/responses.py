@@ -42,27 +42,35 @@ class ResponseBuilder:
     def response(self, choices: list[dict[str, Any]], usage_: dict[str, int]) -> dict[str, Any]:
         return {**self._envelope(self.object, choices), "usage": usage_}
 
-    def choice(self, index: int, text: str, finish_reason: str | None,
-               logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+    def choice(self, index: int, text: str | None, finish_reason: str | None,
+               logprobs: list[TokenLogprob] | None,
+               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """A whole choice (non-streamed)."""
         body: dict[str, Any] = {"index": index, "finish_reason": finish_reason,
                                 "logprobs": self.logprobs(logprobs)}
         if self.chat:
             body["message"] = {"role": "assistant", "content": text}
+            if tool_calls:
+                body["message"]["tool_calls"] = tool_calls
         else:
             body["text"] = text
         return body
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None,
               logprobs: list[TokenLogprob] | None, first: bool = False,
-              text_offset: int = 0) -> dict[str, Any]:
-        """One streamed delta of one choice; `text_offset`: the choice's text before it."""
+              text_offset: int = 0,
+              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """One streamed delta of one choice; `text_offset`: the choice's text before it;
+        `tool_calls`: deltas of the calls (OpenAI's: index, then id/type/name once, then
+        pieces of the arguments)."""
         body: dict[str, Any] = {"index": index, "finish_reason": finish_reason,
                                 "logprobs": self.logprobs(logprobs, text_offset)}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if text is not None:
+            if text is not None and (text or not tool_calls):
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             body["delta"] = delta
         else:
             body["text"] = text or ""

@@ -116,11 +116,11 @@ class Speculator:
         return drafted, others
 
     def verify(self, item: ScheduledRequest, logits: np.ndarray, target: Executor,
-               kv_cache_manager: KVCacheManager) -> tuple[list[int], np.ndarray]:
+               kv_cache_manager: KVCacheManager) -> tuple[list[int], list[int]]:
         """The tokens a sequence with drafts emits (its accepted drafts plus one) and the
-        logits rows they were drawn from (row j gave token j). An accepted side branch of
-        a tree has its entries in `target`'s pools moved to the positions its tokens now
-        have."""
+        indices of the logits rows they were drawn from (row j gave token j). An accepted
+        side branch of a tree has its entries in `target`'s pools moved to the positions
+        its tokens now have."""
         request = item.request
         tokens, path = self._verified(request, logits)
         if path != list(range(len(path))):  # a tree's side branch: its KV, its rows
@@ -129,8 +129,7 @@ class Speculator:
             cast(TreeExecutor, target).move_entries(  # it ran the tree
                 kv_cache_manager.block_ids(request), [first + node for node, _ in moved],
                 [first + depth for _, depth in moved])
-            logits = logits[[0, *(node + 1 for node in path)]]
-        return tokens, logits
+        return tokens, [0, *(node + 1 for node in path)]
 
     def _verified(self, request: Request, logits: np.ndarray) -> tuple[list[int], list[int]]:
         """The tokens emitted, and the accepted drafts' indices (a chain's: 0, 1, ...; a
