@@ -7,7 +7,7 @@ one at hand. What the model writes spans what it knows (prose, code, lists, chat
 for every model and language, and needs no file. `calibration.model_samples` is the share
 of windows drawn from the model; `auto` takes every window from the model without a text
 and MIXED_SHARE of them with one (benchmarks/README.md, quality_domains.py, measured on
-the tuning split).
+the tuning split), and none from a model too large to sample (compiler/sample_budget.py).
 
 Samples are drawn at temperature 1 from the BOS token (else the first EOS), EOS never
 drawn, with a seed of their own (SAMPLE_SEED), so the quality probe's samples (the
@@ -27,6 +27,11 @@ import torch
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.recipe import CalibrationConfig
 from llmopt.compiler.reference import KVCache, ReferenceModel
+from llmopt.compiler.sample_budget import (
+    can_sample,
+    check_calibration_source,
+    parameter_count,
+)
 from llmopt.compiler.weight_quant import intra_op_threads
 from llmopt.runtime.tools.evaluate import windows_of
 
@@ -37,10 +42,13 @@ SAMPLE_BATCH = 64  # sequences sampled together: bounds the KV cache's memory
 PROGRESS_EVERY_S = 10.0
 
 
-def model_share(config: CalibrationConfig) -> float:
-    """The share of calibration windows sampled from the model (`auto` resolved)."""
+def model_share(config: CalibrationConfig, num_parameters: int) -> float:
+    """The share of calibration windows sampled from the model (`auto` resolved: none for
+    a model too large to sample, compiler/sample_budget.py)."""
     if config.model_samples != "auto":
         return config.model_samples
+    if not can_sample(num_parameters):
+        return 0.0
     return 1.0 if config.text is None else MIXED_SHARE
 
 
@@ -49,17 +57,21 @@ def calibration_windows(ir: ModelIR, config: CalibrationConfig,
     """int64 [samples, seq_len]: round(share x samples) sequences sampled from `ir`, the rest
     the first windows of calibration.text, the two spread evenly through the set (a pass
     reading only its first windows sees both)."""
-    sampled = round(model_share(config) * config.samples)
+    num_parameters = parameter_count(ir.arch)
+    check_calibration_source(config, num_parameters)
+    sampled = round(model_share(config, num_parameters) * config.samples)
     if sampled < config.samples and config.text is None:
         raise ValueError("calibration.model_samples below 1 needs calibration.text")
-    text = torch.empty(0, config.seq_len, dtype=torch.int64)
+    # a sampled window is at most the model's context: text windows beside it match it
+    seq_len = min(config.seq_len, ir.arch.max_position) if sampled else config.seq_len
+    text = torch.empty(0, seq_len, dtype=torch.int64)
     if sampled < config.samples:
         text = torch.tensor(windows_of(
-            ir.text_token_ids(config.text), config.seq_len, config.samples - sampled,
+            ir.text_token_ids(config.text), seq_len, config.samples - sampled,
             minimum=config.samples - sampled, source=f"calibration.text {config.text}"),
             dtype=torch.int64)
-    model = (model_samples(ir, sampled, config.seq_len, log) if sampled
-             else torch.empty(0, config.seq_len, dtype=torch.int64))
+    model = (model_samples(ir, sampled, seq_len, log) if sampled
+             else torch.empty(0, seq_len, dtype=torch.int64))
     return interleave(model, text)
 
 

@@ -114,7 +114,7 @@ def estimate_compile(recipe: Recipe, ref: CheckpointRef, shape: Shape) -> Compil
 
 
 def _calibration_parts(recipe: Recipe, shape: Shape) -> dict[str, int]:
-    calibrating = [step for step in recipe.passes if _calibrates(step.config)]
+    calibrating = [step for step in recipe.passes if calibrates(step.config)]
     if not calibrating:
         return {}
     tokens = recipe.calibration.samples * recipe.calibration.seq_len
@@ -124,7 +124,7 @@ def _calibration_parts(recipe: Recipe, shape: Shape) -> dict[str, int]:
     return parts
 
 
-def _calibrates(config: Any) -> bool:
+def calibrates(config: Any) -> bool:
     needs = getattr(config, "needs_calibration_text", None)
     return bool(needs is not None and needs())
 

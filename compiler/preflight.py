@@ -11,10 +11,12 @@ from llmopt.compiler.memory_estimate import (
     GIB,
     CompileEstimate,
     available_memory,
+    calibrates,
     estimate_compile,
     read_shape,
 )
 from llmopt.compiler.pass_registry import check_order
+from llmopt.compiler.sample_budget import check_calibration_source
 from llmopt.runtime.manifest import MANIFEST_FILE
 
 if TYPE_CHECKING:
@@ -45,6 +47,8 @@ def check_resources(recipe: Recipe, ref: CheckpointRef, out: Path) -> None:
     shape = read_shape(ref)
     if shape is None:  # no config.json to read (a GGUF file): the loader will tell
         return
+    if any(calibrates(step.config) for step in recipe.passes):
+        check_calibration_source(recipe.calibration, shape.params)
     estimate = estimate_compile(recipe, ref, shape)
     available = available_memory()
     if estimate.peak_bytes > available:

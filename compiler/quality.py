@@ -9,10 +9,7 @@ agreement there are unbiased estimates. Perplexity is not a text perplexity ther
 own samples a model's perplexity is exp of its entropy, and the increase is about
 exp(KL) - 1), so it is labelled as such, and a recipe's perplexity budget needs real text.
 
-Sampling is sequential: every sampled token reads every weight once. That is cheap for a
-small model held in memory and unaffordable at real sizes, where weights are read lazily
-layer by layer (a 1B model's read costs more than a whole forward over hundreds of
-tokens). So a model above `SAMPLING_MAX_PARAMETERS` is measured instead on the prose
+A model too large to sample (`compiler/sample_budget.py`) is measured instead on the prose
 passages built into the package (`runtime.bench_text`), labelled as such. Every comparison
 runs layer-major: both models' layers are read once per probe for all windows, so the
 probe costs two reads of the model plus the forward over its few windows.
@@ -33,6 +30,8 @@ import torch
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.pass_registry import PASSES
 from llmopt.compiler.reference import KVCache, ReferenceModel
+from llmopt.compiler.sample_budget import SAMPLING_MAX_PARAMETERS
+from llmopt.compiler.sample_budget import parameter_count as arch_parameters
 from llmopt.compiler.weight_quant import intra_op_threads
 from llmopt.runtime.tools.evaluate import windows_of
 
@@ -40,9 +39,6 @@ if TYPE_CHECKING:
     from llmopt.compiler.recipe import Recipe
 
 PROGRESS_EVERY_S = 10.0  # a measurement takes minutes on a real model: say how far it got
-# Above this many parameters the model's own samples cost more than the compile (see the
-# module docstring): the built-in passages are measured instead.
-SAMPLING_MAX_PARAMETERS = 400_000_000
 # The built-in passages' probe: a fixed token budget, so its compute stays a small share
 # of a compile at every size (its two reads of the model cost about what one weight pass
 # costs to read it).
@@ -78,8 +74,15 @@ class QualityProbe:
                                  quality.eval_windows, quality.eval_seq_len, log)
             if probe is not None:
                 return probe
+        return cls.domain_free(recipe, ir, log)
+
+    @classmethod
+    def domain_free(cls, recipe: Recipe, ir: ModelIR,
+                    log: Callable[[str], None] | None = None) -> QualityProbe:
+        """The model's own samples; the built-in passages for a model too large to sample."""
         if parameter_count(ir) > SAMPLING_MAX_PARAMETERS:
             return cls.from_passages(ir, PASSAGE_WINDOWS, log)
+        quality = recipe.quality
         return cls.from_samples(ir, quality.sampled_sequences, quality.sampled_tokens,
                                 quality.seed, log)
 
@@ -205,12 +208,7 @@ def _head(model: ReferenceModel) -> torch.Tensor:
 
 def parameter_count(ir: ModelIR) -> int:
     """The model's parameters, from its shapes alone (no weight is read)."""
-    arch = ir.arch
-    total = arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
-    for spec in arch.layers:
-        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        total += arch.hidden_size * (2 * q + 2 * kv + 3 * arch.intermediate_size)
-    return total
+    return arch_parameters(ir.arch)
 
 
 def calibration_span(recipe: Recipe) -> int:
@@ -233,7 +231,7 @@ def sample_sequences(ir: ModelIR, sequences: int, tokens: int, seed: int,
     model, cache = ReferenceModel(ir, tokens), KVCache()
     # Every token reads every weight: a model already in memory is held as it is (its
     # quantized linears dequantized once); a streamed one is read per step, one layer at
-    # a time (SAMPLING_MAX_PARAMETERS bounds that cost).
+    # a time (compiler/sample_budget.py bounds that cost).
     streamed = getattr(ir.weights, "source", None) is not None
     held = contextlib.nullcontext() if streamed else model.holding(list(ir.weights))
     generator = torch.Generator().manual_seed(seed)

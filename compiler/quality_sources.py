@@ -43,8 +43,7 @@ class QualityProbes:
         elif kind == "calibration_tail":
             text = QualityProbe.held_out(ir, recipe.calibration.text, calibration_span(recipe),
                                          quality.eval_windows, quality.eval_seq_len, log)
-        samples = QualityProbe.from_samples(ir, quality.sampled_sequences,
-                                            quality.sampled_tokens, quality.seed, log)
+        samples = QualityProbe.domain_free(recipe, ir, log)
         return cls(samples, text)
 
     def compare(self, before: ModelIR, after: ModelIR) -> dict[str, Any]:

@@ -12,17 +12,14 @@ keep per-token scales and a float32 skip dtype, as before.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from llmopt.passes.kv_cache import Config
+from typing import Any  # the pass's Config: not imported, the package imports this module
 
 # The int4 default's KL target on the calibration windows (the model's own samples by
 # default), chosen on quality_domains.py's tuning split.
 INT4_MAX_KL = 0.05
 
 
-def resolved(config: Config) -> Config:
+def resolved(config: Any) -> Any:
     """`config` with every `auto` among key_scales, value_scales, skip_dtype and max_kl set
     for its dtype (rotate's `auto` depends on the model: see `resolved_rotate`). The int4
     layout applies only where the recipe chose none (key_scales, group sizes, smoothing)."""
@@ -40,7 +37,7 @@ def resolved(config: Config) -> Config:
                                      if getattr(config, k) == "auto"})
 
 
-def max_kl_is_a_target(config: Config) -> bool:
+def max_kl_is_a_target(config: Any) -> bool:
     """An explicit max_kl must be reached (else an error names it); the default's is the
     best the layers allow."""
     return config.max_kl != "auto"

@@ -60,8 +60,10 @@ def eager(path) -> ModelIR:
 
 
 def recipe(step: dict, text, samples: int = 8) -> Recipe:
+    """Calibration on the text alone: what a model too large to sample calibrates on."""
     return Recipe(model="m", passes=[step], quality={"measure": False},
-                  calibration={"text": str(text), "samples": samples, "seq_len": 32})
+                  calibration={"text": str(text), "samples": samples, "seq_len": 32,
+                               "model_samples": 0})
 
 
 def codes(ir: ModelIR) -> dict[str, tuple[torch.Tensor, ...]]:

@@ -11,6 +11,7 @@ from llmopt.compiler.calibration_mix import calibration_windows, interleave, mod
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.quality import sample_sequences
 from llmopt.compiler.recipe import CalibrationConfig
+from llmopt.compiler.sample_budget import check_calibration_source
 from llmopt.runtime.tools.evaluate import windows_of
 
 
@@ -23,6 +24,25 @@ def test_the_preallocated_cache_samples_what_the_growing_cache_samples(ir):
     drawn = calibration_mix.sample(ir, 3, 24, seed=5)
     assert drawn.tolist() == sample_sequences(ir, 3, 24, seed=5)
 
+SMALL, LARGE = 135_000_000, 8_000_000_000  # parameters either side of the sampling budget
+
+
+def test_a_model_too_large_to_sample_calibrates_on_its_text_alone(ir, word_text, monkeypatch):
+    config = CalibrationConfig(text=str(word_text), samples=3, seq_len=16)
+    assert model_share(config, LARGE) == 0.0
+    monkeypatch.setattr(calibration_mix, "can_sample", lambda count: False)
+    assert calibration_windows(ir, config).tolist() == windows_of(
+        ir.text_token_ids(word_text), 16, 3)
+
+
+def test_a_model_too_large_to_sample_needs_a_text_or_no_samples(word_text):
+    with pytest.raises(ValueError, match="calibration.text: a model of 8.0B parameters"):
+        check_calibration_source(CalibrationConfig(samples=4, seq_len=16), LARGE)
+    asked = CalibrationConfig(text=str(word_text), model_samples=0.5)
+    with pytest.raises(ValueError, match="calibration.model_samples: a model of 8.0B"):
+        check_calibration_source(asked, LARGE)
+    check_calibration_source(asked, SMALL)
+
 
 def test_batches_of_samples_come_from_one_generator(ir, monkeypatch):
     monkeypatch.setattr(calibration_mix, "SAMPLE_BATCH", 2)
@@ -34,7 +54,7 @@ def test_batches_of_samples_come_from_one_generator(ir, monkeypatch):
 
 def test_without_a_text_every_window_is_sampled_from_the_model(ir):
     config = CalibrationConfig(samples=4, seq_len=16)
-    assert model_share(config) == 1.0
+    assert model_share(config, SMALL) == 1.0
     windows = calibration_windows(ir, config)
     assert windows.shape == (4, 16) and windows.dtype == torch.int64
     expected = calibration_mix.sample(ir, 4, 16, calibration_mix.SAMPLE_SEED)
@@ -43,7 +63,7 @@ def test_without_a_text_every_window_is_sampled_from_the_model(ir):
 
 def test_a_text_is_mixed_in_and_the_two_are_spread_evenly(ir, word_text):
     config = CalibrationConfig(text=str(word_text), samples=4, seq_len=16)
-    assert model_share(config) == calibration_mix.MIXED_SHARE
+    assert model_share(config, SMALL) == calibration_mix.MIXED_SHARE
     windows = calibration_windows(ir, config.model_copy(update={"model_samples": 0.5}))
     text = windows_of(ir.text_token_ids(word_text), 16, 2)
     sampled = calibration_mix.model_samples(ir, 2, 16)

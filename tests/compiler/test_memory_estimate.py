@@ -66,3 +66,13 @@ def test_calibration_is_counted_and_named_in_the_advice(tmp_path):
     ref = resolve_checkpoint(str(tmp_path / "m"))
     assert (estimate_compile(more, ref, shape).parts["calibration activations"]
             > 64 * estimate_compile(base, ref, shape).parts["calibration activations"])
+
+
+def test_calibrating_a_model_too_large_to_sample_needs_a_text(tmp_path):
+    model = _config_only(tmp_path / "m", LLAMA_8B)
+    recipe = Recipe(model=str(model), passes=[{"gptq": {"bits": 4}}])
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=r"^calibration.text: a model of 8.0B parameters is "
+                                         r"too large to sample"):
+        compile_recipe(recipe, tmp_path / "out", log=lambda line: None)
+    assert time.perf_counter() - started < 5 and not (tmp_path / "out").exists()

@@ -16,7 +16,8 @@ def test_weight_quantization_is_one_line(tiny_checkpoints, tmp_path):
     from llmopt.compiler.recipe import Recipe
 
     recipe = Recipe.model_validate({"model": str(tiny_checkpoints["llama"]),
-                                    "passes": [{"rtn": {"bits": 4, "group_size": 32}}],
+                                    "passes": [{"rtn": {"bits": 4, "group_size": 32,
+                                                        "include_lm_head": False}}],
                                     "quality": {"measure": False},
                                     "runtime": {"max_context": 64}})
     compile_recipe(recipe, tmp_path / "a", log=lambda _: None)
