@@ -19,6 +19,7 @@ from llmopt.compiler.pass_registry import check_order, in_phase
 from llmopt.compiler.preflight import check_recipe
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import spec_summary
+from llmopt.compiler.sample_budget import can_sample, parameter_count
 from llmopt.runtime.manifest import Manifest
 
 
@@ -69,7 +70,8 @@ def run_passes(ir: ModelIR, recipe: Recipe, log: Callable[[str], None],
     """The recipe's passes in order (its draft entry is the next phase's)."""
     log(f"[2/3] running {len(recipe.passes)} pass(es)")
     if recipe.passes:
-        log(f"      quality of lossy passes: {recipe.quality_source()}")
+        sampled = can_sample(parameter_count(ir.arch))
+        log(f"      quality of lossy passes: {recipe.quality_source(sampled)}")
     context = context if context is not None else PassContext(recipe, log)
     return apply_passes(ir, in_phase(recipe.passes, "passes"), context)
 

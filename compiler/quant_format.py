@@ -36,6 +36,12 @@ class QuantizedLinear:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] these codes stand for."""
+        n, k = self.codes.shape
+        if k % self.group_size == 0 and self.codebook is None:
+            # whole groups: scales broadcast over each group, in place (no [N, K] copies)
+            weight = self.codes.reshape(n, -1, self.group_size).float()
+            weight.sub_(self.zeros.unsqueeze(-1)).mul_(self.scales.unsqueeze(-1))
+            return weight.view(n, k)
         scales = expand_groups(self.scales, self.group_size, self.codes.shape[1])
         if self.codebook is not None:
             return self.codebook[self.codes.long()] * scales

@@ -140,11 +140,13 @@ class Recipe(_Strict):
             return "eval_text"
         return "calibration_tail" if self.calibration.text is not None else "samples"
 
-    def quality_source(self) -> str:
-        """What lossy passes will be measured on, in words."""
+    def quality_source(self, model_sampled: bool = True) -> str:
+        """What lossy passes will be measured on, in words (`model_sampled` False: the
+        model is too large to sample, compiler/sample_budget.py)."""
         quality, kind = self.quality, self.quality_kind()
         samples = (f"{quality.sampled_sequences} x {quality.sampled_tokens} tokens sampled "
-                   "from the model")
+                   "from the model" if model_sampled else
+                   "the built-in English passages (the model is too large to sample)")
         text = {
             "off": "not measured (quality.measure: false)",
             "eval_text": f"quality.eval_text {quality.eval_text}",
