@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +33,15 @@ PACKERS: dict[str, Packer] = {
 }
 FLOAT_FORMAT = "float"  # quantized linears written dequantized, no quantization_config
 EXPORT_FORMATS = (*PACKERS, FLOAT_FORMAT)
+SINGLE_FILE = "model.safetensors"
+# Tensors held before a shard is written: bounds an export's memory whatever the model's
+# size (transformers' save_pretrained shards at 5 GB for the same reason).
+SHARD_BYTES = 2 << 30
 
 
 def export_hf(ir: ModelIR, out: Path, fmt: str = "compressed-tensors") -> None:
-    """Write `ir` to the (new) directory `out`: config, safetensors, tokenizer."""
-    from safetensors.torch import save_file
-
+    """Write `ir` to the (new) directory `out`: config, safetensors shards, tokenizer. One
+    shard's tensors are in memory at a time (SHARD_BYTES)."""
     from llmopt.compiler.artifact import staging_directory
 
     check_format(fmt)
@@ -46,7 +49,6 @@ def export_hf(ir: ModelIR, out: Path, fmt: str = "compressed-tensors") -> None:
         raise ValueError("export needs an IR loaded from a Hugging Face config")
     if fmt == FLOAT_FORMAT:  # the float weights already equal the dequantized codes
         ir = dataclasses.replace(ir, quantized={})
-    tensors, modules = hf_tensors(ir, fmt)
     config = {**ir.annotations["hf_config"], "dtype": "float32",
               "num_key_value_heads": _uniform_kv_heads(ir)}
     for build_only in ("torch_dtype", "quantization_config", "_name_or_path"):
@@ -54,13 +56,14 @@ def export_hf(ir: ModelIR, out: Path, fmt: str = "compressed-tensors") -> None:
     config["architectures"] = config.get("architectures") or [_causal_lm_class(config)]
     if "lm_head" in ir.quantized and ir.arch.tie_word_embeddings:
         config["tie_word_embeddings"] = False  # embed_tokens holds the dequantized head
-    if modules:
-        config["quantization_config"] = quantization_config(fmt, modules, _float_linears(ir))
+    schemes = hf_schemes(ir)
+    if schemes:
+        config["quantization_config"] = quantization_config(fmt, schemes, _float_linears(ir))
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} exists; not replacing it")
     with staging_directory(out) as staging:
-        save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+        write_shards(hf_tensors(ir, fmt), staging)
         _write_json(staging / "config.json", config)
         _write_json(staging / "generation_config.json", _generation_config(ir))
         _write_tokenizer(ir, staging)
@@ -68,20 +71,66 @@ def export_hf(ir: ModelIR, out: Path, fmt: str = "compressed-tensors") -> None:
             file.chmod(0o644)  # a checkpoint is meant to be shared, whatever wrote it
 
 
+def write_shards(tensors: Iterator[tuple[str, torch.Tensor]], directory: Path) -> None:
+    """`model.safetensors`, or shards of about SHARD_BYTES and their index, the layout
+    transformers' `save_pretrained` writes."""
+    from safetensors.torch import save_file
+
+    shard: dict[str, torch.Tensor] = {}
+    names: list[list[str]] = []  # each written shard's tensor names
+    total = 0
+    for name, tensor in tensors:
+        if shard and _nbytes(shard) + tensor.nbytes > SHARD_BYTES:
+            names.append(_save_shard(shard, directory, len(names)))
+            shard = {}
+        shard[name] = tensor
+        total += tensor.nbytes
+    if not names:
+        save_file(shard, directory / SINGLE_FILE, metadata={"format": "pt"})
+        return
+    names.append(_save_shard(shard, directory, len(names)))
+    _index_shards(directory, names, total)
+
+
+def _save_shard(shard: dict[str, torch.Tensor], directory: Path, number: int) -> list[str]:
+    from safetensors.torch import save_file
+
+    save_file(shard, directory / f".shard-{number}", metadata={"format": "pt"})
+    return list(shard)
+
+
+def _index_shards(directory: Path, names: list[list[str]], total_bytes: int) -> None:
+    """Name the shards once their count is known; write the index of where each tensor is."""
+    weight_map = {}
+    for number, shard in enumerate(names, start=1):
+        final = directory / f"model-{number:05d}-of-{len(names):05d}.safetensors"
+        (directory / f".shard-{number - 1}").rename(final)
+        weight_map |= dict.fromkeys(shard, final.name)
+    _write_json(directory / f"{SINGLE_FILE}.index.json",
+                {"metadata": {"total_size": total_bytes},
+                 "weight_map": dict(sorted(weight_map.items()))})
+
+
+def _nbytes(shard: dict[str, torch.Tensor]) -> int:
+    return sum(t.nbytes for t in shard.values())
+
+
 def export_recipe(recipe: Recipe, out: Path, fmt: str,
                   log: Callable[[str], None] = print) -> None:
     """Load the recipe's model, run its passes, write `out` as a HF checkpoint in `fmt`."""
     from llmopt.compiler.loader import load_checkpoint
-    from llmopt.compiler.pipeline import check_pass_order, run_passes
+    from llmopt.compiler.pipeline import check_pass_order, run_passes, scratch_directory
 
     check_pass_order(recipe)
     check_format(fmt)
     log(f"[1/3] loading {recipe.model}")
     ir = load_checkpoint(recipe.model)
     check_groups_fit(ir, recipe)
-    ir, _ = run_passes(ir, recipe, log)
-    log(f"[3/3] writing a {fmt} Hugging Face checkpoint to {out}")
-    export_hf(ir, out, fmt)
+    with scratch_directory(Path(out)) as scratch:
+        ir.quantized.spill_dir = scratch  # integer weights wait on disk, as in a compile
+        ir, _ = run_passes(ir, recipe, log)
+        log(f"[3/3] writing a {fmt} Hugging Face checkpoint to {out}")
+        export_hf(ir, out, fmt)
 
 
 def _uniform_kv_heads(ir: ModelIR) -> int:
@@ -148,54 +197,62 @@ def check_groups_fit(ir: ModelIR, recipe: Recipe) -> None:
                 f"widths {sorted(widths)}; Hugging Face formats store whole groups only")
 
 
-def hf_tensors(ir: ModelIR, fmt: str) -> tuple[dict[str, torch.Tensor],
-                                               dict[str, QuantizedLinear]]:
-    """HF-named tensors to save, and the quantized linears by HF module name."""
+def hf_tensors(ir: ModelIR, fmt: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors to save, one linear or weight at a time."""
     family = family_for(ir.arch.family)
-    tensors, modules = {}, {}
-    for linear, q in ir.quantized.items():
-        module = _hf_name(f"{linear}.weight", family).removesuffix(".weight")
-        modules[module] = q
+    for linear in ir.quantized:
+        module = _hf_module(linear, family)
         try:
-            packed = PACKERS[fmt](q, module)
+            packed = PACKERS[fmt](ir.quantized[linear], module)
         except ValueError as exc:
             raise ValueError(f"cannot export as {fmt}: {exc}; --format float writes every "
                              "linear dequantized") from None
-        tensors.update({f"{module}.{suffix}": t for suffix, t in packed.items()})
-    for name, tensor in ir.weights.items():
+        yield from ((f"{module}.{suffix}", t) for suffix, t in packed.items())
+    for name in ir.weights:
         if name.removesuffix(".weight") in ir.quantized:
             continue  # `embed_tokens` stays float even when the (tied) head is quantized
+        tensor = ir.weights[name]
         if family.norm_offset and is_norm(name):
             tensor = tensor - family.norm_offset  # Gemma stores w, multiplies by 1 + w
-        tensors[_hf_name(name, family)] = tensor.float().contiguous()
-    return tensors, modules
+        yield _hf_name(name, family), tensor.float().contiguous()
 
 
-def quantization_config(fmt: str, modules: dict[str, QuantizedLinear],
+def hf_schemes(ir: ModelIR) -> dict[str, tuple[int, int, bool]]:
+    """(bits, group size, symmetric) of each quantized linear by HF module name, from the
+    store's headers (no codes read)."""
+    family = family_for(ir.arch.family)
+    return {_hf_module(linear, family): ir.quantized.scheme(linear) for linear in ir.quantized}
+
+
+def _hf_module(linear: str, family: ArchFamily) -> str:
+    return _hf_name(f"{linear}.weight", family).removesuffix(".weight")
+
+
+def quantization_config(fmt: str, schemes: dict[str, tuple[int, int, bool]],
                         float_linears: list[str]) -> dict[str, Any]:
     """config.json's `quantization_config` for `fmt`; GPTQ and AWQ take one scheme."""
     if fmt == "compressed-tensors":
-        return _compressed_config(modules, float_linears)
-    schemes = {(q.bits, q.group_size, q.symmetric) for q in modules.values()}
-    if len(schemes) != 1:
+        return _compressed_config(schemes, float_linears)
+    distinct = set(schemes.values())
+    if len(distinct) != 1:
         raise ValueError(f"{fmt} needs one bits/group size/symmetry for every linear, got "
-                         f"{sorted(schemes)}; export compressed-tensors")
-    ((bits, group_size, symmetric),) = schemes
+                         f"{sorted(distinct)}; export compressed-tensors")
+    ((bits, group_size, symmetric),) = distinct
     if fmt == "awq":
         return {"quant_method": "awq", "version": "gemm", "bits": bits, "group_size": group_size,
                 "zero_point": True, "modules_to_not_convert": float_linears}
     return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": symmetric,
             "desc_act": False, "static_groups": False, "true_sequential": True,
-            "lm_head": any(m == "lm_head" for m in modules), "format": fmt,
+            "lm_head": any(m == "lm_head" for m in schemes), "format": fmt,
             "checkpoint_format": fmt}
 
 
-def _compressed_config(modules: dict[str, QuantizedLinear],
+def _compressed_config(modules: dict[str, tuple[int, int, bool]],
                        float_linears: list[str]) -> dict[str, Any]:
     """One config group per scheme, targeting its modules by exact name."""
     schemes: dict[tuple[int, int, bool], list[str]] = {}
-    for module, q in modules.items():
-        schemes.setdefault((q.bits, q.group_size, q.symmetric), []).append(module)
+    for module, scheme in modules.items():
+        schemes.setdefault(scheme, []).append(module)
     groups = {
         f"group_{i}": {
             "targets": targets, "input_activations": None, "output_activations": None,

@@ -191,6 +191,11 @@ class QuantizedStore(MutableMapping[str, QuantizedLinear]):
         entry = self.entries[name]
         return entry.bits, entry.group_size, tuple(entry.shape)
 
+    def scheme(self, name: str) -> tuple[int, int, bool]:
+        """(bits, group_size, symmetric) of a linear, without reading its codes."""
+        entry = self.entries[name]
+        return entry.bits, entry.group_size, entry.symmetric
+
     def copy(self) -> QuantizedStore:
         return QuantizedStore(dict(self.entries), self.spill_dir)
 

@@ -271,3 +271,27 @@ def test_exported_metadata_is_what_serving_tools_read(load_ir, tmp_path):
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert "_name_or_path" not in config
     assert all(file.stat().st_mode & 0o777 == 0o644 for file in out.iterdir())
+
+
+def test_an_export_larger_than_a_shard_is_sharded_with_an_index(tiny_checkpoints, tmp_path,
+                                                                monkeypatch):
+    """Shards of about SHARD_BYTES and transformers' index: the same tensors as one file."""
+    from llmopt.compiler import hf_export
+
+    ir = rtn.run(load_checkpoint(str(tiny_checkpoints["llama"])),
+                 rtn.Config(bits=4, group_size=32), None).ir
+    hf_export.export_hf(ir, tmp_path / "one", "compressed-tensors")
+    monkeypatch.setattr(hf_export, "SHARD_BYTES", 40_000)
+    hf_export.export_hf(ir, tmp_path / "many", "compressed-tensors")
+    index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
+    shards = sorted({*index["weight_map"].values()})
+    last = f"model-{len(shards):05d}-of-{len(shards):05d}.safetensors"
+    assert len(shards) > 2 and shards[-1] == last
+    whole = load_file(tmp_path / "one" / "model.safetensors")
+    parts = {k: v for shard in shards for k, v in load_file(tmp_path / "many" / shard).items()}
+    assert parts.keys() == whole.keys() == index["weight_map"].keys()
+    assert all(torch.equal(parts[k], whole[k]) for k in whole)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in whole.values())
+    assert not list((tmp_path / "many").glob(".shard-*"))
+    sharded, single = (load_checkpoint(str(tmp_path / d)) for d in ("many", "one"))
+    assert sharded.arch == single.arch and sharded.quantized.keys() == single.quantized.keys()
