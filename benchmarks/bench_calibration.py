@@ -1,6 +1,6 @@
 """Sequential calibration at real sizes: wall time, per-layer rate and peak RSS of one
 calibrating pass (gptq, awq, or kv_cache static scales) on a checkpoint, against
-`calibration_memory_bytes`'s estimate of what the pass adds (peak minus the RSS before it).
+`memory_estimate.calibration_bytes`'s estimate of what the pass adds (peak minus the RSS before it).
 
 Table columns: checkpoint | pass | calibration | layers run/depth | s per layer |
 projected s for the whole depth | peak RSS | RSS before the pass | estimate.
@@ -27,8 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info  # noqa: E402
 
-from llmopt.compiler.calibration import calibration_memory_bytes  # noqa: E402
+from llmopt.compiler.checkpoint_ref import resolve_checkpoint  # noqa: E402
 from llmopt.compiler.loader import load_checkpoint  # noqa: E402
+from llmopt.compiler.memory_estimate import calibration_bytes, read_shape  # noqa: E402
 from llmopt.compiler.pass_manager import PassContext, apply_passes  # noqa: E402
 from llmopt.compiler.recipe import Recipe  # noqa: E402
 
@@ -85,7 +86,8 @@ def main() -> None:
     apply_passes(ir, recipe.passes, PassContext(recipe, log))
     seconds = time.perf_counter() - pass_started
     layers = len(ir.arch.layers)
-    estimate = calibration_memory_bytes(ir.arch, args.samples, args.seq_len, args.name)
+    shape = read_shape(resolve_checkpoint(args.checkpoint))
+    estimate = calibration_bytes(shape, args.samples, args.seq_len, args.name)
     result = {
         "checkpoint": args.checkpoint, "pass": args.name, "samples": args.samples,
         "seq_len": args.seq_len, "layers_calibrated": layers, "depth": depth,

@@ -5,7 +5,7 @@ states are carried from layer to layer through the already-rewritten prefix; a l
 weights are read from `ir.weights` by name when that layer runs and released after, and a
 pass writes its results back per tensor. Memory is bounded by the hidden states of the
 calibration set, one layer's weights and one layer's statistics
-(`calibration_memory_bytes`), whatever the model's depth; and each layer sees the
+(`memory_estimate.calibration_bytes`), whatever the model's depth; and each layer sees the
 activations of the model as already rewritten below it, which GPTQ and AWQ both want.
 """
 
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 
 from llmopt.compiler import calibration_mix
-from llmopt.compiler.ir import ArchSpec, ModelIR
+from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.recipe import CalibrationConfig
 from llmopt.compiler.reference import ReferenceModel
 
@@ -91,44 +91,3 @@ def final_kl_from_layer(model: ReferenceModel, start: int, hidden: torch.Tensor,
             logq = torch.log_softmax(model.logits(h), -1)
             kl += float((target[w].exp() * (target[w] - logq)).sum(-1).mean())
     return kl / len(hidden)
-
-
-def calibration_memory_bytes(arch: ArchSpec, samples: int, seq_len: int, method: str,
-                             batch_size: int = 8) -> int:
-    """Estimated peak bytes a sequential calibration adds to the compile, from the config.
-
-    The largest of its phases (float32 unless said):
-      embedding     the embedding table read once, plus the calibration set's hidden states
-                    (samples × seq_len × hidden × 4)
-      forward       a layer over the set: its inputs and outputs (2 × the hidden states),
-                    its weights read once, one batch's attention scores (×3) or MLP
-                    activations (×4), whichever is larger, plus the statistics gathered:
-                    "gptq" the widest input's Hessian (K × K float64, and its float32
-                    products), "awq" every input's Gram in float64, "kv_cache" one
-                    window's attention weights
-      solve         "gptq" inverting that Hessian: the sum and one copy factored in place
-                    (2 × K² × 8) beside the inputs and the weight being quantized; "awq"
-                    the Grams with two float32 copies of the widest during the searches
-    `method` is "gptq", "awq" or "kv_cache". It grows linearly with samples × seq_len,
-    quadratically with the widest linear input, and not with the depth.
-    """
-    spec = max(arch.layers, key=lambda s: s.num_heads * s.head_dim)
-    hidden, inter = arch.hidden_size, arch.intermediate_size
-    q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    states = samples * seq_len * hidden * 4
-    layer = 4 * (2 * hidden * q_width + 2 * hidden * kv_width + 3 * hidden * inter)
-    batch = min(batch_size, samples) * seq_len
-    work = 4 * batch * max(3 * spec.num_heads * seq_len, 4 * inter) + 4 * 4 * batch * hidden
-    widest = max(hidden, inter, q_width)
-    linear = 4 * 3 * hidden * inter  # the weight, its working copy and its codes
-    if method == "gptq":
-        gathered, solve = 12 * widest**2, 16 * widest**2 + linear
-    elif method == "awq":
-        gathered = 8 * (2 * hidden**2 + q_width**2 + inter**2)
-        solve = gathered + 8 * widest**2 + linear
-    elif method == "kv_cache":
-        gathered, solve = 4 * 4 * spec.num_heads * seq_len**2, 0
-    else:
-        raise ValueError(f"calibration_memory_bytes: unknown method {method!r}")
-    embedding = 4 * arch.vocab_size * hidden + states
-    return max(embedding, 2 * states + layer + work + gathered, states + solve)

@@ -9,8 +9,8 @@ OOM killer. It follows the compiler's working set:
   layer (float32, plus the lowering's fused copies) — whatever the model's size;
 - any other source (a GGUF file, a pre-quantized checkpoint) goes through transformers,
   which holds the whole model in float32 plus copies;
-- a calibrating pass carries its calibration activations from layer to layer, and GPTQ
-  one Hessian of the widest input;
+- a calibrating pass carries its calibration activations from layer to layer, and its
+  statistics (`calibration_bytes`: GPTQ's Hessian, AWQ's Grams);
 - the process itself (Python, torch, ONNX Runtime) and a margin for allocator slack.
 """
 
@@ -31,7 +31,9 @@ PROCESS_BYTES = int(1.2 * GIB)  # interpreter, torch, onnx, onnxruntime, tokeniz
 EAGER_BYTES_PER_PARAM = 10.7  # transformers' float32 model, its state dict and the IR's copy
 STREAMED_TENSOR_COPIES = 3  # a tensor read in float32, its row chunks' codes and errors
 LAYER_COPIES = 3  # a layer's float32 weights, their fused groups, their packed codes
-ACTIVATION_COPIES = 4  # a layer's input, output, residual and the pass's own buffers
+# The passes whose working set calibration_bytes models by name; other calibrating passes
+# (gqa_regroup's fit, static KV scales) hold what a KV calibration holds.
+CALIBRATION_METHODS = {"gptq": "gptq", "awq": "awq"}
 
 
 @dataclass(frozen=True)
@@ -114,14 +116,53 @@ def estimate_compile(recipe: Recipe, ref: CheckpointRef, shape: Shape) -> Compil
 
 
 def _calibration_parts(recipe: Recipe, shape: Shape) -> dict[str, int]:
-    calibrating = [step for step in recipe.passes if calibrates(step.config)]
-    if not calibrating:
+    methods = [CALIBRATION_METHODS.get(step.name, "kv_cache") for step in recipe.passes
+               if calibrates(step.config)]
+    if not methods:
         return {}
-    tokens = recipe.calibration.samples * recipe.calibration.seq_len
-    parts = {"calibration activations": 4 * tokens * shape.hidden * ACTIVATION_COPIES}
-    if any(step.name == "gptq" for step in calibrating):
-        parts["GPTQ Hessian"] = 2 * 4 * shape.intermediate**2  # the matrix and its inverse
-    return parts
+    config = recipe.calibration
+    return {"calibration": max(calibration_bytes(shape, config.samples, config.seq_len, method)
+                               for method in methods)}
+
+
+def calibration_bytes(shape: Shape, samples: int, seq_len: int, method: str,
+                      batch_size: int = 8) -> int:
+    """Estimated peak bytes a sequential calibration adds to the compile, from the config.
+
+    The largest of its phases (float32 unless said):
+      embedding     the embedding table read once, plus the calibration set's hidden states
+                    (samples × seq_len × hidden × 4)
+      forward       a layer over the set: its inputs and outputs (2 × the hidden states),
+                    its weights read once, one batch's attention scores (×3) or MLP
+                    activations (×4), whichever is larger, plus the statistics gathered:
+                    "gptq" the widest input's Hessian (K × K float64, and its float32
+                    products), "awq" every input's Gram in float64, "kv_cache" one
+                    window's attention weights
+      solve         "gptq" inverting that Hessian: the sum and one copy factored in place
+                    (2 × K² × 8) beside the inputs and the weight being quantized; "awq"
+                    the Grams with two float32 copies of the widest during the searches
+    `method` is "gptq", "awq" or "kv_cache". It grows linearly with samples × seq_len,
+    quadratically with the widest linear input, and not with the depth.
+    """
+    hidden, inter, heads = shape.hidden, shape.intermediate, shape.heads
+    q_width, kv_width = heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    states = samples * seq_len * hidden * 4
+    layer = 4 * (2 * hidden * q_width + 2 * hidden * kv_width + 3 * hidden * inter)
+    batch = min(batch_size, samples) * seq_len
+    work = 4 * batch * max(3 * heads * seq_len, 4 * inter) + 4 * 4 * batch * hidden
+    widest = max(hidden, inter, q_width)
+    linear = 4 * 3 * hidden * inter  # the weight, its working copy and its codes
+    if method == "gptq":
+        gathered, solve = 12 * widest**2, 16 * widest**2 + linear
+    elif method == "awq":
+        gathered = 8 * (2 * hidden**2 + q_width**2 + inter**2)
+        solve = gathered + 8 * widest**2 + linear
+    elif method == "kv_cache":
+        gathered, solve = 4 * 4 * heads * seq_len**2, 0
+    else:
+        raise ValueError(f"calibration_bytes: unknown method {method!r}")
+    embedding = 4 * shape.vocab * hidden + states
+    return max(embedding, 2 * states + layer + work + gathered, states + solve)
 
 
 def calibrates(config: Any) -> bool:

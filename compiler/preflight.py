@@ -68,7 +68,7 @@ def _advice(recipe: Recipe, ref: CheckpointRef, estimate: CompileEstimate) -> st
     if "whole model in float32" in estimate.parts:
         return ("give a safetensors directory (read a layer at a time) instead of "
                 f"{ref.gguf_file or 'this checkpoint'}")
-    if "calibration activations" in estimate.parts:
+    if "calibration" in estimate.parts:
         return (f"lower calibration.samples (now {recipe.calibration.samples}) or "
                 f"calibration.seq_len (now {recipe.calibration.seq_len})")
     return "free memory or use a machine with more"

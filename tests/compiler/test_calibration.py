@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from llmopt.compiler.calibration import LayerwiseRunner, calibration_memory_bytes
+from llmopt.compiler.calibration import LayerwiseRunner
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.pass_manager import PassContext, apply_passes
@@ -127,13 +127,3 @@ def test_the_runner_reads_a_layer_once_per_pass_over_the_set(tiny_checkpoints):
     runner.advance()
     assert counter.reads["layers.0.q_proj.weight"] == 2
     assert counter.reads["layers.1.q_proj.weight"] == 0
-
-
-def test_the_memory_estimate_grows_with_the_calibration_set(tiny_checkpoints):
-    arch = load_checkpoint(str(tiny_checkpoints["llama"])).arch
-    for method in ("gptq", "awq", "kv_cache"):
-        small = calibration_memory_bytes(arch, 16, 64, method)
-        large = calibration_memory_bytes(arch, 64, 64, method)
-        assert large - small >= 2 * 48 * 64 * arch.hidden_size * 4  # the carried states
-    with pytest.raises(ValueError, match="unknown method"):
-        calibration_memory_bytes(arch, 16, 64, "rtn")

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from llmopt.compiler.checkpoint_ref import resolve_checkpoint
-from llmopt.compiler.memory_estimate import GIB, estimate_compile, read_shape
+from llmopt.compiler.memory_estimate import GIB, calibration_bytes, estimate_compile, read_shape
 from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.preflight import InsufficientResourcesError
 from llmopt.compiler.recipe import Recipe
@@ -64,8 +64,8 @@ def test_calibration_is_counted_and_named_in_the_advice(tmp_path):
     more = base.model_copy(update={"calibration": base.calibration.model_copy(
         update={"samples": 4096, "seq_len": 4096})})
     ref = resolve_checkpoint(str(tmp_path / "m"))
-    assert (estimate_compile(more, ref, shape).parts["calibration activations"]
-            > 64 * estimate_compile(base, ref, shape).parts["calibration activations"])
+    assert (estimate_compile(more, ref, shape).parts["calibration"]
+            > 64 * estimate_compile(base, ref, shape).parts["calibration"])
 
 
 def test_calibrating_a_model_too_large_to_sample_needs_a_text(tmp_path):
@@ -76,3 +76,13 @@ def test_calibrating_a_model_too_large_to_sample_needs_a_text(tmp_path):
                                          r"too large to sample"):
         compile_recipe(recipe, tmp_path / "out", log=lambda line: None)
     assert time.perf_counter() - started < 5 and not (tmp_path / "out").exists()
+
+
+def test_calibration_grows_with_the_calibration_set(tiny_checkpoints):
+    shape = read_shape(resolve_checkpoint(str(tiny_checkpoints["llama"])))
+    for method in ("gptq", "awq", "kv_cache"):
+        small = calibration_bytes(shape, 16, 64, method)
+        large = calibration_bytes(shape, 64, 64, method)
+        assert large - small >= 2 * 48 * 64 * shape.hidden * 4  # the carried states
+    with pytest.raises(ValueError, match="unknown method"):
+        calibration_bytes(shape, 16, 64, "rtn")
