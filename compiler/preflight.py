@@ -55,7 +55,7 @@ def check_resources(recipe: Recipe, ref: CheckpointRef, out: Path) -> None:
         raise InsufficientResourcesError(
             f"compile refused before loading: it needs about {estimate.peak_bytes / GIB:.1f} "
             f"GiB of memory ({estimate.summary()} GiB) and {available / GIB:.1f} GiB is "
-            f"available; {_advice(recipe, ref, estimate)}")
+            f"available; {_advice(recipe, ref, estimate, estimate.peak_bytes - available)}")
     free = shutil.disk_usage(_existing_parent(out)).free
     needed = 2 * estimate.output_bytes  # the artifact and the passes' scratch beside it
     if needed > free:
@@ -64,11 +64,14 @@ def check_resources(recipe: Recipe, ref: CheckpointRef, out: Path) -> None:
             f"(artifact and scratch) beside {out} and {free / GIB:.1f} GiB is free there")
 
 
-def _advice(recipe: Recipe, ref: CheckpointRef, estimate: CompileEstimate) -> str:
+def _advice(recipe: Recipe, ref: CheckpointRef, estimate: CompileEstimate,
+            excess: int) -> str:
+    """What to change: the part of the estimate a recipe or source can shrink by `excess`
+    bytes, else freeing memory."""
     if "whole model in float32" in estimate.parts:
         return ("give a safetensors directory (read a layer at a time) instead of "
                 f"{ref.gguf_file or 'this checkpoint'}")
-    if "calibration" in estimate.parts:
+    if estimate.parts.get("calibration", 0) > excess:
         return (f"lower calibration.samples (now {recipe.calibration.samples}) or "
                 f"calibration.seq_len (now {recipe.calibration.seq_len})")
     return "free memory or use a machine with more"

@@ -10,7 +10,7 @@ import pytest
 from llmopt.compiler.checkpoint_ref import resolve_checkpoint
 from llmopt.compiler.memory_estimate import GIB, calibration_bytes, estimate_compile, read_shape
 from llmopt.compiler.pipeline import compile_recipe
-from llmopt.compiler.preflight import InsufficientResourcesError
+from llmopt.compiler.preflight import InsufficientResourcesError, _advice
 from llmopt.compiler.recipe import Recipe
 
 # A 405B-class shape: no machine this test runs on holds one layer of it in float32 three times.
@@ -64,8 +64,12 @@ def test_calibration_is_counted_and_named_in_the_advice(tmp_path):
     more = base.model_copy(update={"calibration": base.calibration.model_copy(
         update={"samples": 4096, "seq_len": 4096})})
     ref = resolve_checkpoint(str(tmp_path / "m"))
-    assert (estimate_compile(more, ref, shape).parts["calibration"]
-            > 64 * estimate_compile(base, ref, shape).parts["calibration"])
+    small, large = (estimate_compile(r, ref, shape) for r in (base, more))
+    assert large.parts["calibration"] > 64 * small.parts["calibration"]
+    # the advice names calibration only where shrinking it could make the compile fit
+    assert "lower calibration.samples (now 4096)" in _advice(more, ref, large, GIB)
+    too_much = small.parts["calibration"] + 1
+    assert _advice(base, ref, small, too_much) == "free memory or use a machine with more"
 
 
 def test_calibrating_a_model_too_large_to_sample_needs_a_text(tmp_path):
