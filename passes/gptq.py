@@ -29,7 +29,7 @@ from llmopt.compiler.calibration import LayerwiseRunner, calibration_windows, ob
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.nf4 import nearest_codes
 from llmopt.compiler.pass_manager import PassContext, PassResult
-from llmopt.compiler.quant_format import QuantizedLinear, quant_params
+from llmopt.compiler.quant_format import QuantizedLinear, concat_outputs, quant_params
 from llmopt.compiler.reference import rms_norm
 from llmopt.compiler.weight_quant import (
     WeightQuantConfig,
@@ -131,15 +131,33 @@ class _InputSeen(Exception):
     """Stops a calibration forward once the group's input has been accumulated."""
 
 
+# A linear larger than this in float32 (an embedding-sized head) is quantized in slices of
+# rows: rows are independent under the shared Hessian, and a slice bounds the working copies.
+ROW_SLICE_BYTES = 512 << 20
+
+
 def _quantize_linear(ir: ModelIR, out: ModelIR, name: str, hessian: torch.Tensor,
                      config: Config, errors: dict, losses: dict) -> None:
     w, config = float_weight(ir, name).float(), config.for_linear(name)
-    static = round_to_nearest(w, config) if config.format == "nf4" else None
-    q, loss = gptq_quantize(w, hessian, config.bits, config.group_size, config.symmetric,
-                            config.act_order, config.damp, config.block_size, static)
+    n, k = w.shape
+    # a code book's double quantization spans rows: it takes the matrix whole
+    rows = n if config.format == "nf4" else max(1, ROW_SLICE_BYTES // (4 * k))
+    parts, error_sq = [], 0.0
+    losses[name] = 0.0
+    for start in range(0, n, rows):
+        part = w[start:start + rows]
+        static = round_to_nearest(part, config) if config.format == "nf4" else None
+        q, loss = gptq_quantize(part, hessian, config.bits, config.group_size,
+                                config.symmetric, config.act_order, config.damp,
+                                config.block_size, static)
+        losses[name] += loss
+        if rows < n:
+            error_sq += float((part - q.dequantize()).norm()) ** 2
+        parts.append(q)
+    q = parts[0] if len(parts) == 1 else concat_outputs(parts)
     out.set_quantized(name, q)
-    errors[name] = relative_error(w, q.dequantize())
-    losses[name] = loss
+    errors[name] = (relative_error(w, q.dequantize()) if rows >= n
+                    else error_sq ** 0.5 / float(w.norm()))
 
 
 @torch.no_grad()

@@ -132,3 +132,21 @@ def test_artifact_equals_fake_quant_reference(arch, include_lm_head, tiny_checkp
     expected = torch.log_softmax(logits, dim=-1)[torch.arange(59), torch.tensor(tokens[1:])]
     got = LLM(tmp_path / "out", max_num_batched_tokens=16).score(tokens)
     np.testing.assert_allclose(got, expected.numpy(), atol=1e-4)
+
+
+def test_a_head_quantized_in_row_slices_equals_the_whole(tiny_checkpoints, tmp_path,
+                                                         monkeypatch):
+    """Rows are independent under the shared Hessian: slicing a large head changes nothing."""
+    from llmopt.passes import gptq
+
+    text = calibration_text(tmp_path / "calib.txt")
+    recipe = Recipe(model=str(tiny_checkpoints["llama"]),
+                    passes=[{"gptq": {"bits": 4, "group_size": 32, "include_lm_head": True}}],
+                    calibration={"text": str(text), "samples": 4, "seq_len": 32,
+                                 "model_samples": 0}, quality={"measure": False})
+    whole, _ = run_passes(load_checkpoint(recipe.model), recipe, log=lambda _: None)
+    monkeypatch.setattr(gptq, "ROW_SLICE_BYTES", 4 * 64 * 100)  # 100-row slices of 256
+    sliced, _ = run_passes(load_checkpoint(recipe.model), recipe, log=lambda _: None)
+    a, b = whole.quantized["lm_head"], sliced.quantized["lm_head"]
+    for field in ("codes", "scales", "zeros"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
