@@ -92,8 +92,8 @@ def main() -> None:
         "checkpoint": args.checkpoint, "pass": args.name, "samples": args.samples,
         "seq_len": args.seq_len, "layers_calibrated": layers, "depth": depth,
         "load_s": round(loaded, 1), "pass_s": round(seconds, 1),
-        "s_per_layer": round(seconds / layers, 1),
-        "projected_full_s": round(seconds / layers * depth),
+        "s_per_layer": round(seconds / layers, 1) if layers else None,  # 0: the head alone
+        "projected_full_s": round(seconds / layers * depth) if layers else None,
         "peak_rss_gib": round(peak_rss_gib(), 2),
         "rss_before_pass_gib": round(before, 2),
         "estimate_gib": round(estimate / 2**30, 2),
