@@ -138,3 +138,16 @@ def test_inspect_shows_what_a_long_sequence_holds_per_layer_group(artifacts):
     assert held == {"full": layer_bytes * 32768,  # layer 1
                     "sliding": 2 * layer_bytes * 4 * (WINDOW // 4 + 1)}  # layers 0 and 2
     assert "12-token window" in format_description(info)
+
+
+def test_bench_shows_what_a_sequence_holds(artifacts):
+    from click.testing import CliRunner
+
+    from llmopt.cli import main
+
+    result = CliRunner().invoke(main, ["bench", str(artifacts["gemma3_text"]), "--batch", "1",
+                                       "--prompt-len", "200", "--gen-len", "4"])
+    assert result.exit_code == 0, result.output
+    # 204 tokens: 51 blocks of 4 in the full layer (256 bytes a token), 4 in each local one
+    assert ("KV a sequence holds at 204 tokens: 0.05 MiB full-attention layers + 0.01 MiB "
+            "sliding-window layers (window 12; blocks behind it freed)") in result.output
