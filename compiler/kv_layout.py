@@ -57,10 +57,19 @@ def kv_cache_spec(arch: ArchSpec, layout: str) -> dict:
     """The manifest's `kv_cache` section for a model lowered with `layout`."""
     return {"layout": layout,
             "layers": [{"tensors": cache_tensors(spec, layout), "sink": sink_tensors(spec),
-                        "tail": tail_tensors(spec)} for spec in arch.layers],
+                        "tail": tail_tensors(spec), "window": spec.sliding_window,
+                        "local": reads_local_table(spec, layout)} for spec in arch.layers],
             "sink_tokens": max(spec.kv_sink_tokens for spec in arch.layers),
             "block_size": max((spec.kv_block_size for spec in arch.layers if spec.kv_block_size),
                               default=None)}
+
+
+def reads_local_table(spec: LayerSpec, layout: str) -> bool:
+    """Whether a layer reads the local block table, whose blocks behind its sliding window
+    the runtime frees (blocks layout; sinks and per-block key scales stay on the full
+    table, their stores being keyed by its blocks)."""
+    return (layout == "blocks" and spec.sliding_window is not None
+            and not spec.kv_sink_tokens and not kv_sides(spec)[0].per_block)
 
 
 def sink_tensors(spec: LayerSpec) -> list[dict]:

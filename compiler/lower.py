@@ -36,6 +36,7 @@ from llmopt.compiler.kv_layout import (
     cache_tensors,
     kv_cache_spec,
     kv_layout_for,
+    reads_local_table,
     sink_tensors,
     tail_tensors,
 )
@@ -161,6 +162,8 @@ class _DecoderLowering:
         g.input(C.BLOCK_TABLES, TensorProto.INT64, ["batch", "max_blocks"])
         g.input(C.CONTEXT_LENS, TensorProto.INT64, ["batch"])
         g.input(C.LOGITS_INDICES, TensorProto.INT64, ["num_logits"])
+        if any(reads_local_table(spec, "blocks") for spec in self.arch.layers):
+            g.input(C.LOCAL_BLOCK_TABLES, TensorProto.INT64, ["batch", "max_blocks"])
         for i, spec in enumerate(self.arch.layers):
             for t in cache_tensors(spec):
                 elem = NP_TO_ONNX[np.dtype(t["dtype"])]
@@ -525,7 +528,9 @@ class _DecoderLowering:
     def _gathered(self, index: int, name: str, slot_shape: list[int]) -> str:
         """Pool tensor `name` of layer `index` at the step's block tables, [B, M*bs, slot]."""
         g = self.g
-        blocks = g.op("Gather", [C.past_name(index, name), C.BLOCK_TABLES], axis=0)
+        local = reads_local_table(self.arch.layers[index], "blocks")
+        table = C.LOCAL_BLOCK_TABLES if local else C.BLOCK_TABLES
+        blocks = g.op("Gather", [C.past_name(index, name), table], axis=0)
         return g.op("Reshape", [blocks, g.const([0, -1, *slot_shape])])
 
     def _static_kv_scale(self, index: int, side: KVSide) -> str | None:

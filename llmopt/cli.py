@@ -405,6 +405,12 @@ def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: 
         fits = kv.sequences_in_pool(pool_mib * 2**20, context, llm.manifest.runtime.block_size)
         click.echo(f"KV cache: {kv.bytes_per_token()} bytes/token; {fits} sequences of "
                    f"{context} tokens fit in {pool_mib:g} MiB")
+        if kv.local_window():
+            held = kv.bytes_per_sequence(context, llm.engine.config.block_size)
+            click.echo(f"KV a sequence holds at {context} tokens: "
+                       f"{held['full'] / 2**20:.2f} MiB full-attention layers + "
+                       f"{held['sliding'] / 2**20:.2f} MiB sliding-window layers (window "
+                       f"{kv.local_window()}; blocks behind it freed)")
         click.echo(f"prompts: {PROMPT_DESCRIPTIONS[kind]}")
         click.echo(f"kernels: {llm.kernels_in_use()}; threads: {llm.threads_in_use()}")
     for size in batches:

@@ -10,6 +10,7 @@ from llmopt.runtime.executors.choose import graph_executor, kernels_name
 from llmopt.runtime.executors.step_batch import Executor
 from llmopt.runtime.kv.manager import KVCacheManager
 from llmopt.runtime.kv.paging import cdiv
+from llmopt.runtime.kv.sliding import SlidingBlocks
 from llmopt.runtime.manifest import KVCacheSpec, Manifest
 from llmopt.runtime.speculative.speculator import build_speculator
 from llmopt.runtime.tokenizer import Tokenizer
@@ -37,11 +38,30 @@ class EngineOptions:
 
 
 def kv_cache_manager_for(manifest: Manifest, config: EngineConfig) -> KVCacheManager:
-    """Lanes when any graph of the artifact reads its KV in place; free placement else."""
-    layouts = {graph.kv_cache.layout for graph in manifest.runnable_graphs()}
+    """Lanes when any graph of the artifact reads its KV in place; free placement else,
+    with blocks of their own for the layers that read a local block table."""
+    graphs = manifest.runnable_graphs()
+    layouts = {graph.kv_cache.layout for graph in graphs}
     lane_blocks = cdiv(config.max_context, config.block_size) if "lanes" in layouts else None
-    return KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
-                          lane_blocks)
+    windows = [w for graph in graphs if (w := graph.kv_cache.local_window()) is not None]
+    sliding, trails = None, False
+    if windows and lane_blocks is None:
+        trails = any(graph.kv_cache.local_window() for graph in graphs[1:])
+        sliding = SlidingBlocks(num_local_blocks(config, max(windows), trails),
+                                config.block_size, max(windows))
+    manager = KVCacheManager(config.num_blocks, config.block_size,
+                             config.enable_prefix_caching, lane_blocks, sliding)
+    manager.sliding_trails = trails
+    return manager
+
+
+def num_local_blocks(config: EngineConfig, window: int, trails: bool) -> int:
+    """Blocks of the local group: each running sequence's window and a step's tokens past
+    it (as many as the full pool where a draft graph trails the target: its window lags)."""
+    if trails:
+        return config.num_blocks
+    per_sequence = cdiv(window - 1 + config.max_num_batched_tokens, config.block_size) + 1
+    return min(config.num_blocks, config.max_num_seqs * per_sequence + 1)
 
 
 def engine_config(manifest: Manifest, options: EngineOptions) -> EngineConfig:
@@ -81,6 +101,8 @@ def build_engine(path: Path, manifest: Manifest, tokenizer: Tokenizer,
                  options: EngineOptions) -> LLMEngine:
     config = engine_config(manifest, options)
     kv_cache_manager = kv_cache_manager_for(manifest, config)
+    sliding = kv_cache_manager.sliding
+    local_blocks = len(sliding.block_pool.blocks) if sliding is not None else None
 
     def executor_for(graph: str, kv_cache: KVCacheSpec, max_position: int) -> Executor:
         spec = manifest.graphs[graph]
@@ -95,7 +117,8 @@ def build_engine(path: Path, manifest: Manifest, tokenizer: Tokenizer,
             block_size=config.block_size,
             lane_blocks=kv_cache_manager.lane_blocks,
             max_position=max_position, num_threads=threads,
-            optimization_level=options.optimization_level)
+            optimization_level=options.optimization_level,
+            num_local_blocks=local_blocks)
         kv_cache_manager.attach(executor.pools)
         return executor
 

@@ -64,6 +64,16 @@ p < context_lens[b] (and inside its layer's sliding window), and to the step's o
 only when j <= its own row index (causal by index, so right padding never leaks).
   - block 0 is a reserved null block that no sequence owns.
 
+Sliding-window layers with their own blocks (manifest `kv_cache.layers[i].local`, blocks
+layout): such a layer's pool tensors are indexed by the blocks of a second table,
+  local_block_tables  int64 [B, M]   same width as block_tables; entry j names the block
+                                     holding positions j*bs .. (j+1)*bs - 1 for the local
+                                     layers, or block 0 once every local layer's window
+                                     has passed it (the runtime freed it)
+and the step's `new.{i}.*` of those layers land at the slots of that table. A freed
+entry's keys are never visible (they lie outside the window), so reading block 0 there
+changes nothing.
+
 The lanes layout (manifest `kv_cache.layout: lanes`; float32 keys and values, or int8 codes
 with static per-channel scales inside the graph) keeps
 block tables and block ids but gives each sequence a lane: lane l owns blocks
@@ -97,6 +107,7 @@ LOGITS_INDICES = "logits_indices"
 LOGITS = "logits"
 SINK_ROWS = "sink_rows"
 TAIL_ROWS = "tail_rows"
+LOCAL_BLOCK_TABLES = "local_block_tables"
 
 NULL_BLOCK = 0
 

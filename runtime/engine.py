@@ -163,7 +163,7 @@ class LLMEngine:
         return make_step_batch(
             [SequenceStep(item.query_token_ids(), item.request.num_computed_tokens,
                           kv.block_ids(item.request), item.logits_offsets(),
-                          item.query_parents())
+                          item.query_parents(), kv.local_block_ids(item.request))
              for item in scheduled],
             kv.block_size)
 

@@ -39,6 +39,10 @@ class CacheLayer(_Strict):
     # Tensors kept unrounded for the block each sequence is filling (per-block scales;
     # float32, in a tail store beside the pool; see contract). Empty: none.
     tail: list[CacheTensor] = Field(default_factory=list)
+    window: int | None = Field(None, gt=0)  # the layer's sliding window, if any
+    # Whether the layer reads `local_block_tables` (blocks layout; see contract): its pools
+    # are the local group's, whose blocks behind the window the runtime frees.
+    local: bool = False
 
 
 class KVCacheSpec(_Strict):
@@ -49,6 +53,26 @@ class KVCacheSpec(_Strict):
     sink_tokens: int = Field(0, ge=0)  # positions each layer's `sink` tensors keep
     # The block size the graph was built for (per-block tensors); None: any.
     block_size: int | None = Field(None, gt=0)
+
+    def local_window(self) -> int | None:
+        """The widest window of the layers that read the local block table (None: none)."""
+        return max((layer.window for layer in self.layers if layer.local and layer.window),
+                   default=None)
+
+    def bytes_per_sequence(self, context: int, block_size: int) -> dict[str, int]:
+        """Pool bytes one sequence of `context` tokens holds while it decodes, by layer
+        group: "full" (whole blocks of every position) and "sliding" (the layers that read
+        the local table: the blocks their window reaches, the rest freed)."""
+        blocks = -(-context // block_size)
+        held = {"full": 0, "sliding": 0}
+        for layer in self.layers:
+            per_block = layer_bytes_per_token(layer, self.block_size) * block_size
+            if layer.local and layer.window:
+                window_blocks = min(blocks, -(-layer.window // block_size) + 1)
+                held["sliding"] += round(per_block * window_blocks)
+            else:
+                held["full"] += round(per_block * blocks)
+        return held
 
     def sink_bytes_per_sequence(self) -> int:
         """Sink-store bytes one sequence (one distinct first block) takes."""

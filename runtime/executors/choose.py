@@ -41,13 +41,14 @@ def ort_executor(graph_path: Path, pools: KVPools, *, max_position: int,
 def graph_executor(artifact: Path, graph: GraphSpec, kv_cache: KVCacheSpec, *, kernels: str,
                    num_blocks: int, block_size: int, lane_blocks: int | None,
                    max_position: int, num_threads: int | None = None,
-                   optimization_level: str = "all") -> Executor:
+                   optimization_level: str = "all",
+                   num_local_blocks: int | None = None) -> Executor:
     """The executor `kernels` puts a graph of the artifact on, over new pools: the native
     step (see `runs_native`) or ONNX Runtime's executor for its KV layout."""
     lane_tokens = lane_blocks * block_size if lane_blocks is not None else None
     native = runs_native(kernels, graph, kv_cache, lane_tokens)
     pools = make_pools(kv_cache, num_blocks=num_blocks, block_size=block_size,
-                       lane_blocks=lane_blocks)
+                       lane_blocks=lane_blocks, num_local_blocks=num_local_blocks)
     if native:
         from llmopt.runtime.executors.native import NativeLaneExecutor
 

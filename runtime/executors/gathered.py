@@ -8,13 +8,14 @@ runs, the step's `new.{i}.{t}` outputs are written into it at the slot mapping.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
 from llmopt.runtime import contract
-from llmopt.runtime.executors.inputs import contract_inputs
+from llmopt.runtime.executors.inputs import contract_inputs, padded_slots, valid_rows
 from llmopt.runtime.executors.ort import check_graph_io, open_session, padding_groups, run_calls
 from llmopt.runtime.executors.step_batch import StepBatch
 from llmopt.runtime.kv.pools import BlockPools
@@ -39,6 +40,8 @@ class OrtExecutor:
             [*tails.arrays, contract.TAIL_ROWS] if tails else [])
         self.output_names = [contract.LOGITS, *pools.new_to_past, *pools.block_to_past,
                              *sinks.new_to_store, *tails.new_to_store]
+        if pools.local_flat:
+            extra_inputs.append(contract.LOCAL_BLOCK_TABLES)
         check_graph_io(self.session, {contract.INPUT_IDS, contract.POSITION_IDS,
                                       contract.BLOCK_TABLES, contract.CONTEXT_LENS,
                                       contract.LOGITS_INDICES, *pools, *extra_inputs},
@@ -56,7 +59,18 @@ class OrtExecutor:
         One [B, S] call for a decode row beside a 512-token prefill chunk would compute
         512 rows for that decode; grouping by query length avoids it.
         """
+        if self.pools.local_flat and batch.local_block_tables is None:
+            batch = self._full_tables_for_local(batch)
         return run_calls(batch, padding_groups(batch.query_lens), lambda sub, _: self._run(sub))
+
+    def _full_tables_for_local(self, batch: StepBatch) -> StepBatch:
+        """A step built without a KV manager's local tables (a measurement runner): every
+        layer reads the full tables, which index the local pools too when they are as large."""
+        if not self.pools.local_as_large:
+            raise ValueError("this step has no local block tables, and the sliding-window "
+                             "layers' pools are smaller than the full ones")
+        return replace(batch, local_block_tables=batch.block_tables,
+                       local_slot_mapping=batch.slot_mapping)
 
     def _run(self, batch: StepBatch) -> np.ndarray:
         inputs, slots = contract_inputs(batch, self.block_size, self.max_position)
@@ -69,8 +83,11 @@ class OrtExecutor:
             self.binding.bind_output(name, "cpu")
         self.session.run_with_iobinding(self.binding)
         outputs = dict(zip(self.output_names, self.binding.copy_outputs_to_cpu(), strict=True))
+        local_slots = None
+        if batch.local_slot_mapping is not None:
+            local_slots = padded_slots(batch.local_slot_mapping, valid_rows(batch))
         self.pools.write(outputs, inputs, slots, batch.block_tables,
-                         np.asarray(batch.query_lens))
+                         np.asarray(batch.query_lens), local_slots)
         logits = outputs[contract.LOGITS]
         return logits[: batch.logits_indices.size].astype(np.float32, copy=False)
 

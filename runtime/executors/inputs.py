@@ -36,33 +36,51 @@ def contract_inputs(
     query_lens = np.asarray(batch.query_lens, dtype=np.int64)
     context_lens = np.asarray(batch.context_lens, dtype=np.int64)
     num_seqs, max_query = batch.num_seqs, int(query_lens.max())
-    valid = np.arange(max_query)[None, :] < query_lens[:, None]  # [B, S], row-major = packed
+    valid = valid_rows(batch)  # [B, S], row-major = packed
 
     input_ids = np.zeros((num_seqs, max_query), dtype=np.int64)
     input_ids[valid] = np.concatenate(batch.token_ids)
     # Padded rows continue their sequence's positions, so a graph that masks the step's
     # own keys by position or by index treats them alike; clipped to stay in the rotary table.
     position_ids = np.minimum(context_lens[:, None] + np.arange(max_query), max_position - 1)
-    slots = np.full((num_seqs, max_query), -1, dtype=np.int64)
-    slots[valid] = batch.slot_mapping
 
     # The graph gathers only the blocks that hold cached context; the step's own keys and
     # values come from the step itself.
     num_table_blocks = max(1, max(cdiv(int(c), block_size) for c in context_lens))
-    block_tables = np.full((num_seqs, num_table_blocks), contract.NULL_BLOCK, dtype=np.int64)
-    for b, table in enumerate(batch.block_tables):
-        used = table[:num_table_blocks]
-        block_tables[b, : len(used)] = used
-
     padded_rows = np.flatnonzero(valid)  # packed row r is padded row padded_rows[r]
     inputs = {
         contract.INPUT_IDS: input_ids,
         contract.POSITION_IDS: position_ids,
-        contract.BLOCK_TABLES: block_tables,
+        contract.BLOCK_TABLES: padded_tables(batch.block_tables, num_table_blocks),
         contract.CONTEXT_LENS: context_lens,
         contract.LOGITS_INDICES: logits_input(batch, padded_rows),
     }
-    return inputs, slots.ravel()
+    if batch.local_block_tables is not None:
+        inputs[contract.LOCAL_BLOCK_TABLES] = padded_tables(batch.local_block_tables,
+                                                           num_table_blocks)
+    return inputs, padded_slots(batch.slot_mapping, valid)
+
+
+def padded_tables(tables: list[list[int]], width: int) -> np.ndarray:
+    """int64 [B, width]: each table's first `width` blocks, padded with the null block."""
+    padded = np.full((len(tables), width), contract.NULL_BLOCK, dtype=np.int64)
+    for b, table in enumerate(tables):
+        used = table[:width]
+        padded[b, : len(used)] = used
+    return padded
+
+
+def valid_rows(batch: StepBatch) -> np.ndarray:
+    """bool [B, S]: which rows of the right-padded step hold a query token."""
+    query_lens = np.asarray(batch.query_lens, dtype=np.int64)
+    return np.arange(int(query_lens.max()))[None, :] < query_lens[:, None]
+
+
+def padded_slots(slot_mapping: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """The packed slots laid out over the right-padded [B*S] rows; padding rows get -1."""
+    slots = np.full(valid.shape, -1, dtype=np.int64)
+    slots[valid] = slot_mapping
+    return slots.ravel()
 
 
 def lane_inputs(batch: StepBatch, rows: list[int], num_rows: int) -> dict[str, np.ndarray]:

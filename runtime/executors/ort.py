@@ -104,6 +104,10 @@ def select_sequences(batch: StepBatch, seqs: list[int]) -> tuple[StepBatch, np.n
         block_tables=[batch.block_tables[s] for s in seqs],
         slot_mapping=batch.slot_mapping[packed],
         logits_indices=new_row[batch.logits_indices[mine]],
+        local_block_tables=(None if batch.local_block_tables is None
+                            else [batch.local_block_tables[s] for s in seqs]),
+        local_slot_mapping=(None if batch.local_slot_mapping is None
+                            else batch.local_slot_mapping[packed]),
     )
     return sub_batch, mine
 

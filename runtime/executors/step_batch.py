@@ -34,6 +34,9 @@ class StepBatch:
     # Per sequence, the query offset of each query token's parent (-1: the pool's last
     # entry); None for a sequence whose tokens continue each other. None: no trees.
     query_parents: list[list[int] | None] | None = None
+    # The sliding-window layers' own block tables and slots (`kv.sliding`); None: none.
+    local_block_tables: list[list[int]] | None = None
+    local_slot_mapping: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -128,6 +131,7 @@ class SequenceStep:
     block_table: list[int]  # physical block ids covering positions 0 .. start + len - 1
     logits_offsets: Sequence[int]  # query offsets whose logits the step returns
     parents: list[int] | None = None  # each query token's parent offset; None: a chain
+    local_block_table: list[int] | None = None  # the sliding-window layers' table, if any
 
 
 def make_step_batch(sequences: Sequence[SequenceStep], block_size: int) -> StepBatch:
@@ -136,10 +140,15 @@ def make_step_batch(sequences: Sequence[SequenceStep], block_size: int) -> StepB
     array at the end: at decode, numpy calls per sequence cost more than their
     arithmetic."""
     slots: list[int] = []
+    local = sequences[0].local_block_table is not None if sequences else False
+    local_slots: list[int] = []
     logits_indices: list[int] = []
     row = 0
     for seq in sequences:
         slots += slots_of(seq.block_table, seq.start, len(seq.token_ids), block_size)
+        if local:
+            local_slots += slots_of(seq.local_block_table, seq.start, len(seq.token_ids),
+                                    block_size)
         logits_indices += [row + offset for offset in seq.logits_offsets]
         row += len(seq.token_ids)
     return StepBatch(
@@ -150,4 +159,6 @@ def make_step_batch(sequences: Sequence[SequenceStep], block_size: int) -> StepB
         logits_indices=np.asarray(logits_indices, dtype=np.int64),
         query_parents=([seq.parents for seq in sequences]
                        if any(seq.parents is not None for seq in sequences) else None),
+        local_block_tables=[seq.local_block_table for seq in sequences] if local else None,
+        local_slot_mapping=np.asarray(local_slots, dtype=np.int64) if local else None,
     )

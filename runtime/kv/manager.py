@@ -16,6 +16,9 @@ A graph may fill its pools behind the target's over the same tables (`trail`): a
 that proposes tokens past the target's computes them from the target's known tokens, and
 only after the target does. `TrailingKV` records how far it has come per request and
 which cached blocks it holds in full, so that a prefix-cache hit spares it those too.
+
+With `sliding` (free placement only) the sliding-window layers that read a local block
+table have blocks of their own, given back once behind their window (`SlidingBlocks`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy as np
 from llmopt.runtime.kv.block_pool import Block, BlockPool, hash_block_tokens
 from llmopt.runtime.kv.paging import cdiv, lane_block, lane_position, num_lanes, slots_of
 from llmopt.runtime.kv.pools import BlockPools, KVPools
+from llmopt.runtime.kv.sliding import SlidingBlocks
 from llmopt.runtime.request import Request
 
 CopyBlock = Callable[[int, int], None]  # (source block id, destination block id)
@@ -52,10 +56,17 @@ class TrailingKV:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 lane_blocks: int | None = None):
-        """`lane_blocks`: the lanes layout's lane length in blocks (None: free placement)."""
+                 lane_blocks: int | None = None, sliding: SlidingBlocks | None = None):
+        """`lane_blocks`: the lanes layout's lane length in blocks (None: free placement);
+        `sliding`: the local group of sliding-window layers (None: none)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding is not None and lane_blocks is not None:
+            raise ValueError("sliding-window blocks need free placement (the blocks layout)")
+        self.sliding = sliding
+        # Whether a trailing graph reads the local table too: then its blocks are freed
+        # behind the trailing graph's position, which may lag the target's.
+        self.sliding_trails = False
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
@@ -97,11 +108,14 @@ class KVCacheManager:
             return [], 0  # scoring needs logits at every position, so computes them all
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks = []
-        for block_hash in self._block_hashes(request)[:max_blocks]:
+        hashes = self._block_hashes(request)
+        for block_hash in hashes[:max_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
             if block is None:
                 break
             blocks.append(block)
+        if self.sliding is not None:  # the local layers need their window's blocks too
+            del blocks[self.sliding.usable_hits(hashes, len(blocks))[0]:]
         return blocks, len(blocks) * self.block_size
 
     def allocate_slots(
@@ -131,6 +145,10 @@ class KVCacheManager:
         num_free_hits = sum(1 for block in new_computed_blocks if block.ref_count == 0)
         if not self.block_pool.can_allocate(num_new_blocks + num_free_hits):
             return False
+        if self.sliding is not None and not self.sliding.allocate(
+                request.request_id, self._block_hashes(request) if new_computed_blocks else [],
+                len(new_computed_blocks), num_required):
+            return False
 
         self.block_pool.touch(new_computed_blocks)
         table = self.block_tables.setdefault(request.request_id, [])
@@ -147,6 +165,8 @@ class KVCacheManager:
         if trailing is not None:  # past the target's computed tokens it holds none it kept
             trailing.set_computed(request, min(trailing.num_computed(request),
                                                request.num_computed_tokens))
+        if self.sliding is not None:
+            self._slide(request)
         if not self.enable_prefix_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
@@ -159,6 +179,16 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = num_full
         if trailing is not None:
             self._record_trailing(trailing, request, table, num_full)
+
+    def _slide(self, request: Request) -> None:
+        """Register the local blocks now full, and free those behind every next query."""
+        assert self.sliding is not None
+        next_position = request.num_computed_tokens
+        if self.sliding_trails and self.trailing is not None:
+            next_position = min(next_position, self.trailing.num_computed(request))
+        num_full = request.num_computed_tokens // self.block_size
+        hashes = self._block_hashes(request) if self.enable_prefix_caching else None
+        self.sliding.cache_and_free(request.request_id, hashes, num_full, next_position)
 
     def _record_trailing(self, trailing: TrailingKV, request: Request, table: list[Block],
                          num_full: int) -> None:
@@ -189,12 +219,25 @@ class KVCacheManager:
             self.trailing.computed.pop(request.request_id, None)
             self.trailing.num_recorded.pop(request.request_id, None)
         self.block_pool.free(reversed(table))
+        if self.sliding is not None:
+            self.sliding.free(request.request_id)
         lane = self.lanes.pop(request.request_id, None) if self.lane_blocks is not None else None
         if lane is not None:
             self.free_lanes.add(lane)
 
     def block_ids(self, request: Request) -> list[int]:
         return [block.block_id for block in self.block_tables.get(request.request_id, [])]
+
+    def local_block_ids(self, request: Request) -> list[int] | None:
+        """The request's local block table (None without sliding-window blocks)."""
+        return None if self.sliding is None else self.sliding.block_ids(request.request_id)
+
+    def blocks_held(self, request: Request) -> dict[str, int]:
+        """Blocks the request holds now, per layer group ("full", and "sliding" if any)."""
+        held = {"full": len(self.block_tables.get(request.request_id, []))}
+        if self.sliding is not None:
+            held["sliding"] = self.sliding.num_held(request.request_id)
+        return held
 
     def slot_mapping(self, request: Request, start: int, num_tokens: int) -> np.ndarray:
         """Pool slots of positions start .. start + num_tokens - 1 of the request."""

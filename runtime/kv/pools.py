@@ -181,26 +181,36 @@ class _Arrays(Mapping[str, np.ndarray]):
 class BlockPools(_Arrays):
     """The "blocks" layout's pools, by past name, and the sink and tail stores."""
 
-    def __init__(self, kv_cache: KVCacheSpec, *, num_blocks: int, block_size: int):
+    def __init__(self, kv_cache: KVCacheSpec, *, num_blocks: int, block_size: int,
+                 num_local_blocks: int | None = None):
+        """`num_local_blocks`: blocks of the local group (the layers that read the local
+        block table); None: as many as `num_blocks`."""
         self.block_size = block_size
+        self.local_as_large = num_local_blocks in (None, num_blocks)
         self.arrays = {}
         self.new_to_past: dict[str, str] = {}  # graph output -> the pool it is written into
         self.block_to_past: dict[str, str] = {}  # ... for per-block tensors (whole blocks)
+        local_outputs = set()  # outputs of the local layers (written by the local table)
         for i, layer in enumerate(kv_cache.layers):
+            blocks = num_local_blocks if layer.local and num_local_blocks else num_blocks
             for t in layer.tensors:
                 past = contract.past_name(i, t.name)
                 if t.per == "block":
                     self.arrays[past] = np.zeros((num_blocks, *t.slot_shape), dtype=t.dtype)
                     self.block_to_past[contract.new_block_name(i, t.name)] = past
                     continue
-                shape = (num_blocks, block_size, *t.slot_shape)
+                shape = (blocks, block_size, *t.slot_shape)
                 self.arrays[past] = np.zeros(shape, dtype=t.dtype)
                 self.new_to_past[contract.new_name(i, t.name)] = past
+                if layer.local:
+                    local_outputs.add(contract.new_name(i, t.name))
         # What quantized layers keep unrounded beside the pool, by block (see contract).
         self.sinks, self.tails = SinkStore(kv_cache), TailStore(kv_cache)
         # Flat [slots, *slot_shape] views of the pools, by the graph output written there.
-        self.flat = {new: self.arrays[past].reshape(-1, *self.arrays[past].shape[2:])
-                     for new, past in self.new_to_past.items()}
+        flat = {new: self.arrays[past].reshape(-1, *self.arrays[past].shape[2:])
+                for new, past in self.new_to_past.items()}
+        self.flat = {new: view for new, view in flat.items() if new not in local_outputs}
+        self.local_flat = {new: view for new, view in flat.items() if new in local_outputs}
 
     def store_inputs(self, block_tables: list[list[int]],
                      context_lens: np.ndarray) -> dict[str, np.ndarray]:
@@ -213,12 +223,16 @@ class BlockPools(_Arrays):
         return inputs
 
     def write(self, outputs: dict[str, np.ndarray], inputs: dict[str, np.ndarray],
-              slots: np.ndarray, block_tables: list[list[int]], query_lens: np.ndarray) -> None:
-        """Write a step's new entries (graph `outputs`) where the manager assigned them."""
-        keep = slots >= 0  # padded query rows are garbage and never written
-        kept_slots = slots[keep]
-        for name, flat_pool in self.flat.items():
-            flat_pool[kept_slots] = outputs[name].reshape(-1, *flat_pool.shape[1:])[keep]
+              slots: np.ndarray, block_tables: list[list[int]], query_lens: np.ndarray,
+              local_slots: np.ndarray | None = None) -> None:
+        """Write a step's new entries (graph `outputs`) where the manager assigned them
+        (`local_slots`: those of the layers that read the local block table)."""
+        write_slots(self.flat, outputs, slots)
+        if self.local_flat:
+            if local_slots is None:
+                raise ValueError("a step of a graph with sliding-window blocks needs their "
+                                 "slots (the KV manager's local block tables)")
+            write_slots(self.local_flat, outputs, local_slots)
         context_lens = inputs[contract.CONTEXT_LENS]
         if self.block_to_past:
             self._write_blocks(outputs, block_tables, context_lens, query_lens)
@@ -249,6 +263,15 @@ class BlockPools(_Arrays):
     def release_block(self, block_id: int) -> None:
         """No sequence holds `block_id` any more: nobody will continue filling it."""
         self.tails.forget_block(block_id)
+
+
+def write_slots(flat: dict[str, np.ndarray], outputs: dict[str, np.ndarray],
+                slots: np.ndarray) -> None:
+    """Write each output's rows into its flat pool at `slots` (padded rows, -1, skipped)."""
+    keep = slots >= 0  # padded query rows are garbage and never written
+    kept_slots = slots[keep]
+    for name, flat_pool in flat.items():
+        flat_pool[kept_slots] = outputs[name].reshape(-1, *flat_pool.shape[1:])[keep]
 
 
 class LanePools(_Arrays):
@@ -296,11 +319,13 @@ KVPools = BlockPools | LanePools
 
 
 def make_pools(kv_cache: KVCacheSpec, *, num_blocks: int, block_size: int,
-               lane_blocks: int | None) -> KVPools:
-    """The pools of a graph's KV layout (lanes need the lane size)."""
+               lane_blocks: int | None, num_local_blocks: int | None = None) -> KVPools:
+    """The pools of a graph's KV layout (lanes need the lane size; the local group of
+    sliding-window layers, where the blocks layout has one, `num_local_blocks`)."""
     if kv_cache.layout == "lanes":
         if lane_blocks is None:
             raise ValueError("a lanes-layout graph needs a lane size")
         return LanePools(kv_cache, num_blocks=num_blocks, block_size=block_size,
                          lane_blocks=lane_blocks)
-    return BlockPools(kv_cache, num_blocks=num_blocks, block_size=block_size)
+    return BlockPools(kv_cache, num_blocks=num_blocks, block_size=block_size,
+                      num_local_blocks=num_local_blocks)

@@ -202,8 +202,10 @@ class ModelDrafter:
         for request, draft in zip(requests, drafts, strict=True):
             start = self.trailing.num_computed(request)
             tokens = (request.all_token_ids + draft)[start:]
-            sequences.append(SequenceStep(tokens, start, self.kv_cache_manager.block_ids(request),
-                                          [len(tokens) - 1]))
+            kv = self.kv_cache_manager
+            sequences.append(SequenceStep(tokens, start, kv.block_ids(request),
+                                          [len(tokens) - 1],
+                                          local_block_table=kv.local_block_ids(request)))
         return make_step_batch(sequences, self.kv_cache_manager.block_size)
 
     def _draw(

@@ -49,6 +49,11 @@ def describe(path: str | Path, pool_mib: float = 1024.0) -> dict[str, Any]:
             str(context): manifest.kv_cache.sequences_in_pool(
                 pool_mib * _MIB, context, manifest.runtime.block_size)
             for context in sorted({2048, manifest.runtime.max_context})},
+        "kv_bytes_per_sequence": {
+            str(context): manifest.kv_cache.bytes_per_sequence(
+                context, manifest.runtime.block_size)
+            for context in sorted({2048, 32768, manifest.runtime.max_context})},
+        "kv_local_window": manifest.kv_cache.local_window(),
         "passes": manifest.passes,
         "weights": _weights(manifest),
         "speculative": (manifest.speculative.model_dump(exclude={"measured"})
@@ -93,6 +98,19 @@ def kv_layout(kv_cache: KVCacheSpec) -> dict[str, Any]:
     return {"pool": kv_cache.layout, "groups": groups}
 
 
+def _sequence_lines(info: dict[str, Any]) -> list[str]:
+    """KV bytes a decoding sequence holds per context, by layer group."""
+    window = info["kv_local_window"]
+    lines = []
+    for context, held in info["kv_bytes_per_sequence"].items():
+        text = f"  at {context} tokens: {held['full'] / _MIB:.2f} MiB"
+        if window:
+            text += (f" full-attention layers + {held['sliding'] / _MIB:.2f} MiB sliding-"
+                     f"window layers (their {window}-token window; blocks behind it freed)")
+        lines.append(text)
+    return ["KV a sequence holds", *lines]
+
+
 def _per_layer(values: list) -> str:
     """`3 (every layer)`, or each layer's value in layer order."""
     if len(set(values)) == 1:
@@ -128,6 +146,7 @@ def format_description(info: dict[str, Any]) -> str:
     lines += [f"  {'layers' if '-' in group['layers'] else 'layer'} {group['layers']}: "
               f"{group['tensors']} ({group['bytes_per_token']} bytes/token each)"
               for group in info["kv_layout"]["groups"]]
+    lines += _sequence_lines(info)
     if info["kv_sink_tokens"]:
         lines.append(f"KV sinks      the first {info['kv_sink_tokens']} positions of each "
                      "sequence unrounded, beside the pool: "

@@ -143,6 +143,8 @@ class PagedDriver:
             C.INPUT_IDS: input_ids, C.POSITION_IDS: position_ids, C.BLOCK_TABLES: block_tables,
             C.CONTEXT_LENS: context_lens, C.LOGITS_INDICES: np.concatenate(rows), **self.pools,
         }
+        if C.LOCAL_BLOCK_TABLES in {i.name for i in self.session.get_inputs()}:
+            feeds[C.LOCAL_BLOCK_TABLES] = block_tables  # local layers' pools: the same ids
         tables = [self.block_tables[s] for s in seqs]
         if self.sinks:
             sink_rows = self.sinks.rows_for([table[0] for table in tables])

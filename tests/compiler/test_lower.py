@@ -115,6 +115,8 @@ def test_contract_io(ir, session):
     outputs = {o.name: o.type for o in session.get_outputs()}
     for name in (C.INPUT_IDS, C.POSITION_IDS, C.BLOCK_TABLES, C.CONTEXT_LENS, C.LOGITS_INDICES):
         assert inputs.pop(name) == "tensor(int64)"
+    if any(spec.sliding_window for spec in ir.arch.layers):  # their own block table
+        assert inputs.pop(C.LOCAL_BLOCK_TABLES) == "tensor(int64)"
     assert outputs.pop(C.LOGITS) == "tensor(float)"
     for i in range(ir.arch.num_layers):
         for t in ("key", "value"):

@@ -1,0 +1,142 @@
+"""Sliding-window layers that free what they cannot see: KV held per sequence at long
+context, before (every block kept) and after (the local group's blocks behind the window
+given back), on a Gemma-3-shaped random model over the blocks layout.
+
+The model: a random `gemma3_text` checkpoint with Gemma 3's layer pattern (five sliding
+layers of window `--window` to one full-attention layer), small widths so that it runs
+fast on a CPU. One prompt of `--context` random tokens is prefilled and `--gen` greedy
+tokens decoded, once with freeing and once with a window no sequence outgrows (the engine
+before the change: the same graph, nothing freed). Reported per run: blocks held per layer
+group at the end, the KV bytes a sequence holds, the bytes the local group's pool takes
+against the full pool's, decode tok/s; and whether the tokens are equal.
+
+    python benchmarks/bench_sliding_window.py --out-dir /tmp/swbench
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _common import RESULTS_DIR, machine_info, write_json
+
+from llmopt.runtime import LLM, SamplingParams
+
+_MIB = 1024 * 1024
+
+
+def build_checkpoint(directory: Path, layers: int, window: int, max_position: int) -> Path:
+    """A random Gemma-3-shaped checkpoint and a byte-level tokenizer."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from tiny_checkpoints import build_tiny_checkpoint
+
+    layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                   for i in range(layers)]
+    return build_tiny_checkpoint("gemma3_text", directory, overrides=dict(
+        num_hidden_layers=layers, layer_types=layer_types, sliding_window=window,
+        hidden_size=128, intermediate_size=256, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=max_position))
+
+
+def compile_blocks(checkpoint: Path, out: Path, max_context: int, block_size: int) -> Path:
+    from llmopt.compiler.pipeline import compile_recipe
+    from llmopt.compiler.recipe import Recipe
+
+    if not (out / "manifest.json").exists():
+        recipe = Recipe(model=str(checkpoint), target={"kv_layout": "blocks"},
+                        runtime={"block_size": block_size, "max_context": max_context,
+                                 "max_num_seqs": 1})
+        compile_recipe(recipe, out, log=lambda _: None)
+    return out
+
+
+def run(artifact: Path, prompt: list[int], gen: int, keep: bool) -> dict[str, Any]:
+    """Prefill and decode one sequence; what it holds at the end and how fast it decoded."""
+    from llmopt.runtime import assembly
+
+    sized = assembly.num_local_blocks
+    if keep:  # the engine before the change: local pools as large as the full ones
+        assembly.num_local_blocks = lambda config, window, trails: config.num_blocks
+    try:
+        llm = LLM(artifact, max_num_seqs=1, speculative=False)
+    finally:
+        assembly.num_local_blocks = sized
+    engine, kv = llm.engine, llm.engine.kv_cache_manager
+    if keep:  # ... and nothing ever behind the window
+        kv.sliding.window = 10**9
+    engine.add_request(prompt, SamplingParams(max_tokens=gen, temperature=0.0,
+                                              ignore_eos=True))
+    held, tokens, first = {}, [], None
+    while engine.has_unfinished_requests():
+        if engine.scheduler.running:
+            held = kv.blocks_held(engine.scheduler.running[0])
+        for output in engine.step():
+            first = first or time.perf_counter()
+            tokens = output.token_ids
+    decode_s = time.perf_counter() - first
+    return {"tokens": tokens, "held_blocks": held, "decode_tok_s": (gen - 1) / decode_s,
+            **memory(llm, held)}
+
+
+def memory(llm: LLM, held: dict[str, int]) -> dict[str, Any]:
+    """Bytes a block takes in each group's pools, what the sequence holds, the pools' size."""
+    pools = llm.engine.executor.pools
+    local = set(pools.local_flat)
+    block_bytes = {"full": 0, "sliding": 0}
+    pool_bytes = {"full": 0, "sliding": 0}
+    for new, past in pools.new_to_past.items():
+        group = "sliding" if new in local else "full"
+        array = pools.arrays[past]
+        block_bytes[group] += array[0].nbytes
+        pool_bytes[group] += array.nbytes
+    return {"held_bytes": {g: held.get(g, 0) * block_bytes[g] for g in block_bytes},
+            "pool_bytes": pool_bytes}
+
+
+def row(name: str, result: dict[str, Any]) -> str:
+    held, hb, pb = result["held_blocks"], result["held_bytes"], result["pool_bytes"]
+    return (f"| {name} | {held['full']} | {held['sliding']} | "
+            f"{(hb['full'] + hb['sliding']) / _MIB:.2f} | {(pb['full'] + pb['sliding']) / _MIB:.1f}"
+            f" | {result['decode_tok_s']:.1f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--context", type=int, default=8000)
+    parser.add_argument("--gen", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args()
+    max_context = args.context + args.gen + args.block_size
+    checkpoint = args.out_dir / "checkpoint"
+    if not (checkpoint / "config.json").exists():
+        build_checkpoint(checkpoint, args.layers, args.window, max_context)
+    artifact = compile_blocks(checkpoint, args.out_dir / "artifact", max_context,
+                              args.block_size)
+    prompt = np.random.default_rng(0).integers(3, 256, args.context).tolist()
+    results = {name: run(artifact, prompt, args.gen, keep=name == "before")
+               for name in ("before", "after")}
+    same = results["before"]["tokens"] == results["after"]["tokens"]
+    print(f"{args.layers} layers (1 full : 5 sliding, window {args.window}), context "
+          f"{args.context} + {args.gen} decoded, blocks of {args.block_size}; "
+          f"tokens equal: {same}")
+    print("| run | full blocks | sliding blocks | KV held MiB | pools MiB | decode tok/s |")
+    print("|---|---|---|---|---|---|")
+    for name, result in results.items():
+        print(row(name, result))
+    for result in results.values():
+        result.pop("tokens")
+    write_json(RESULTS_DIR / "sliding_window.json",
+               {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()},
+                "tokens_equal": same, "results": results})
+
+
+if __name__ == "__main__":
+    main()
