@@ -30,13 +30,14 @@ from llmopt.runtime.output import (
     OutputText,
     RequestMetrics,
     RequestOutput,
-    SpeculationMetrics,
     stop_reason,
 )
 from llmopt.runtime.request import Request
 from llmopt.runtime.sampler import log_softmax, sample
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from llmopt.runtime.speculative.constrained import mask_draft_rows, trim_drafts
+from llmopt.runtime.speculative.metrics import SpeculationMetrics
 from llmopt.runtime.speculative.speculator import SpeculationTotals, Speculator
 from llmopt.runtime.structured.manager import StructuredOutputManager
 from llmopt.runtime.tokenizer import Tokenizer
@@ -153,7 +154,7 @@ class LLMEngine:
         if speculator is not None:
             scheduled = speculator.propose(scheduled)
             if self._structured is not None:
-                scheduled = self._structured.trim_drafts(scheduled, speculator.drafts)
+                scheduled = trim_drafts(scheduled, speculator.drafts)
         logits = self.executor.execute(self._step_batch(scheduled))
         emitted = self._process_logits(scheduled, logits)
         return self._postprocess(scheduled, emitted)
@@ -226,7 +227,7 @@ class LLMEngine:
         """A drafting request's rows; a constrained one's masked by its grammar."""
         if item.request.grammar is None or self._structured is None:
             return rows
-        return self._structured.mask_draft_rows(item, rows)
+        return mask_draft_rows(self._structured, item, rows)
 
     def _postprocess(
         self, scheduled: list[ScheduledRequest], emitted: dict[str, list[int]]

@@ -101,6 +101,19 @@ static inline __attribute__((always_inline)) void amx_add_block(
     }
 }
 
+/* Block b of rows `act` (`stride` bytes apart) alone, its dots to `sums` through tile 0: the
+   last of an odd count in amx_tile. Its code vectors from `vectors`, or unpacked to `ring`. */
+static inline __attribute__((always_inline)) void amx_lone_block(
+        const QMatrix *w, int64_t g, int b, const int8_t *act, int64_t stride,
+        const int8_t *vectors, int8_t *ring, int32_t *sums) {
+    if (!vectors) amx_unpack_slice(w, g, b, ring);
+    _tile_zero(0);
+    _tile_loadd(4, act + b * 32, stride);
+    _tile_loadd(6, vectors ? vectors + b * 512 : ring, 64);
+    _tile_dpbssd(0, 4, 6);
+    _tile_stored(0, sums, 64);
+}
+
 /* Blocks of 32: rows t0 .. t0 + rows - 1 times row group g (signed code vectors `vectors`,
    or NULL: each pair unpacked as it comes, for a group that one tile of rows reads once).
    Blocks go in pairs, software-pipelined: while one pair's sums are read (from tiles 0, 1
@@ -155,20 +168,12 @@ static inline __attribute__((always_inline)) void amx_tile(
         ADD_BLOCK(b + 1, 1);
     }
     if (blocks % 2) {
-        const int b = blocks - 1;
-        if (!vectors) amx_unpack_slice(w, g, b, ring[0]);
-        _tile_zero(0);
-        _tile_loadd(4, act + b * 32, stride);
-        _tile_loadd(6, vectors ? vectors + b * 512 : ring[0], 64);
-        _tile_dpbssd(0, 4, 6);
-        _tile_stored(0, sums[0], 64);
-        ADD_BLOCK(b, 0);
+        amx_lone_block(w, g, blocks - 1, act, stride, vectors, ring[0], sums[0]);
+        ADD_BLOCK(blocks - 1, 0);
     }
 #undef MULTIPLY
 #undef ADD_BLOCK
-    const __mmask16 outputs = (__mmask16)((1u << (w->n - 16 * g < 16 ? w->n - 16 * g : 16)) - 1);
-    for (int i = 0; i < rows; i++)
-        _mm512_mask_storeu_ps(y + (int64_t)(t0 + i) * w->n + 16 * g, outputs, acc[i]);
+    store_tile_rows(w, t0, rows, g, group_lanes(w, g), acc, y);
 }
 
 /* amx_tile for blocks of 64 or 128 (K a multiple of 64): rows t0 .. t0 + rows - 1 times
@@ -233,9 +238,7 @@ static inline __attribute__((always_inline)) void amx_tile_wide(
         }
     }
 #undef MULTIPLY
-    const __mmask16 outputs = (__mmask16)((1u << (w->n - 16 * g < 16 ? w->n - 16 * g : 16)) - 1);
-    for (int i = 0; i < rows; i++)
-        _mm512_mask_storeu_ps(y + (int64_t)(t0 + i) * w->n + 16 * g, outputs, acc[i]);
+    store_tile_rows(w, t0, rows, g, group_lanes(w, g), acc, y);
 }
 
 /* gemm_groups on AMX tiles: per row chunk and group, the group's code vectors unpacked once

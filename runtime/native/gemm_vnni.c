@@ -1,6 +1,34 @@
 /* A projection's row groups times tiles of activation rows, VNNI dots.
    Included by kernels.c: the step is one translation unit. */
 
+/* tile8_q4's pieces of assembly. UNPACK: code vectors lo and hi (registers) from packed
+   line j. STORE_ROWS: row i's sums (zmm16 + i) to out + i * stride. SUM: row i's block dot
+   (zmm i) as a float, times its scale product, added to its sum (zmm f). PREFETCH: the
+   slice PREFETCH_SLICES ahead of the codes into L1. CLOBBERS: every register it writes. */
+#define UNPACK(j, lo, hi) \
+    "vmovdqu64 64*" #j "(%[codes]), %%zmm" #lo "\n\t" \
+    "vpsrlw $4, %%zmm" #lo ", %%zmm" #hi "\n\t" \
+    "vpandd %[low4], %%zmm" #lo ", %%zmm" #lo "\n\t" \
+    "vpandd %[low4], %%zmm" #hi ", %%zmm" #hi "\n\t"
+#define STORE(at, f) "vmovups %%zmm" #f ", " at "\n\t"
+#define STORE_ROWS \
+    STORE("(%[out])", 16) STORE("(%[out],%[bytes])", 17) STORE("(%[out],%[bytes],2)", 18) \
+    STORE("(%[out],%[bytes3])", 19) STORE("(%[out4])", 20) STORE("(%[out4],%[bytes])", 21) \
+    STORE("(%[out4],%[bytes],2)", 22) STORE("(%[out4],%[bytes3])", 23)
+#define SUM(i, f) \
+    "vcvtdq2ps %%zmm" #i ", %%zmm" #i "\n\t" \
+    "vmulps 4*" #i "(%[act_scales])%{1to16%}, %%zmm25, %%zmm26\n\t" \
+    "vfmadd231ps %%zmm26, %%zmm" #i ", %%zmm" #f "\n\t"
+#define PREFETCH \
+    "prefetcht0 %c[ahead](%[codes])\n\t" \
+    "prefetcht0 %c[ahead]+64(%[codes])\n\t" \
+    "prefetcht0 %c[ahead]+128(%[codes])\n\t" \
+    "prefetcht0 %c[ahead]+192(%[codes])\n\t"
+#define CLOBBERS \
+    "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", \
+    "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", \
+    "xmm21", "xmm22", "xmm23", "xmm25", "xmm26", "memory", "cc"
+
 /* The common full tile as one loop of assembly: TOKEN_TILE (8) activation rows times a row
    group of symmetric 4-bit weights (no zero points, no offsets) over `blocks` blocks of
    `slices` slices each but the last, of `last` (blocks > 0), into `out` what gemm_tile
@@ -25,20 +53,6 @@ static void tile8_q4(const uint8_t *codes, const float *row_scales, const int32_
     const int64_t bytes = 4 * stride, bytes3 = 3 * bytes;
     float *const out4 = out + 4 * stride;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-#define UNPACK(j, lo, hi) \
-    "vmovdqu64 64*" #j "(%[codes]), %%zmm" #lo "\n\t" \
-    "vpsrlw $4, %%zmm" #lo ", %%zmm" #hi "\n\t" \
-    "vpandd %[low4], %%zmm" #lo ", %%zmm" #lo "\n\t" \
-    "vpandd %[low4], %%zmm" #hi ", %%zmm" #hi "\n\t"
-#define STORE(at, f) "vmovups %%zmm" #f ", " at "\n\t"
-#define STORE_ROWS /* row i's sums (zmm16 + i) to out + i * stride */ \
-    STORE("(%[out])", 16) STORE("(%[out],%[bytes])", 17) STORE("(%[out],%[bytes],2)", 18) \
-    STORE("(%[out],%[bytes3])", 19) STORE("(%[out4])", 20) STORE("(%[out4],%[bytes])", 21) \
-    STORE("(%[out4],%[bytes],2)", 22) STORE("(%[out4],%[bytes3])", 23)
-#define SUM(i, f) \
-    "vcvtdq2ps %%zmm" #i ", %%zmm" #i "\n\t" \
-    "vmulps 4*" #i "(%[act_scales])%{1to16%}, %%zmm25, %%zmm26\n\t" \
-    "vfmadd231ps %%zmm26, %%zmm" #i ", %%zmm" #f "\n\t"
     __asm__ volatile(
         ".irp f,16,17,18,19,20,21,22,23\n\t"
         "vpxord %%zmm\\f, %%zmm\\f, %%zmm\\f\n\t"
@@ -53,10 +67,7 @@ static void tile8_q4(const uint8_t *codes, const float *row_scales, const int32_
         "jne 2f\n\t"
         "mov %[last], %[left]\n"
         "2:\n\t"
-        "prefetcht0 %c[ahead](%[codes])\n\t"
-        "prefetcht0 %c[ahead]+64(%[codes])\n\t"
-        "prefetcht0 %c[ahead]+128(%[codes])\n\t"
-        "prefetcht0 %c[ahead]+192(%[codes])\n\t"
+        PREFETCH
         UNPACK(0, 8, 9) UNPACK(1, 10, 11) UNPACK(2, 12, 13) UNPACK(3, 14, 15)
         /* code vector m (zmm8+m) times row i's four activation codes m, for every m, i */
         ".irp m,8,9,10,11,12,13,14,15\n\t"
@@ -83,15 +94,14 @@ static void tile8_q4(const uint8_t *codes, const float *row_scales, const int32_
         : [out] "r"(out), [out4] "r"(out4), [bytes] "r"(bytes), [bytes3] "r"(bytes3),
           [last] "m"(last), [slices] "r"(slices), [low4] "v"(low4),
           [ahead] "i"(PREFETCH_SLICES * 256)
-        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
-          "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18",
-          "xmm19", "xmm20", "xmm21", "xmm22", "xmm23", "xmm25", "xmm26", "memory",
-          "cc");
+        : CLOBBERS);
+}
 #undef UNPACK
 #undef STORE
 #undef STORE_ROWS
 #undef SUM
-}
+#undef PREFETCH
+#undef CLOBBERS
 
 /* acc + codes . (*four, broadcast to every lane): one VPDPBUSD that reads the four
    activation codes as its broadcast memory operand, where GCC writes _mm512_set1_epi32 of
@@ -184,6 +194,68 @@ static inline __attribute__((always_inline)) void lone_row(
     _mm512_mask_storeu_ps(out, rows, acc);
 }
 
+/* Row group g's lanes of y: all sixteen but in a short last group. */
+static inline __attribute__((always_inline)) __mmask16 group_lanes(const QMatrix *w,
+                                                                    int64_t g) {
+    return (__mmask16)((1u << (w->n - 16 * g < 16 ? w->n - 16 * g : 16)) - 1);
+}
+
+/* acc[i] to row t0 + i of y, row group g's lanes. */
+static inline __attribute__((always_inline)) void store_tile_rows(
+        const QMatrix *w, int t0, const int rows, int64_t g, __mmask16 lanes, const __m512 *acc,
+        float *y) {
+    for (int i = 0; i < rows; i++)
+        _mm512_mask_storeu_ps(y + (int64_t)(t0 + i) * w->n + 16 * g, lanes, acc[i]);
+}
+
+/* gemm_tile's full tile of 4-bit symmetric codes through tile8_q4: a whole row group's sums
+   go straight to y, the last group's short one's through a buffer. */
+static inline __attribute__((always_inline)) void tile8_into(
+        const QMatrix *w, TileOperands o, int t0, int blocks, __mmask16 rows, float *y,
+        int64_t g) {
+    float sums[TOKEN_TILE][16];
+    const int whole = rows == 0xFFFF;
+    float *out = whole ? y + (int64_t)t0 * w->n + 16 * g : &sums[0][0];
+    const int64_t stride = whole ? w->n : 16;
+    tile8_q4(o.group, o.scales, o.act, o.zero_term, o.act_scales, blocks, w->block / 32,
+             block_slices(w, blocks - 1), out, stride);
+    for (int i = 0; i < TOKEN_TILE && !whole; i++)
+        _mm512_mask_storeu_ps(y + (int64_t)(t0 + i) * w->n + 16 * g, rows,
+                              _mm512_loadu_ps(sums[i]));
+}
+
+/* Block b's integer dots of rows 0 .. tile - 1 start from the zero point's term (times each
+   output row's zero point where the codes have them). */
+static inline __attribute__((always_inline)) void start_dots(
+        __m512i *dot, const TileOperands *o, int b, const int tile, const int has_zeros) {
+    const int64_t bt = (int64_t)b * TOKEN_TILE;
+    if (has_zeros) {
+        const __m512i row_zeros =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(o->zeros + b * 16)));
+        for (int i = 0; i < tile; i++)
+            dot[i] = _mm512_mullo_epi32(row_zeros, _mm512_set1_epi32(o->zero_term[bt + i]));
+    } else {
+        for (int i = 0; i < tile; i++) dot[i] = _mm512_set1_epi32(o->zero_term[bt + i]);
+    }
+}
+
+/* The slice at `at` as eight code vectors of bytes (4-bit codes unpacked, looked up in a
+   code book's table). */
+static inline __attribute__((always_inline)) void slice_codes(
+        const QMatrix *w, const uint8_t *at, const int bits, const int lookup, __m512i *codes) {
+    if (bits == 8) {
+        for (int m = 0; m < 8; m++) codes[m] = _mm512_loadu_si512(at + 64 * m);
+    } else {
+        const __m512i low4 = _mm512_set1_epi8(0x0F), lut = lut_vector(w, lookup);
+        for (int j = 0; j < 4; j++) {
+            __m512i packed = _mm512_loadu_si512(at + 64 * j);
+            codes[2 * j] = looked_up(_mm512_and_si512(packed, low4), lut, lookup);
+            codes[2 * j + 1] = looked_up(
+                _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4), lut, lookup);
+        }
+    }
+}
+
 /* Tile `tile` (rows t0 .., `tile` of them) times row group g: 16 outputs per row. Each
    block's integer dots start from the zero point's term and run as one chain per row over
    the block's slices, the rows interleaved so that `tile` chains are in flight (a lone row:
@@ -194,34 +266,19 @@ static inline __attribute__((always_inline)) void gemm_tile(
         const int has_zeros, const int halves, const int lookup, float *y, int64_t g) {
     const int slices = w->k / 32, slice_bytes = bits * 64, per_block = w->block / 32;
     const int blocks = block_count(w->k, w->block);
-    const uint8_t *group = w->codes + g * slices * slice_bytes;
-    const float *scales = w->scales + g * blocks * 16;
-    const uint8_t *zeros = has_zeros ? w->zeros + g * blocks * 16 : NULL;
-    const float *offsets = w->offsets ? w->offsets + g * blocks * 16 : NULL;
-    const __mmask16 rows = (__mmask16)((1u << (w->n - 16 * g < 16 ? w->n - 16 * g : 16)) - 1);
     const int64_t first = tile_at(t0, blocks, 0);
-    const int32_t *act = a->codes + tile_at(t0, slices, 0) * 8;
-    const int32_t *zero_term = a->zero_term + first;
-    const float *act_scales = a->scales + first, *inputs = a->inputs + first;
-    const uint16_t *half = halves ? w->half_scales + g * blocks * 16 : NULL;
+    const TileOperands o = {
+        w->codes + g * slices * slice_bytes, has_zeros ? w->zeros + g * blocks * 16 : NULL,
+        w->scales + g * blocks * 16, w->offsets ? w->offsets + g * blocks * 16 : NULL,
+        a->scales + first, a->inputs + first, a->codes + tile_at(t0, slices, 0) * 8,
+        a->zero_term + first, halves ? w->half_scales + g * blocks * 16 : NULL};
+    const __mmask16 rows = group_lanes(w, g);
     if (tile == 1) {
-        lone_row(w, (TileOperands){group, zeros, scales, offsets, act_scales, inputs, act,
-                                   zero_term, half}, bits, has_zeros, halves, lookup, rows,
-                 y + (int64_t)t0 * w->n + 16 * g);
+        lone_row(w, o, bits, has_zeros, halves, lookup, rows, y + (int64_t)t0 * w->n + 16 * g);
         return;
     }
-    if (tile == TOKEN_TILE && bits == 4 && !has_zeros && !offsets && blocks > 0) {
-        /* a whole row group's sums go straight to y, the last group's short one's through
-           a buffer */
-        float sums[TOKEN_TILE][16];
-        const int whole = rows == 0xFFFF;
-        float *out = whole ? y + (int64_t)t0 * w->n + 16 * g : &sums[0][0];
-        const int64_t stride = whole ? w->n : 16;
-        tile8_q4(group, scales, act, zero_term, act_scales, blocks, per_block,
-                 block_slices(w, blocks - 1), out, stride);
-        for (int i = 0; i < tile && !whole; i++)
-            _mm512_mask_storeu_ps(y + (int64_t)(t0 + i) * w->n + 16 * g, rows,
-                                  _mm512_loadu_ps(sums[i]));
+    if (tile == TOKEN_TILE && bits == 4 && !has_zeros && !o.offsets && blocks > 0) {
+        tile8_into(w, o, t0, blocks, rows, y, g);
         return;
     }
     __m512 acc[TOKEN_TILE];
@@ -229,45 +286,27 @@ static inline __attribute__((always_inline)) void gemm_tile(
     for (int b = 0; b < blocks; b++) {
         const int64_t bt = (int64_t)b * TOKEN_TILE;
         __m512i dot[TOKEN_TILE];
-        if (has_zeros) {
-            const __m512i row_zeros =
-                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zeros + b * 16)));
-            for (int i = 0; i < tile; i++)
-                dot[i] = _mm512_mullo_epi32(row_zeros, _mm512_set1_epi32(zero_term[bt + i]));
-        } else {
-            for (int i = 0; i < tile; i++) dot[i] = _mm512_set1_epi32(zero_term[bt + i]);
-        }
+        start_dots(dot, &o, b, tile, has_zeros);
         for (int s = b * per_block; s < b * per_block + block_slices(w, b); s++) {
-            const uint8_t *at = group + (int64_t)s * slice_bytes;
+            const uint8_t *at = o.group + (int64_t)s * slice_bytes;
             prefetch_slice(at, slice_bytes, tile < TOKEN_TILE);
             __m512i codes[8];
-            if (bits == 8) {
-                for (int m = 0; m < 8; m++) codes[m] = _mm512_loadu_si512(at + 64 * m);
-            } else {
-                const __m512i low4 = _mm512_set1_epi8(0x0F), lut = lut_vector(w, lookup);
-                for (int j = 0; j < 4; j++) {
-                    __m512i packed = _mm512_loadu_si512(at + 64 * j);
-                    codes[2 * j] = looked_up(_mm512_and_si512(packed, low4), lut, lookup);
-                    codes[2 * j + 1] = looked_up(
-                        _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4), lut, lookup);
-                }
-            }
-            const int32_t *slice_act = act + (int64_t)s * 8 * TOKEN_TILE;
+            slice_codes(w, at, bits, lookup, codes);
+            const int32_t *slice_act = o.act + (int64_t)s * 8 * TOKEN_TILE;
             for (int m = 0; m < 8; m++)
                 for (int i = 0; i < tile; i++)
                     dot[i] = dot_broadcast(dot[i], codes[m], slice_act + m * TOKEN_TILE + i);
         }
-        const __m512 row_scales = block_scales(scales, half, b, halves);
+        const __m512 row_scales = block_scales(o.scales, o.half_scales, b, halves);
         for (int i = 0; i < tile; i++) {
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(
-                row_scales, _mm512_set1_ps(act_scales[bt + i])), acc[i]);
-            if (offsets)
-                acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(offsets + b * 16),
-                                         _mm512_set1_ps(inputs[bt + i]), acc[i]);
+                row_scales, _mm512_set1_ps(o.act_scales[bt + i])), acc[i]);
+            if (o.offsets)
+                acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(o.offsets + b * 16),
+                                         _mm512_set1_ps(o.inputs[bt + i]), acc[i]);
         }
     }
-    for (int i = 0; i < tile; i++)
-        _mm512_mask_storeu_ps(y + (int64_t)(t0 + i) * w->n + 16 * g, rows, acc[i]);
+    store_tile_rows(w, t0, tile, g, rows, acc, y);
 }
 
 #define TILE_CASES(bits, zeros, lookup) \

@@ -9,8 +9,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from llmopt.runtime.llm import LLM
-from llmopt.runtime.output import RequestOutput, SpeculationMetrics
+from llmopt.runtime.output import RequestOutput
 from llmopt.runtime.sampling_params import SamplingParams
+from llmopt.runtime.speculative.metrics import total_speculation
 from llmopt.runtime.tools.bench_text import text_prompts
 
 
@@ -76,7 +77,7 @@ def run_bench(llm: LLM, batch: int, prompt_len: int, gen_len: int, seed: int = 0
         decode_time = m.finished_time - m.first_token_time
         per_stream.append((len(out.token_ids) - 1) / decode_time if decode_time > 0 else 0.0)
     generated = sum(len(o.token_ids) for o in outputs)
-    speculation = total_speculation(outputs)
+    speculation = total_speculation(o.metrics.speculation for o in outputs)
     return BenchResult(
         batch=batch, prompt_len=prompt_len, gen_len=gen_len,
         ttft_ms=1000 * float(np.mean(ttft)),
@@ -117,16 +118,6 @@ def generate_timed(llm: LLM, prompts: list[list[int]], params: SamplingParams
     generated = sum(len(o.token_ids) for o in latest.values())
     seconds = time.perf_counter() - opened if opened is not None else 0.0
     return [latest[i] for i in ids], DecodeWindow(generated - tokens_before, seconds)
-
-
-def total_speculation(outputs: list[RequestOutput]) -> SpeculationMetrics | None:
-    """The requests' speculation counters summed; None when nothing speculated."""
-    metrics = [o.metrics.speculation for o in outputs if o.metrics.speculation]
-    if not metrics or not any(m.num_spec_steps for m in metrics):
-        return None
-    return SpeculationMetrics(*(sum(values) for values in zip(
-        *((m.num_decode_steps, m.num_spec_steps, m.num_draft_tokens, m.num_accepted_tokens)
-          for m in metrics), strict=True)))
 
 
 def peak_rss_mib() -> float:

@@ -13,6 +13,7 @@ import pytest
 from llmopt.runtime import LLM, SamplingParams
 from llmopt.runtime.request import Request
 from llmopt.runtime.scheduler import ScheduledRequest
+from llmopt.runtime.speculative.constrained import mask_draft_rows
 from llmopt.runtime.structured import StructuredOutputsParams
 from llmopt.runtime.structured.compiler import GrammarError
 from llmopt.runtime.structured.masks import allow_all, fill_mask
@@ -127,7 +128,7 @@ def test_draft_rows_are_masked_at_the_state_after_their_path(llm):
     item = ScheduledRequest(request, 1 + len(drafts), len(drafts), drafts, (-1, 0, 1, 0, 2))
     vocab = engine.structured.vocab_size
     logits = np.zeros((6, vocab), dtype=np.float32)
-    masked = engine.structured.mask_draft_rows(item, logits)
+    masked = mask_draft_rows(engine.structured, item, logits)
     paths = {0: [], 1: tokens[:1], 2: tokens[:2], 3: tokens[:3], 4: [tokens[0], side]}
     for row, path in paths.items():
         fresh = engine.structured.matcher(CONSTRAINTS["json"])
