@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from _common import REPO_ROOT, RESULTS_DIR, machine_info, write_json
 
+from llmopt.compiler import calibration_mix
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.pass_manager import PassContext, apply_passes
@@ -176,6 +177,19 @@ def run_config(ir: ModelIR, passes: list[dict[str, Any]], calibration: dict[str,
     return out, reports, time.perf_counter() - started
 
 
+def shared_samples(cache: Path, save: bool) -> None:
+    """The model's calibration samples kept in `cache` for every run of this script: loaded
+    into calibration_mix's memo (it checks the model and length), saved once drawn."""
+    memo, path = calibration_mix._SampleMemo, cache / "calibration-samples.pt"
+    if not save and path.is_file():
+        memo.key, memo.samples = torch.load(path)
+    elif save and memo.samples is not None:
+        saved = torch.load(path)[1] if path.is_file() else None
+        if saved is None or len(memo.samples) > len(saved):
+            cache.mkdir(parents=True, exist_ok=True)
+            torch.save((memo.key, memo.samples), path)
+
+
 def summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """What a row keeps of the pass reports: the choices a pass made, not its per-linear data."""
     keep = ("name", "config", "seconds", "skipped", "layers_merged", "kv_cache_reduction",
@@ -188,7 +202,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated, from: {', '.join(CONFIGS)}")
-    parser.add_argument("--calibration", choices=CALIBRATION, default="none")
+    parser.add_argument("--calibration", default="none",
+                        help=f"comma-separated, each configuration run with each: "
+                             f"{', '.join(CALIBRATION)}")
     parser.add_argument("--calibration-json", default=None,
                         help="the recipe's calibration block as JSON (overrides --calibration)")
     parser.add_argument("--options", default=None,
@@ -207,27 +223,33 @@ def main() -> None:
     ir = load_checkpoint(MODEL)
     count = args.windows or SPLIT_WINDOWS[args.split]
     texts = {t: text_windows(ir, t, args.split, count) for t in args.texts.split(",")}
-    calibration = (json.loads(args.calibration_json) if args.calibration_json
-                   else CALIBRATION[args.calibration])
-    saved = json.loads(args.json.read_text())["rows"] if args.json.exists() else []
-    rows = {_key(r): r for r in saved}
+    calibrations = ([json.loads(args.calibration_json)] if args.calibration_json
+                    else [CALIBRATION[c] for c in args.calibration.split(",")])
     base = ReferenceModel(ir, SEQ_LEN)
     hidden = {t: cached_hidden(base, w, args.cache) for t, w in texts.items()}
-    for name in args.configs.split(","):
+    shared_samples(args.cache, save=False)
+    for name, calibration in ((n, c) for c in calibrations for n in args.configs.split(",")):
         passes = [dict(p) for p in CONFIGS[name]]
         if args.options:
             ((pass_name, options),) = passes[0].items()
             passes[0] = {pass_name: {**options, **json.loads(args.options)}}
         out, reports, seconds = run_config(ir, passes, calibration)
+        shared_samples(args.cache, save=True)
         model = None if not passes else ReferenceModel(out, SEQ_LEN)
         row = {"config": args.label or name, "passes": passes, "calibration": calibration,
                "split": args.split, "windows": count, "pass_seconds": round(seconds, 1),
                "reports": summary(reports),
                "texts": {t: score(base, hidden[t], model, w) for t, w in texts.items()},
                "machine": machine_info()}
-        rows[_key(row)] = row
         print_row(row)
+        rows = saved_rows(args.json)  # read again: another run may have added rows since
+        rows[_key(row)] = row
         write_json(args.json, {"seq_len": SEQ_LEN, "rows": list(rows.values())})
+
+
+def saved_rows(path: Path) -> dict[str, dict[str, Any]]:
+    saved = json.loads(path.read_text())["rows"] if path.exists() else []
+    return {_key(r): r for r in saved}
 
 
 def _key(row: dict[str, Any]) -> str:
