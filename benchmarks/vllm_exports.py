@@ -43,7 +43,7 @@ def worker() -> None:
     try:
         start = time.perf_counter()
         llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=1024,
-                  max_num_seqs=8, seed=0)
+                  max_num_seqs=8, seed=0, enforce_eager=job["eager"])
         result["load_s"] = round(time.perf_counter() - start, 1)
         params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
         outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]],
@@ -57,10 +57,13 @@ def worker() -> None:
 
 def run_vllm(args: argparse.Namespace, model: str, prompts: list[list[int]],
              dtype: str) -> dict[str, Any]:
-    job = {"model": model, "prompts": prompts, "max_tokens": args.max_tokens, "dtype": dtype}
+    job = {"model": model, "prompts": prompts, "max_tokens": args.max_tokens, "dtype": dtype,
+           "eager": args.eager}
     done = subprocess.run([args.vllm_python, __file__, "--worker"], input=json.dumps(job),
                           capture_output=True, text=True, env=vllm_env(args.threads,
                                                                       args.kv_gib))
+    log = Path(args.results_dir) / f"vllm_exports-{Path(model).name}-{dtype}.log"
+    log.write_text(done.stderr)  # vLLM's own account of what it loaded or refused
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if not lines:
         return {"dtype": dtype, "error": f"worker exit {done.returncode}: "
@@ -75,7 +78,7 @@ def serve_check(args: argparse.Namespace, model: str, prompt: str) -> dict[str, 
 
     command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--port", str(PORT), "--served-model-name", "export", "--max-model-len", "1024",
-               "--dtype", "bfloat16"]
+               "--dtype", "bfloat16", *(["--enforce-eager"] if args.eager else [])]
     log = Path(args.results_dir) / f"vllm_exports-{Path(model).name}.log"
     try:
         with ServerProcess(command, f"http://127.0.0.1:{PORT}/health", log,
@@ -156,12 +159,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-gib", type=int, default=1)
     parser.add_argument("--no-serve", dest="serve", action="store_false")
+    parser.add_argument("--eager", action="store_true",
+                        help="vLLM's enforce_eager: skip its torch.compile (minutes on a busy CPU)")
     parser.add_argument("--results-dir", default=str(RESULTS_DIR))
+    parser.add_argument("--results-name", default="vllm_exports", help="JSON file name")
     args = parser.parse_args()
     args.dtypes = args.dtypes.split(",")
     rows = [compare(args, *pair.split(":")) for pair in args.pair]
     report(rows, args.max_tokens)
-    write_json(Path(args.results_dir) / "vllm_exports.json",
+    write_json(Path(args.results_dir) / f"{args.results_name}.json",
                {"machine": machine_info(), "rows": rows, "prompts": PROMPTS,
                 "max_tokens": args.max_tokens})
 
