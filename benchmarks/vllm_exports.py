@@ -103,12 +103,30 @@ def agreement(ours: list[int], theirs: list[int]) -> int:
     return n
 
 
+def divergences(ours: list[Any], theirs: list[list[int]]) -> list[dict[str, Any]]:
+    """Where each differing pair first parts: llmopt's top tokens there, and how far (nats)
+    vLLM's choice sits below llmopt's in llmopt's own distribution (a near-tie or not)."""
+    found = []
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        k = agreement(a.token_ids, b)
+        if a.token_ids == b or k >= min(len(a.token_ids), len(b)):
+            continue
+        top = [list(pair) for pair in a.logprobs[k].top]
+        theirs_lp = next((lp for token, lp in top if token == b[k]), None)
+        found.append({"prompt": i, "position": k, "llmopt_token": a.token_ids[k],
+                      "vllm_token": b[k], "llmopt_top": top,
+                      "margin_nats": None if theirs_lp is None else round(top[0][1] - theirs_lp,
+                                                                          3)})
+    return found
+
+
 def compare(args: argparse.Namespace, artifact: str, export: str) -> dict[str, Any]:
     from llmopt.runtime import LLM, SamplingParams
 
     llm = LLM(artifact, num_threads=args.threads)
     prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    ours = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0))
+    ours = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0,
+                                                logprobs=5))
     row: dict[str, Any] = {"artifact": artifact, "export": export,
                            "llmopt": [o.token_ids for o in ours],
                            "llmopt_texts": [o.text for o in ours], "vllm": []}
@@ -119,6 +137,7 @@ def compare(args: argparse.Namespace, artifact: str, export: str) -> dict[str, A
                                for a, b in zip(ours, result["token_ids"], strict=True)]
             result["identical"] = sum(a.token_ids == b for a, b in
                                       zip(ours, result["token_ids"], strict=True))
+            result["divergences"] = divergences(ours, result["token_ids"])
         row["vllm"].append(result)
     if args.serve:
         row["serve"] = serve_check(args, export, PROMPTS[0])
@@ -136,6 +155,9 @@ def report(rows: list[dict[str, Any]], max_tokens: int) -> None:
             else:
                 print(f"| {row['export']} | {v['dtype']} | yes ({v['load_s']} s) | "
                       f"{v['identical']}/{len(PROMPTS)} | {v['agree']} |")
+                for d in v["divergences"]:
+                    print(f"  prompt {d['prompt']} token {d['position']}: vLLM's choice "
+                          f"{d['margin_nats']} nats below llmopt's in llmopt's distribution")
         serve = row.get("serve")
         if serve is not None:
             text = (serve["body"]["choices"][0]["message"]["content"][:80]
