@@ -9,6 +9,7 @@ the same next to every server it measures.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -145,8 +146,9 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("w") as log:
+            # its own process group: servers that fork workers (vLLM) end with them
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                            env=self.env)
+                                            env=self.env, start_new_session=True)
         deadline = time.monotonic() + self.startup_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -168,11 +170,14 @@ class ServerProcess:
         return 0.0
 
     def __exit__(self, *exc: object) -> None:
-        if self.process is None or self.process.poll() is not None:
+        if self.process is None:
             return
-        os.kill(self.process.pid, signal.SIGTERM)
-        try:
-            self.exit_code = self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.exit_code = self.process.wait()
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.exit_code = self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.exit_code = self.process.wait()
+        with contextlib.suppress(ProcessLookupError):  # workers that outlived their parent
+            os.killpg(self.process.pid, signal.SIGKILL)

@@ -16,10 +16,12 @@ inter-token latency (per request: (end - first token) / (tokens - 1)) p50/p99, f
                       small KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)
 
 The Q4_0 GGUF is llama.cpp's own quantization of the package GGUF dequantized to F32
-(bench_int4.py's helpers). Targets, at the highest rate where an anchor's p99 TTFT stays
-under 2 s: llmopt throughput >= 1.5x llama-cpp-python's and >= 1.0x llama-server's, at a
-p99 TTFT no worse. `--overhead-rounds N` also compares one streamed request's decode
-tok/s through HTTP with the same artifact's offline `llmopt bench` at batch 1.
+(bench_int4.py's helpers); `--gguf FILE` serves FILE instead (the package's Q4_1 GGUF
+itself: the same weights as an artifact compiled from it). Targets, at the highest rate
+where an anchor's p99 TTFT stays under 2 s: llmopt throughput >= 1.5x llama-cpp-python's
+and >= 1.0x llama-server's, at a p99 TTFT no worse. `--overhead-rounds N` also compares one
+streamed request's decode tok/s through HTTP with the same artifact's offline `llmopt bench`
+at batch 1.
 
     python benchmarks/bench_serve.py --artifact out/smollm2-int4-spec \
         --llama-server /path/to/llama-server --llama-quantize /path/to/llama-quantize
@@ -49,7 +51,10 @@ from _serve_client import (  # noqa: E402
     summarize,
 )
 
-TEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext2-valid.tokens.txt"
+# the shared data folder beside the repository (a worktree sits one level deeper)
+TEXT = next((p / "shared" / "data" / "wikitext2-valid.tokens.txt" for p in REPO_ROOT.parents
+             if (p / "shared" / "data").is_dir()), REPO_ROOT.parent / "shared" / "data" /
+            "wikitext2-valid.tokens.txt")
 LLMOPT = ("llmopt-int4-spec", "llmopt-int4")
 ANCHORS = ("llama-server", "llama-cpp-python")
 VLLM = "vllm"
@@ -118,7 +123,7 @@ def server_command(system: str, args: argparse.Namespace, gguf: Path | None,
         return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                 args.vllm_model, "--port", str(port), "--served-model-name", VLLM,
                 "--max-model-len", "1024", "--max-num-seqs", str(args.parallel),
-                "--dtype", "bfloat16"]
+                "--dtype", "bfloat16", *(["--enforce-eager"] if args.vllm_eager else [])]
     return [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port",
             str(port), "--n_threads", threads, "--n_threads_batch", threads, "--n_ctx", "1024",
             "--interrupt_requests", "False"]  # its default cuts a stream when the next arrives
@@ -320,6 +325,11 @@ def parse_args() -> argparse.Namespace:
                         help="checkpoint vLLM serves (an `llmopt export-hf` directory)")
     parser.add_argument("--vllm-kv-gib", type=int, default=1,
                         help="VLLM_CPU_KVCACHE_SPACE: vLLM-CPU's KV cache, GiB")
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="a GGUF the llama.cpp systems serve as is (e.g. the one the "
+                        "llmopt artifact was compiled from); default: Q4_0 built as above")
+    parser.add_argument("--vllm-eager", action="store_true",
+                        help="vLLM's --enforce-eager: no torch.compile (minutes on a busy CPU)")
     parser.add_argument("--out-dir", default="out/serve-bench")
     parser.add_argument("--overhead-rounds", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
@@ -341,7 +351,7 @@ def main() -> None:
                                     manifest.tokenizer)
     workloads = Workloads.make(tokenizer, args.requests, len(args.rates), args.seed)
     needs_gguf = any(s in ANCHORS for s in args.systems)
-    gguf = prepare_gguf(args) if needs_gguf else None
+    gguf = (args.gguf or prepare_gguf(args)) if needs_gguf else None
     machine = machine_info(("llama_cpp_python", "fastapi", "uvicorn"))
     systems = list(args.systems)
     if "llama-server" in systems and not args.llama_server:

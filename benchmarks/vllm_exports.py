@@ -43,7 +43,7 @@ def worker() -> None:
     try:
         start = time.perf_counter()
         llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=1024,
-                  max_num_seqs=8, seed=0)
+                  max_num_seqs=8, seed=0, enforce_eager=job["eager"])
         result["load_s"] = round(time.perf_counter() - start, 1)
         params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
         outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]],
@@ -57,10 +57,13 @@ def worker() -> None:
 
 def run_vllm(args: argparse.Namespace, model: str, prompts: list[list[int]],
              dtype: str) -> dict[str, Any]:
-    job = {"model": model, "prompts": prompts, "max_tokens": args.max_tokens, "dtype": dtype}
+    job = {"model": model, "prompts": prompts, "max_tokens": args.max_tokens, "dtype": dtype,
+           "eager": args.eager}
     done = subprocess.run([args.vllm_python, __file__, "--worker"], input=json.dumps(job),
                           capture_output=True, text=True, env=vllm_env(args.threads,
                                                                       args.kv_gib))
+    log = Path(args.results_dir) / f"vllm_exports-{Path(model).name}-{dtype}.log"
+    log.write_text(done.stderr)  # vLLM's own account of what it loaded or refused
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if not lines:
         return {"dtype": dtype, "error": f"worker exit {done.returncode}: "
@@ -75,7 +78,7 @@ def serve_check(args: argparse.Namespace, model: str, prompt: str) -> dict[str, 
 
     command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--port", str(PORT), "--served-model-name", "export", "--max-model-len", "1024",
-               "--dtype", "bfloat16"]
+               "--dtype", "bfloat16", *(["--enforce-eager"] if args.eager else [])]
     log = Path(args.results_dir) / f"vllm_exports-{Path(model).name}.log"
     try:
         with ServerProcess(command, f"http://127.0.0.1:{PORT}/health", log,
@@ -100,12 +103,30 @@ def agreement(ours: list[int], theirs: list[int]) -> int:
     return n
 
 
+def divergences(ours: list[Any], theirs: list[list[int]]) -> list[dict[str, Any]]:
+    """Where each differing pair first parts: llmopt's top tokens there, and how far (nats)
+    vLLM's choice sits below llmopt's in llmopt's own distribution (a near-tie or not)."""
+    found = []
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        k = agreement(a.token_ids, b)
+        if a.token_ids == b or k >= min(len(a.token_ids), len(b)):
+            continue
+        top = [list(pair) for pair in a.logprobs[k].top]
+        theirs_lp = next((lp for token, lp in top if token == b[k]), None)
+        found.append({"prompt": i, "position": k, "llmopt_token": a.token_ids[k],
+                      "vllm_token": b[k], "llmopt_top": top,
+                      "margin_nats": None if theirs_lp is None else round(top[0][1] - theirs_lp,
+                                                                          3)})
+    return found
+
+
 def compare(args: argparse.Namespace, artifact: str, export: str) -> dict[str, Any]:
     from llmopt.runtime import LLM, SamplingParams
 
     llm = LLM(artifact, num_threads=args.threads)
     prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    ours = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0))
+    ours = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0,
+                                                logprobs=5))
     row: dict[str, Any] = {"artifact": artifact, "export": export,
                            "llmopt": [o.token_ids for o in ours],
                            "llmopt_texts": [o.text for o in ours], "vllm": []}
@@ -116,6 +137,7 @@ def compare(args: argparse.Namespace, artifact: str, export: str) -> dict[str, A
                                for a, b in zip(ours, result["token_ids"], strict=True)]
             result["identical"] = sum(a.token_ids == b for a, b in
                                       zip(ours, result["token_ids"], strict=True))
+            result["divergences"] = divergences(ours, result["token_ids"])
         row["vllm"].append(result)
     if args.serve:
         row["serve"] = serve_check(args, export, PROMPTS[0])
@@ -133,6 +155,9 @@ def report(rows: list[dict[str, Any]], max_tokens: int) -> None:
             else:
                 print(f"| {row['export']} | {v['dtype']} | yes ({v['load_s']} s) | "
                       f"{v['identical']}/{len(PROMPTS)} | {v['agree']} |")
+                for d in v["divergences"]:
+                    print(f"  prompt {d['prompt']} token {d['position']}: vLLM's choice "
+                          f"{d['margin_nats']} nats below llmopt's in llmopt's distribution")
         serve = row.get("serve")
         if serve is not None:
             text = (serve["body"]["choices"][0]["message"]["content"][:80]
@@ -156,12 +181,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-gib", type=int, default=1)
     parser.add_argument("--no-serve", dest="serve", action="store_false")
+    parser.add_argument("--eager", action="store_true",
+                        help="vLLM's enforce_eager: skip its torch.compile (minutes on a busy CPU)")
     parser.add_argument("--results-dir", default=str(RESULTS_DIR))
+    parser.add_argument("--results-name", default="vllm_exports", help="JSON file name")
     args = parser.parse_args()
     args.dtypes = args.dtypes.split(",")
     rows = [compare(args, *pair.split(":")) for pair in args.pair]
     report(rows, args.max_tokens)
-    write_json(Path(args.results_dir) / "vllm_exports.json",
+    write_json(Path(args.results_dir) / f"{args.results_name}.json",
                {"machine": machine_info(), "rows": rows, "prompts": PROMPTS,
                 "max_tokens": args.max_tokens})
 
