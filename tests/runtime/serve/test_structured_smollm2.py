@@ -23,7 +23,7 @@ from llmopt.runtime.structured import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m-q4_1.yaml"
+RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "smollm2-135m-q4_1.yaml"
 NGRAM = {"kind": "ngram", "gamma": 4, "prompts": 2, "new_tokens": 16, "batch_sizes": [1],
          "cost_repeats": 1}
 NESTED = {"type": "object", "properties": {
