@@ -33,11 +33,6 @@ def server(artifact):
         yield base, srv
 
 
-@pytest.fixture()
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="none", max_retries=0)
-
-
 def offline_chat(offline: LLM, messages: list[dict], max_tokens: int = 12):
     prompt = offline.tokenizer.encode_chat(messages)
     return offline.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))[0]

@@ -44,11 +44,6 @@ def server(tool_artifact):
         yield base, srv
 
 
-@pytest.fixture()
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="none", max_retries=0)
-
-
 def test_parse_returns_a_valid_pydantic_instance(client, server):
     reply = client.chat.completions.parse(model=MODEL, messages=USER, response_format=Pet,
                                           temperature=0, max_tokens=300)

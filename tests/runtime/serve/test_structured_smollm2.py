@@ -10,7 +10,6 @@ from enum import Enum
 from pathlib import Path
 
 import jsonschema
-import openai
 import pytest
 import yaml
 from live_server import MODEL, live_server
@@ -74,11 +73,6 @@ def artifact(tmp_path_factory) -> Path:
 def server(artifact):
     with live_server(artifact, speculative=False) as (base, srv):
         yield base, srv
-
-
-@pytest.fixture()
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="none", max_retries=0)
 
 
 def nested(max_tokens: int = 300) -> SamplingParams:

@@ -32,11 +32,6 @@ def server(tool_artifact):
         yield base, srv
 
 
-@pytest.fixture()
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="none", max_retries=0)
-
-
 def check_call(call, tool: dict) -> dict:
     assert call.type == "function" and call.id.startswith("call_")
     assert call.function.name == tool["function"]["name"]
