@@ -78,13 +78,13 @@ def write_shards(tensors: Iterator[tuple[str, torch.Tensor]], directory: Path) -
 
     shard: dict[str, torch.Tensor] = {}
     names: list[list[str]] = []  # each written shard's tensor names
-    total = 0
+    total = pending = 0  # bytes of every tensor, and of the shard being filled
     for name, tensor in tensors:
-        if shard and _nbytes(shard) + tensor.nbytes > SHARD_BYTES:
+        if shard and pending + tensor.nbytes > SHARD_BYTES:
             names.append(_save_shard(shard, directory, len(names)))
-            shard = {}
+            shard, pending = {}, 0
         shard[name] = tensor
-        total += tensor.nbytes
+        total, pending = total + tensor.nbytes, pending + tensor.nbytes
     if not names:
         save_file(shard, directory / SINGLE_FILE, metadata={"format": "pt"})
         return
@@ -109,10 +109,6 @@ def _index_shards(directory: Path, names: list[list[str]], total_bytes: int) -> 
     _write_json(directory / f"{SINGLE_FILE}.index.json",
                 {"metadata": {"total_size": total_bytes},
                  "weight_map": dict(sorted(weight_map.items()))})
-
-
-def _nbytes(shard: dict[str, torch.Tensor]) -> int:
-    return sum(t.nbytes for t in shard.values())
 
 
 def export_recipe(recipe: Recipe, out: Path, fmt: str,
