@@ -21,6 +21,7 @@ of each block still filling (`TailStore`).
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
@@ -30,6 +31,19 @@ from llmopt.runtime.kv.paging import lane_position, num_lanes, step_blocks
 from llmopt.runtime.manifest import KVCacheSpec
 
 _FIRST_ROWS = 8
+
+
+def pool_array(shape: tuple[int, ...] | list[int], dtype: np.dtype | str) -> np.ndarray:
+    """A zeroed pool array on an anonymous mapping of 4 KiB pages.
+
+    numpy advises huge pages for large arrays, so the first write into a fresh lane or
+    block zeroes (and may compact memory for) 2 MiB per layer tensor; here a block's first
+    write costs only the pages it touches, and untouched lanes cost no memory at all.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = max(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, 1)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype,
+                         count=int(np.prod(shape, dtype=np.int64))).reshape(shape)
 
 
 class RowStore:
@@ -196,11 +210,11 @@ class BlockPools(_Arrays):
             for t in layer.tensors:
                 past = contract.past_name(i, t.name)
                 if t.per == "block":
-                    self.arrays[past] = np.zeros((num_blocks, *t.slot_shape), dtype=t.dtype)
+                    self.arrays[past] = pool_array((num_blocks, *t.slot_shape), t.dtype)
                     self.block_to_past[contract.new_block_name(i, t.name)] = past
                     continue
                 shape = (blocks, block_size, *t.slot_shape)
-                self.arrays[past] = np.zeros(shape, dtype=t.dtype)
+                self.arrays[past] = pool_array(shape, t.dtype)
                 self.new_to_past[contract.new_name(i, t.name)] = past
                 if layer.local:
                     local_outputs.add(contract.new_name(i, t.name))
@@ -288,8 +302,8 @@ class LanePools(_Arrays):
         for i, layer in enumerate(kv_cache.layers):
             for t in layer.tensors:
                 kv_heads, head_dim = t.slot_shape
-                self.arrays[contract.past_name(i, t.name)] = np.zeros(
-                    (self.num_lanes, kv_heads, lane_tokens, head_dim), dtype=t.dtype)
+                self.arrays[contract.past_name(i, t.name)] = pool_array(
+                    (self.num_lanes, kv_heads, lane_tokens, head_dim), t.dtype)
 
     def lane_of(self, block_table: list[int]) -> int:
         """The lane a block table runs through (its blocks must be the lane's, in order)."""

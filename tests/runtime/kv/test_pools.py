@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from llmopt.runtime import contract as C
-from llmopt.runtime.kv.pools import SinkStore
+from llmopt.runtime.kv.pools import SinkStore, pool_array
 from llmopt.runtime.manifest import KVCacheSpec
 
 
@@ -68,3 +68,11 @@ def test_a_copied_first_block_brings_its_sinks():
                                       array[sinks.row_of_block[2]])
     sinks.copy_block(4, 12)  # no sinks there: nothing to bring
     assert 12 not in sinks.row_of_block
+
+
+def test_pool_arrays_are_zeroed_writable_and_independent():
+    a, b = pool_array((3, 2, 4), np.int8), pool_array([5], "float32")
+    assert a.shape == (3, 2, 4) and a.dtype == np.int8 and not a.any()
+    assert b.shape == (5,) and b.dtype == np.float32 and a.flags.c_contiguous
+    a[1, 1] = 7
+    assert a.sum() == 28 and not b.any()
