@@ -12,7 +12,8 @@ prefill (prompt 128, 64 new tokens, random ids). With `--llama-cpp`, the same we
 converted by llama.cpp's `convert_hf_to_gguf.py` (bf16) and quantized by its `llama-quantize`
 to Q4_0 run under `llama-bench` (prefill, b1 decode) and `llama-batched-bench` (b8), same
 threads. The batch-1 bound is the read bandwidth (the best of numpy and the native step's
-prefetching read loop, over 1 GiB) over each system's bytes read per token. Writes
+prefetching read loop, over 1 GiB, measured just before each system's run so both see the
+machine's load of that moment) over each system's bytes read per token. Writes
 benchmarks/results/bench_sizes.json.
 """
 
@@ -129,12 +130,19 @@ def llama_cpp(checkpoint: Path, out_dir: Path, shape: str, args: argparse.Namesp
                 "b8_tok_s": round(b8, 2), "size_gib": round(q4.stat().st_size / 2**30, 2)}
 
 
-def measure_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[str, Any]:
+def read_rate_gb_s(threads: int) -> float:
+    """The best read bandwidth numpy or the native step's read loop draws now."""
+    native = native_read_bandwidth_gb_s(threads, 1024, 5) or []
+    return max([*read_bandwidth_gb_s(threads, 1024, 5), *native])
+
+
+def measure_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     checkpoint = args.ckpt_dir / shape
     if not (checkpoint / "config.json").exists():
         write_checkpoint(shape, checkpoint)
     artifact, row = compile_llmopt(shape, checkpoint, args.out_dir, args)
     row["artifact_gib"] = round(sum(f.stat().st_size for f in artifact.iterdir()) / 2**30, 2)
+    row["read_gb_s"] = bandwidth = read_rate_gb_s(args.threads)
     worker = timed_process([sys.executable, __file__, "--worker", str(artifact),
                             "--threads", str(args.threads)], env=thread_env(args.threads))
     row |= json.loads(worker["stdout"].strip().splitlines()[-1])
@@ -142,8 +150,10 @@ def measure_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dic
     row["b1_bound_tok_s"] = round(bandwidth * 1e9 / read_bytes, 2)
     row["b1_fraction_of_bound"] = round(row["b1_tok_s"] / row["b1_bound_tok_s"], 3)
     if args.llama_cpp:
+        cpp_bandwidth = read_rate_gb_s(args.threads)
         q4, cpp = llama_cpp(checkpoint, args.out_dir, shape, args)
-        cpp_bound = bandwidth * 1e9 / sum(gguf_weight_bytes(q4).values())
+        cpp["read_gb_s"] = cpp_bandwidth
+        cpp_bound = cpp_bandwidth * 1e9 / sum(gguf_weight_bytes(q4).values())
         cpp["b1_fraction_of_bound"] = round(cpp["b1_tok_s"] / cpp_bound, 3)
         row["llama.cpp"] = cpp
         row["b1_vs_llama_cpp"] = round(row["b1_tok_s"] / cpp["b1_tok_s"], 2)
@@ -182,13 +192,12 @@ def main() -> None:
         print(json.dumps(llmopt_worker(args.worker, args.threads)))
         return
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    native = native_read_bandwidth_gb_s(args.threads, 1024, 5) or []
-    bandwidth = max([*read_bandwidth_gb_s(args.threads, 1024, 5), *native])
-    rows = {shape: measure_shape(shape, args, bandwidth) for shape in args.shapes.split(",")
+    machine = machine_info()  # its load average is the start's
+    rows = {shape: measure_shape(shape, args) for shape in args.shapes.split(",")
             if shape in SHAPES or sys.exit(f"unknown shape {shape}; one of {sorted(SHAPES)}")}
     print_table(rows)
     write_json(RESULTS_DIR / "bench_sizes.json",
-               {"machine": machine_info(), "threads": args.threads, "read_gb_s": bandwidth,
+               {"machine": machine, "threads": args.threads,
                 "loadavg_at_end": list(os.getloadavg()), "rows": rows})
 
 
