@@ -39,7 +39,8 @@ class EngineOptions:
     drafts: str = "all"
     draft_tree: bool = False  # suffix n-gram drafts as trees (needs an executor that runs them)
     kernels: str = "auto"  # native where it runs, else ONNX Runtime | "native" | "onnxruntime"
-    streaming: StreamingConfig | None = None  # attention sinks + a window (`kv.streaming`)
+    # attention sinks + a window (`kv.streaming`); None: the manifest's; False: off
+    streaming: StreamingConfig | bool | None = None
 
 
 def kv_cache_manager_for(manifest: Manifest, config: EngineConfig) -> KVCacheManager:
@@ -93,7 +94,7 @@ def engine_config(manifest: Manifest, options: EngineOptions) -> EngineConfig:
     if num_blocks is None:
         num_blocks = defaults.num_blocks or max_num_seqs * cdiv(max_context, block_size) + 1
     step_tokens = options.max_num_batched_tokens or defaults.max_num_batched_tokens
-    streaming = options.streaming
+    streaming = streaming_config(manifest, options)
     if streaming is not None:
         check_streaming(manifest, streaming, max_context, block_size)
         step_tokens = min(step_tokens, streaming.max_step_tokens(block_size))
@@ -107,6 +108,16 @@ def engine_config(manifest: Manifest, options: EngineOptions) -> EngineConfig:
         enable_prefix_caching=options.enable_prefix_caching and streaming is None,
         streaming=streaming is not None,
     )
+
+
+def streaming_config(manifest: Manifest, options: EngineOptions) -> StreamingConfig | None:
+    """The streaming the options ask for, else the recipe's (None: off)."""
+    if isinstance(options.streaming, StreamingConfig):
+        return options.streaming
+    recipe = manifest.runtime.streaming
+    if options.streaming is False or recipe is None:
+        return None
+    return StreamingConfig(sinks=recipe.sinks, window=recipe.window)
 
 
 def check_streaming(manifest: Manifest, streaming: StreamingConfig, max_context: int,
@@ -153,9 +164,9 @@ def build_engine(path: Path, manifest: Manifest, tokenizer: Tokenizer,
                  options: EngineOptions) -> LLMEngine:
     config = engine_config(manifest, options)
     kv_cache_manager = kv_cache_manager_for(manifest, config)
-    if options.streaming is not None:
-        kv_cache_manager.streaming = streaming_kv(path, manifest, options.streaming,
-                                                  config.block_size)
+    streaming = streaming_config(manifest, options)
+    if streaming is not None:
+        kv_cache_manager.streaming = streaming_kv(path, manifest, streaming, config.block_size)
     sliding = kv_cache_manager.sliding
     local_blocks = len(sliding.block_pool.blocks) if sliding is not None else None
 
@@ -183,7 +194,7 @@ def build_engine(path: Path, manifest: Manifest, tokenizer: Tokenizer,
                          f"step); this one runs on {kernels_name(target)}")
     speculator = build_speculator(
         path, manifest, kv_cache_manager, executor_for,
-        enabled=options.speculative and options.streaming is None,
+        enabled=options.speculative and streaming is None,
         gamma=options.num_speculative_tokens, max_batch_size=options.speculative_max_batch_size,
         adaptive=options.adaptive_speculation, drafts=options.drafts, tree=options.draft_tree)
     return LLMEngine(

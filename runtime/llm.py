@@ -35,7 +35,8 @@ class LLM:
     position, verified in one step under a tree mask; the native step runs them).
     `streaming=StreamingConfig(sinks, window)` keeps each request's first `sinks` and last
     `window` positions, so generation runs past the context in fixed memory (lanes with
-    float KV; no speculation, no prefix caching; see `kv.streaming`).
+    float KV; no speculation, no prefix caching; see `kv.streaming`); None takes the
+    recipe's `runtime: streaming:`, False turns it off.
     """
 
     def __init__(
@@ -57,7 +58,7 @@ class LLM:
         drafts: str = "all",
         draft_tree: bool = False,
         kernels: str = "auto",
-        streaming: StreamingConfig | None = None,
+        streaming: StreamingConfig | bool | None = None,
     ):
         self.path = Path(path)
         self.num_threads = num_threads

@@ -31,7 +31,9 @@ ARTIFACTS = {  # name -> (passes, target options)
     "int8": ([{"kv_cache": {"dtype": "int8", "key_scales": "channel",
                             "value_scales": "channel"}}, RTN], A8),
     "blocks": ([RTN], {**A8, "kv_layout": "blocks"}),
+    "recipe": ([RTN], A8),  # with `runtime: streaming:` (RUNTIME below)
 }
+RUNTIME = {"block_size": BLOCK, "max_context": 64, "max_num_seqs": 2}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,9 @@ def artifacts(tiny_checkpoints, word_text, tmp_path_factory) -> dict[str, Path]:
                         quality={"measure": False},
                         calibration={"text": str(word_text), "samples": 2, "seq_len": 32,
                                      "model_samples": 0},
-                        runtime={"block_size": BLOCK, "max_context": 64, "max_num_seqs": 2})
+                        runtime={**RUNTIME, **({"streaming": {"sinks": STREAM.sinks,
+                                                              "window": STREAM.window}}
+                                               if name == "recipe" else {})})
         out[name] = root / name
         compile_recipe(recipe, out[name], log=lambda _: None)
     return out
@@ -145,3 +149,18 @@ def test_artifacts_that_cannot_stream_are_refused_in_one_line(artifacts, kv, err
     with pytest.raises(ValueError, match=error) as caught:
         LLM(artifacts[kv], streaming=STREAM)
     assert "\n" not in str(caught.value)
+
+
+def test_a_recipe_streams_unless_the_caller_turns_it_off(artifacts):
+    on = LLM(artifacts["recipe"])
+    assert on.engine.kv_cache_manager.streaming.config == STREAM
+    assert len(on.generate(prompt(20), greedy(100))[0].token_ids) == 100  # past max_context
+    off = LLM(artifacts["recipe"], streaming=False)
+    assert off.engine.kv_cache_manager.streaming is None
+
+
+@pytest.mark.parametrize("streaming,error", [({"sinks": 8, "window": 8}, "below the window"),
+                                             ({"window": 100}, "larger than max_context")])
+def test_a_recipe_with_bad_streaming_fails_validation(tiny_checkpoints, streaming, error):
+    with pytest.raises(ValueError, match=error):
+        Recipe(model=str(tiny_checkpoints["llama"]), runtime={**RUNTIME, "streaming": streaming})
