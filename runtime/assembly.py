@@ -117,7 +117,7 @@ def streaming_config(manifest: Manifest, options: EngineOptions) -> StreamingCon
     recipe = manifest.runtime.streaming
     if options.streaming is False or recipe is None:
         return None
-    return StreamingConfig(sinks=recipe.sinks, window=recipe.window)
+    return StreamingConfig(sinks=recipe.sinks, window=recipe.window, drop=recipe.drop)
 
 
 def check_streaming(manifest: Manifest, streaming: StreamingConfig, max_context: int,

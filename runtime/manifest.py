@@ -134,6 +134,7 @@ class StreamingDefaults(_Strict):
 
     sinks: int = Field(4, ge=0)
     window: int = Field(gt=0)
+    drop: int | None = Field(None, gt=0)  # positions dropped at once (None: the runtime's)
 
     @model_validator(mode="after")
     def _sinks_below_window(self) -> StreamingDefaults:

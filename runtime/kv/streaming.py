@@ -2,10 +2,11 @@
 
 A request keeps its first `sinks` positions and its last `window` positions in its lane.
 When a step would overrun `sinks + window`, the oldest positions after the sinks are
-dropped a block at a time: the kept entries move down the lane and their keys turn back
-by the distance moved (R(p - d) k = R(-d) R(p) k), so every entry sits at its cache
-position and the rotary stays within the positions the model was trained on, as the
-paper does. Until the first eviction nothing differs from full attention.
+dropped some blocks at a time (`StreamingConfig.drop`): the kept entries move down the
+lane and their keys turn back by the distance moved (R(p - d) k = R(-d) R(p) k), so
+every entry sits at its cache position and the rotary stays within the positions the
+model was trained on, as the paper does. Until the first drop nothing differs from full
+attention.
 
 Supported: the lanes layout with float32 or float16 keys and values (codes with static
 scales would need requantizing); the rotary tables come from the graph's native plan.
@@ -22,10 +23,21 @@ from llmopt.runtime.kv.paging import cdiv
 
 @dataclass(frozen=True)
 class StreamingConfig:
-    """Keep the first `sinks` positions and the last `window` positions of each request."""
+    """Keep the first `sinks` positions and the last `window` positions of each request.
+
+    `drop`: positions dropped at once, whole blocks (None: a sixteenth of the window in
+    whole blocks, at least one). Each drop moves and turns the whole window, so larger
+    drops cost less per token; the window a token sees shrinks by up to `drop` - 1.
+    """
 
     sinks: int = 4
     window: int = 2044
+    drop: int | None = None
+
+    def drop_size(self, block_size: int) -> int:
+        if self.drop is not None:
+            return self.drop
+        return max(self.window // 16 // block_size, 1) * block_size
 
     def budget(self) -> int:
         return self.sinks + self.window
@@ -41,14 +53,18 @@ class StreamingConfig:
         if self.budget() > min(max_context, max_position):
             raise ValueError(f"streaming: sinks + window = {self.budget()} is larger than "
                              f"the context ({min(max_context, max_position)} positions)")
-        if self.window < 2 * block_size:
+        if self.drop is not None and (self.drop < 1 or self.drop % block_size):
+            raise ValueError(f"streaming: drop {self.drop} must be a whole number of blocks "
+                             f"of {block_size}")
+        if self.window < 2 * self.drop_size(block_size):
             raise ValueError(f"streaming: the window {self.window} must span at least two "
-                             f"blocks of {block_size} (positions are dropped a block at a time)")
+                             f"drops of {self.drop_size(block_size)} positions (whole blocks "
+                             f"of {block_size})")
 
     def max_step_tokens(self, block_size: int) -> int:
-        """Most tokens one step may compute: what is left of the window after a block
-        is dropped, so a step never evicts entries of its own."""
-        return self.window - block_size
+        """Most tokens one step may compute: what is left of the window after a drop, so
+        a step never evicts entries of its own."""
+        return self.window - self.drop_size(block_size)
 
 
 class StreamingKV:
@@ -61,8 +77,8 @@ class StreamingKV:
         (rotate-half: pairs i and i + head_dim / 2)."""
         self.config = config
         self.block_size = block_size
-        self.rope_cos = np.asarray(rope_cos, np.float64)
-        self.rope_sin = np.asarray(rope_sin, np.float64)
+        self.rope_cos = np.asarray(rope_cos, np.float32)
+        self.rope_sin = np.asarray(rope_sin, np.float32)
         self.evicted: dict[str, int] = {}  # request id -> positions dropped so far
 
     def num_evicted(self, request_id: str) -> int:
@@ -70,11 +86,12 @@ class StreamingKV:
 
     def to_drop(self, cached: int, num_new_tokens: int) -> int:
         """Positions to drop before a step of `num_new_tokens` over `cached` entries: whole
-        blocks, enough that the step fits the budget."""
+        drops, enough that the step fits the budget."""
         over = cached + num_new_tokens - self.config.budget()
         if over <= 0:
             return 0
-        drop = cdiv(over, self.block_size) * self.block_size
+        unit = self.config.drop_size(self.block_size)
+        drop = cdiv(over, unit) * unit
         if drop > cached - self.config.sinks:
             raise ValueError(f"streaming: a step of {num_new_tokens} tokens does not fit "
                              f"the window {self.config.window}")
@@ -85,20 +102,24 @@ class StreamingKV:
         start, end = self.config.sinks, cached
         for pool_set in pools:
             for name, array in pool_set.arrays.items():
-                kept = array[lane, :, start + drop:end].copy()
+                rows = array[lane]  # [kv_heads, lane tokens, head_dim]
                 if name.endswith(".key"):
-                    kept = self.turn_back(kept, drop)
-                array[lane, :, start:end - drop] = kept
+                    rows[:, start:end - drop] = self.turn_back(rows[:, start + drop:end], drop)
+                else:  # numpy buffers the overlapping move
+                    rows[:, start:end - drop] = rows[:, start + drop:end]
         self.evicted[request_id] = self.num_evicted(request_id) + drop
 
     def turn_back(self, keys: np.ndarray, distance: int) -> np.ndarray:
-        """Keys [..., head_dim] rotated at p, rotated at p - distance instead."""
+        """Keys [..., head_dim] rotated at p, rotated at p - distance instead (a new array)."""
         cos, sin = self.rope_cos[distance], self.rope_sin[distance]
         half = keys.shape[-1] // 2
-        a = keys[..., :half].astype(np.float64)
-        b = keys[..., half:].astype(np.float64)
-        turned = np.concatenate([a * cos + b * sin, b * cos - a * sin], axis=-1)
-        return turned.astype(keys.dtype)
+        a, b = keys[..., :half], keys[..., half:]
+        turned = np.empty(keys.shape, np.float32)
+        np.multiply(a, cos, out=turned[..., :half])
+        turned[..., :half] += b * sin
+        np.multiply(b, cos, out=turned[..., half:])
+        turned[..., half:] -= a * sin
+        return turned
 
     def forget(self, request_id: str) -> None:
         self.evicted.pop(request_id, None)

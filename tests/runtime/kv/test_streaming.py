@@ -76,11 +76,12 @@ def test_streaming_equals_full_attention_while_the_sequence_fits(artifacts, kv, 
         assert [lp.logprob for lp in streamed.logprobs] == [lp.logprob for lp in full.logprobs]
 
 
+@pytest.mark.parametrize("stream", [STREAM, StreamingConfig(sinks=4, window=28, drop=8)])
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_generation_runs_past_the_context_in_fixed_memory(artifacts, kernel):
+def test_generation_runs_past_the_context_in_fixed_memory(artifacts, kernel, stream):
     """300 tokens past a 256-position model with a 64-token lane: at most the budget's
-    blocks held at every step, every token produced."""
-    llm = LLM(artifacts["float32"], kernels=kernel, streaming=STREAM)
+    blocks held at every step, every token produced (drops of one block and of two)."""
+    llm = LLM(artifacts["float32"], kernels=kernel, streaming=stream)
     engine, kv = llm.engine, llm.engine.kv_cache_manager
     request_id = engine.add_request(prompt(20), greedy(300))
     held, positions = [], []
@@ -135,7 +136,8 @@ def test_kept_keys_are_the_keys_of_their_cache_positions(artifacts, kv, kernel):
 @pytest.mark.parametrize("config,error", [
     (StreamingConfig(sinks=4, window=64), "larger than the context"),
     (StreamingConfig(sinks=8, window=8), "below the window"),
-    (StreamingConfig(sinks=2, window=6), "at least two blocks"),
+    (StreamingConfig(sinks=2, window=6), "at least two drops"),
+    (StreamingConfig(sinks=2, window=16, drop=6), "whole number of blocks"),
 ])
 def test_bad_streaming_settings_are_refused_in_one_line(artifacts, config, error):
     with pytest.raises(ValueError, match=error) as caught:
