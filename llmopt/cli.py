@@ -220,6 +220,25 @@ def inspect_command(artifact: Path, pool_mib: float, as_json: bool) -> None:
     click.echo(json.dumps(info, indent=2) if as_json else format_description(info))
 
 
+def _streaming_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """--window and --sinks (StreamingLLM), for generate, bench and serve."""
+    command = click.option("--sinks", type=click.IntRange(min=0), default=4, show_default=True,
+                           help="With --window: first positions every request keeps.")(command)
+    return click.option("--window", type=POSITIVE, default=None,
+                        help="Stream past the context: keep the sinks and the last WINDOW "
+                             "positions of each request (float KV lanes; no speculation).")(
+        command)
+
+
+def _streaming_kwargs(sinks: int, window: int | None) -> dict[str, Any]:
+    """LLM's `streaming` argument from --sinks/--window (none without --window)."""
+    if window is None:
+        return {}
+    from llmopt.runtime.kv.streaming import StreamingConfig
+
+    return {"streaming": StreamingConfig(sinks=sinks, window=window)}
+
+
 def _speculation_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """--speculative/--no-speculative, --gamma and --spec-max-batch, for generate, bench and
     serve."""
@@ -272,6 +291,7 @@ def _speculation_kwargs(speculative: bool, gamma: int | None, spec_max_batch: in
 @click.option("--max-context", type=POSITIVE, default=None, help="Longest sequence, in tokens.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per prompt and line.")
 @_speculation_options
+@_streaming_options
 @_one_line_errors
 def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_tokens: int,
                      temperature: float | None, top_p: float | None, top_k: int | None,
@@ -280,7 +300,7 @@ def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_t
                      num_blocks: int | None,
                      max_context: int | None, as_json: bool, speculative: bool,
                      gamma: int | None, spec_max_batch: int | None, drafts: str,
-                     draft_tree: bool) -> None:
+                     draft_tree: bool, sinks: int, window: int | None) -> None:
     """Generate a continuation of each PROMPT, batched together."""
     from llmopt.runtime import LLM, SamplingParams
 
@@ -294,7 +314,7 @@ def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_t
     given = {k: v for k, v in chosen.items() if v is not None}
     SamplingParams(max_tokens=max_tokens, stop=list(stop), **given)  # bad values: before loading
     llm = LLM(artifact, num_threads=threads, num_blocks=num_blocks, max_context=max_context,
-              kernels=kernels,
+              kernels=kernels, **_streaming_kwargs(sinks, window),
               **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts, draft_tree))
     params = SamplingParams.from_generation_config(  # the manifest's: transformers' defaults
         llm.manifest.generation, max_tokens=max_tokens, stop=list(stop), **given)
@@ -384,19 +404,22 @@ def _perplexity_table(results: list[tuple[Path, Any]]) -> None:
                    "speculation); auto: text when the artifact speculates, else random.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per batch size.")
 @_speculation_options
+@_streaming_options
 @_one_line_errors
 def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: int,
                   threads: int | None, kernels: str, pool_mib: float, prompts_kind: str,
                   as_json: bool,
                   speculative: bool, gamma: int | None, spec_max_batch: int | None,
-                  drafts: str, draft_tree: bool) -> None:
+                  drafts: str, draft_tree: bool, sinks: int, window: int | None) -> None:
     """TTFT, decode tok/s per stream, aggregate tok/s, peak RSS (with a draft, also
     acceptance rate and tokens per target step)."""
     from llmopt.runtime import LLM
     from llmopt.runtime.tools.bench import prompt_kind, run_bench
 
+    streaming = _streaming_kwargs(sinks, window)  # lanes of sinks + window, not the run's length
     llm = LLM(artifact, num_threads=threads, max_num_seqs=max(batches),
-              max_context=prompt_len + gen_len + 1, kernels=kernels,
+              max_context=sinks + window if streaming and window else prompt_len + gen_len + 1,
+              kernels=kernels, **streaming,
               **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts, draft_tree))
     kind = prompt_kind(prompts_kind, llm.engine.speculator is not None)
     run_bench(llm, 1, min(prompt_len, 16), 4)  # warm-up: session init, first-run allocations
@@ -448,13 +471,15 @@ def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: 
 @click.option("--grace-period", type=float, default=30.0, show_default=True,
               help="Seconds in-flight requests get to finish after SIGTERM.")
 @_speculation_options
+@_streaming_options
 @_one_line_errors
 def serve_command(artifact: Path, host: str, port: int, served_model_name: str | None,
                   api_key: str | None, threads: int | None, kernels: str, max_num_seqs: int | None,
                   max_num_batched_tokens: int | None, num_blocks: int | None,
                   max_context: int | None, max_waiting: int, no_prefix_caching: bool,
                   grace_period: float, speculative: bool, gamma: int | None,
-                  spec_max_batch: int | None, drafts: str, draft_tree: bool) -> None:
+                  spec_max_batch: int | None, drafts: str, draft_tree: bool, sinks: int,
+                  window: int | None) -> None:
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (needs the `serve` extra).
 
     Engine limits left unset take the artifact's recipe defaults.
@@ -481,6 +506,7 @@ def serve_command(artifact: Path, host: str, port: int, served_model_name: str |
           num_threads=threads, kernels=kernels, max_num_seqs=max_num_seqs,
           max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks,
           max_context=max_context, enable_prefix_caching=not no_prefix_caching,
+          **_streaming_kwargs(sinks, window),
           **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts, draft_tree))
 
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from llmopt.runtime.engine import EngineConfig, LLMEngine
 from llmopt.runtime.executors.choose import graph_executor, kernels_name
 from llmopt.runtime.executors.step_batch import Executor
 from llmopt.runtime.kv.manager import KVCacheManager
 from llmopt.runtime.kv.paging import cdiv
 from llmopt.runtime.kv.sliding import SlidingBlocks
+from llmopt.runtime.kv.streaming import StreamingConfig, StreamingKV
 from llmopt.runtime.manifest import KVCacheSpec, Manifest
+from llmopt.runtime.native.plan import NativePlan, Tensor, read_plan
 from llmopt.runtime.speculative.speculator import build_speculator
 from llmopt.runtime.tokenizer import Tokenizer
 
@@ -35,6 +39,8 @@ class EngineOptions:
     drafts: str = "all"
     draft_tree: bool = False  # suffix n-gram drafts as trees (needs an executor that runs them)
     kernels: str = "auto"  # native where it runs, else ONNX Runtime | "native" | "onnxruntime"
+    # attention sinks + a window (`kv.streaming`); None: the manifest's; False: off
+    streaming: StreamingConfig | bool | None = None
 
 
 def kv_cache_manager_for(manifest: Manifest, config: EngineConfig) -> KVCacheManager:
@@ -87,20 +93,80 @@ def engine_config(manifest: Manifest, options: EngineOptions) -> EngineConfig:
     num_blocks = options.num_blocks
     if num_blocks is None:
         num_blocks = defaults.num_blocks or max_num_seqs * cdiv(max_context, block_size) + 1
+    step_tokens = options.max_num_batched_tokens or defaults.max_num_batched_tokens
+    streaming = streaming_config(manifest, options)
+    if streaming is not None:
+        check_streaming(manifest, streaming, max_context, block_size)
+        step_tokens = min(step_tokens, streaming.max_step_tokens(block_size))
     return EngineConfig(
         block_size=block_size,
         num_blocks=num_blocks,
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=options.max_num_batched_tokens or defaults.max_num_batched_tokens,
+        max_num_batched_tokens=step_tokens,
         max_context=max_context,
-        enable_prefix_caching=options.enable_prefix_caching,
+        # a streaming request's blocks change contents as it slides: nothing to share
+        enable_prefix_caching=options.enable_prefix_caching and streaming is None,
+        streaming=streaming is not None,
     )
+
+
+def streaming_config(manifest: Manifest, options: EngineOptions) -> StreamingConfig | None:
+    """The streaming the options ask for, else the recipe's (None: off)."""
+    if isinstance(options.streaming, StreamingConfig):
+        return options.streaming
+    recipe = manifest.runtime.streaming
+    if options.streaming is False or recipe is None:
+        return None
+    return StreamingConfig(sinks=recipe.sinks, window=recipe.window, drop=recipe.drop)
+
+
+def check_streaming(manifest: Manifest, streaming: StreamingConfig, max_context: int,
+                    block_size: int) -> None:
+    """One-line errors where an artifact or the settings cannot stream (before any work)."""
+    streaming.check(max_context=max_context, block_size=block_size,
+                    max_position=manifest.model.max_position)
+    kv_cache = manifest.kv_cache
+    if kv_cache.layout != "lanes":
+        raise ValueError("streaming needs the lanes KV layout; this artifact's is "
+                         f"{kv_cache.layout!r}")
+    dtypes = {(t.name, t.dtype) for layer in kv_cache.layers for t in layer.tensors}
+    if not all(name in ("key", "value") and dtype in ("float32", "float16")
+               for name, dtype in dtypes):
+        raise ValueError("streaming supports float32 and float16 KV caches only; this "
+                         f"artifact's holds {sorted(dtypes)} (compile without kv_cache codes)")
+    if not isinstance(read_plan(manifest.graphs["target"].native), NativePlan):
+        raise ValueError("streaming needs the rotary tables of the target's native plan, "
+                         "which this artifact does not have")
+
+
+def streaming_kv(path: Path, manifest: Manifest, streaming: StreamingConfig,
+                 block_size: int) -> StreamingKV:
+    """The per-request eviction state, with the target's rotary tables."""
+    spec = manifest.graphs["target"]
+    plan = read_plan(spec.native)
+    assert isinstance(plan, NativePlan), "check_streaming let a graph without a plan through"
+    data = np.memmap(path / spec.data_file, np.uint8, mode="r") if spec.data_file else None
+    return StreamingKV(streaming, block_size, _tensor_array(plan.rope_cos, data),
+                       _tensor_array(plan.rope_sin, data))
+
+
+def _tensor_array(tensor: Tensor, data: np.ndarray | None) -> np.ndarray:
+    """A plan tensor's values, from the graph's weights file where it lies there."""
+    dtype = np.dtype(tensor.dtype)
+    if tensor.values is not None:
+        return np.asarray(tensor.values, dtype).reshape(tensor.shape)
+    assert data is not None and tensor.offset is not None and tensor.length is not None
+    return np.array(data[tensor.offset:tensor.offset + tensor.length].view(dtype)
+                    ).reshape(tensor.shape)
 
 
 def build_engine(path: Path, manifest: Manifest, tokenizer: Tokenizer,
                  options: EngineOptions) -> LLMEngine:
     config = engine_config(manifest, options)
     kv_cache_manager = kv_cache_manager_for(manifest, config)
+    streaming = streaming_config(manifest, options)
+    if streaming is not None:
+        kv_cache_manager.streaming = streaming_kv(path, manifest, streaming, config.block_size)
     sliding = kv_cache_manager.sliding
     local_blocks = len(sliding.block_pool.blocks) if sliding is not None else None
 
@@ -127,7 +193,8 @@ def build_engine(path: Path, manifest: Manifest, tokenizer: Tokenizer,
         raise ValueError(f"draft_tree needs a target that runs draft trees (the native "
                          f"step); this one runs on {kernels_name(target)}")
     speculator = build_speculator(
-        path, manifest, kv_cache_manager, executor_for, enabled=options.speculative,
+        path, manifest, kv_cache_manager, executor_for,
+        enabled=options.speculative and streaming is None,
         gamma=options.num_speculative_tokens, max_batch_size=options.speculative_max_batch_size,
         adaptive=options.adaptive_speculation, drafts=options.drafts, tree=options.draft_tree)
     return LLMEngine(

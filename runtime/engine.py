@@ -162,7 +162,7 @@ class LLMEngine:
     def _step_batch(self, scheduled: list[ScheduledRequest]) -> StepBatch:
         kv = self.kv_cache_manager
         return make_step_batch(
-            [SequenceStep(item.query_token_ids(), item.request.num_computed_tokens,
+            [SequenceStep(item.query_token_ids(), kv.cache_position(item.request),
                           kv.block_ids(item.request), item.logits_offsets(),
                           item.query_parents(), kv.local_block_ids(item.request))
              for item in scheduled],

@@ -11,6 +11,7 @@ import numpy as np
 from llmopt.runtime.artifact import load_manifest
 from llmopt.runtime.assembly import EngineOptions, build_engine
 from llmopt.runtime.executors.choose import kernels_name
+from llmopt.runtime.kv.streaming import StreamingConfig
 from llmopt.runtime.output import RequestOutput
 from llmopt.runtime.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 from llmopt.runtime.scheduler import check_prompt_length
@@ -32,6 +33,10 @@ class LLM:
     `drafts` picks which of the artifact's drafts run: "all", "ngram" or "model".
     `draft_tree=True` makes a suffix n-gram draft propose trees (several candidates per
     position, verified in one step under a tree mask; the native step runs them).
+    `streaming=StreamingConfig(sinks, window)` keeps each request's first `sinks` and last
+    `window` positions, so generation runs past the context in fixed memory (lanes with
+    float KV; no speculation, no prefix caching; see `kv.streaming`); None takes the
+    recipe's `runtime: streaming:`, False turns it off.
     """
 
     def __init__(
@@ -53,6 +58,7 @@ class LLM:
         drafts: str = "all",
         draft_tree: bool = False,
         kernels: str = "auto",
+        streaming: StreamingConfig | bool | None = None,
     ):
         self.path = Path(path)
         self.num_threads = num_threads
@@ -68,7 +74,7 @@ class LLM:
             num_speculative_tokens=num_speculative_tokens,
             speculative_max_batch_size=speculative_max_batch_size,
             adaptive_speculation=adaptive_speculation, drafts=drafts, draft_tree=draft_tree,
-            kernels=kernels,
+            kernels=kernels, streaming=streaming,
         )
         self.engine = build_engine(self.path, manifest, self.tokenizer, options)
         # The checkpoint's generation config, with max_new_tokens (when it has none) as the
@@ -109,7 +115,7 @@ class LLM:
         param_list = self._params_for(params, len(prompt_list))
         encoded = [self._encode(p, chat) for p in prompt_list]
         for token_ids in encoded:  # check all before queueing any
-            check_prompt_length(len(token_ids), self.engine.config.max_context, False)
+            check_prompt_length(len(token_ids), self.engine.config.max_request_tokens, False)
         request_ids = [
             self.engine.add_request(ids, sp, prompt=p if isinstance(p, str) else None)
             for p, ids, sp in zip(prompt_list, encoded, param_list, strict=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmopt.runtime.contract import FORMAT_VERSION
 from llmopt.runtime.tokenizer_spec import TokenizerSpec
@@ -129,6 +129,20 @@ class ModelSpec(_Strict):
     pad_token_id: int | None = None
 
 
+class StreamingDefaults(_Strict):
+    """Attention sinks + a window (runtime/kv/streaming.py): generation past the context."""
+
+    sinks: int = Field(4, ge=0)
+    window: int = Field(gt=0)
+    drop: int | None = Field(None, gt=0)  # positions dropped at once (None: the runtime's)
+
+    @model_validator(mode="after")
+    def _sinks_below_window(self) -> StreamingDefaults:
+        if self.sinks >= self.window:
+            raise ValueError(f"sinks {self.sinks} must be below the window {self.window}")
+        return self
+
+
 class RuntimeDefaults(_Strict):
     """What the runtime starts with: a recipe's `runtime:` section, kept in the manifest."""
 
@@ -137,6 +151,15 @@ class RuntimeDefaults(_Strict):
     max_num_seqs: int = Field(16, gt=0)
     max_num_batched_tokens: int = Field(512, gt=0)  # per-step token budget: chunked prefill
     num_blocks: int | None = Field(None, gt=0)  # None: enough for max_num_seqs * max_context
+    streaming: StreamingDefaults | None = None  # None: every request keeps all its KV
+
+    @model_validator(mode="after")
+    def _streaming_fits(self) -> RuntimeDefaults:
+        if self.streaming and self.streaming.sinks + self.streaming.window > self.max_context:
+            raise ValueError(f"streaming: sinks + window = "
+                             f"{self.streaming.sinks + self.streaming.window} is larger than "
+                             f"max_context {self.max_context}")
+        return self
 
 
 class NgramDraftSpec(_Strict):

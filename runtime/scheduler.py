@@ -20,6 +20,7 @@ dropped before anything is preempted for them.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -34,6 +35,14 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int  # per-step token budget
     max_context: int  # most known tokens (prompt + output) a request may reach
+    # Requests keep only sinks and a window of their entries (`kv.streaming`), so their
+    # length is not bounded by max_context.
+    streaming: bool = False
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Most known tokens a request may reach."""
+        return sys.maxsize if self.streaming else self.max_context
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_context"):
@@ -99,7 +108,8 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
-        check_prompt_length(request.num_prompt_tokens, self.config.max_context, request.score_only)
+        check_prompt_length(request.num_prompt_tokens, self.config.max_request_tokens,
+                            request.score_only)
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -145,7 +155,7 @@ class Scheduler:
         if request.score_only or request.num_tokens - request.num_computed_tokens != 1:
             return 0
         left = request.sampling_params.max_tokens - len(request.output_token_ids)
-        room = self.config.max_context - request.num_tokens
+        room = self.config.max_request_tokens - request.num_tokens
         return max(0, min(max_proposed(request), budget - 1, room, left - 1))
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int) -> bool:
@@ -257,7 +267,7 @@ class Scheduler:
             return "stop"
         if len(request.output_token_ids) >= params.max_tokens:
             return "length"
-        if request.num_tokens >= self.config.max_context:
+        if request.num_tokens >= self.config.max_request_tokens:
             return "length"
         return None
 

@@ -19,6 +19,11 @@ which cached blocks it holds in full, so that a prefix-cache hit spares it those
 
 With `sliding` (free placement only) the sliding-window layers that read a local block
 table have blocks of their own, given back once behind their window (`SlidingBlocks`).
+
+With `streaming` (lanes only) a request keeps attention sinks and a window in its lane:
+before a step would overrun them the oldest entries after the sinks are dropped
+(`StreamingKV`), and the request's entries sit at its cache positions, its computed
+tokens less those dropped (`cache_position`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from llmopt.runtime.kv.block_pool import Block, BlockPool, hash_block_tokens
 from llmopt.runtime.kv.paging import cdiv, lane_block, lane_position, num_lanes, slots_of
 from llmopt.runtime.kv.pools import BlockPools, KVPools
 from llmopt.runtime.kv.sliding import SlidingBlocks
+from llmopt.runtime.kv.streaming import StreamingKV
 from llmopt.runtime.request import Request
 
 CopyBlock = Callable[[int, int], None]  # (source block id, destination block id)
@@ -81,6 +87,7 @@ class KVCacheManager:
         # How many leading blocks of each request are registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.trailing: TrailingKV | None = None  # `trail`
+        self.streaming: StreamingKV | None = None  # set with the lanes layout only
 
     def trail(self) -> TrailingKV:
         """Track a graph whose pools fill behind the target's (see the module's note)."""
@@ -221,6 +228,8 @@ class KVCacheManager:
         self.block_pool.free(reversed(table))
         if self.sliding is not None:
             self.sliding.free(request.request_id)
+        if self.streaming is not None:
+            self.streaming.forget(request.request_id)
         lane = self.lanes.pop(request.request_id, None) if self.lane_blocks is not None else None
         if lane is not None:
             self.free_lanes.add(lane)
@@ -239,6 +248,13 @@ class KVCacheManager:
             held["sliding"] = self.sliding.num_held(request.request_id)
         return held
 
+    def cache_position(self, request: Request) -> int:
+        """Where the request's next token goes in its entries: its computed tokens, less
+        those a streaming request dropped."""
+        if self.streaming is None:
+            return request.num_computed_tokens
+        return request.num_computed_tokens - self.streaming.num_evicted(request.request_id)
+
     def slot_mapping(self, request: Request, start: int, num_tokens: int) -> np.ndarray:
         """Pool slots of positions start .. start + num_tokens - 1 of the request."""
         return np.asarray(slots_of(self.block_ids(request), start, num_tokens, self.block_size),
@@ -252,9 +268,11 @@ class KVCacheManager:
                           new_computed_blocks: Sequence[Block]) -> bool:
         """`allocate_slots` in the lanes layout: the request's table runs through its lane."""
         table = self.block_tables.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_computed = self.cache_position(request) + len(new_computed_blocks) * self.block_size
         lane = self.lanes.get(request.request_id)
+        if self.streaming is not None and lane is not None:
+            num_computed -= self._drop(request, lane, num_computed, num_new_tokens)
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         if num_required > self.lane_blocks or (lane is None and not self.free_lanes):
             return False
         if lane is None:
@@ -263,6 +281,19 @@ class KVCacheManager:
         own = range(len(table), num_required)
         table.extend(self.block_pool.take(self.lane_block(lane, j) for j in own))
         return True
+
+    def _drop(self, request: Request, lane: int, cached: int, num_new_tokens: int) -> int:
+        """Streaming: drop the entries a step of `num_new_tokens` would overrun, and give
+        back the lane's blocks they emptied; how many positions were dropped."""
+        assert self.streaming is not None
+        drop = self.streaming.to_drop(cached, num_new_tokens)
+        if drop:
+            self.streaming.drop(request.request_id, self.pools, lane, cached, drop)
+            table = self.block_tables[request.request_id]
+            keep = cdiv(cached - drop, self.block_size)
+            self.block_pool.free(reversed(table[keep:]))
+            del table[keep:]
+        return drop
 
     def _assign_lane(self, request: Request, hits: Sequence[Block]) -> int:
         """Give `request` a free lane, its table starting with the prefix-cache hits:

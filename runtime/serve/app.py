@@ -234,7 +234,7 @@ async def _constraint(server: Server, body: ChatCompletionRequest | CompletionRe
 async def _generate(server: Server, body: ChatCompletionRequest | CompletionRequest,
                     request: Request, prompt_ids: list[int], chat: bool,
                     tools: ToolPlan | None = None) -> Response:
-    max_context = server.llm.engine.config.max_context
+    max_context = server.llm.engine.config.max_request_tokens
     try:
         check_prompt_length(len(prompt_ids), max_context, False)
     except ValueError as exc:

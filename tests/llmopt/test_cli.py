@@ -360,3 +360,11 @@ def test_generate_says_its_kernels_threads_and_a_cut_answer_on_stderr(artifact):
     assert code == 0 and "kernels" not in out
     assert err.splitlines() == ["kernels: onnxruntime; threads: 1",
                                 "note: stopped at --max-tokens 3; raise it for a longer answer"]
+
+
+def test_streaming_flags_refuse_what_cannot_stream_in_one_line(artifact):
+    """--window past the context, and an artifact without a native plan's rotary tables."""
+    code, _, err = run("generate", artifact, "hello", "--window", "100", "--max-tokens", "2")
+    assert_one_line_error(code, err, "larger than the context")
+    code, _, err = run("generate", artifact, "hello", "--window", "28", "--max-tokens", "2")
+    assert_one_line_error(code, err, "rotary tables")

@@ -1,0 +1,168 @@
+"""Streaming generation past the context (kv.streaming) on tiny compiled checkpoints:
+equal to full attention while a sequence fits, bounded memory past the context, and kept
+keys turned back to exactly the keys their cache positions give."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmopt.compiler.pipeline import compile_recipe
+from llmopt.compiler.recipe import Recipe
+from llmopt.runtime import LLM, SamplingParams
+from llmopt.runtime.kv.paging import cdiv
+from llmopt.runtime.kv.streaming import StreamingConfig
+from llmopt.runtime.native.library import kernels
+
+lib = kernels()
+HAS_NATIVE = lib is not None and bool(lib.llmopt_native_supported())
+KERNELS = ["onnxruntime", pytest.param("native", marks=pytest.mark.skipif(
+    not HAS_NATIVE, reason="no native kernels in this install, or no AVX-512 VNNI"))]
+BLOCK = 4
+STREAM = StreamingConfig(sinks=4, window=28)  # 32 positions: 8 blocks of 4
+RTN = {"rtn": {"bits": 4, "group_size": 32, "symmetric": True, "include_lm_head": True,
+               "lm_head_bits": 8}}
+A8 = {"nbits_accuracy_level": 4}  # int8 activations: the graphs the native step runs
+ARTIFACTS = {  # name -> (passes, target options)
+    "float32": ([RTN], A8),
+    "float16": ([{"kv_cache": {"dtype": "float16"}}, RTN], A8),
+    "int8": ([{"kv_cache": {"dtype": "int8", "key_scales": "channel",
+                            "value_scales": "channel"}}, RTN], A8),
+    "blocks": ([RTN], {**A8, "kv_layout": "blocks"}),
+    "recipe": ([RTN], A8),  # with `runtime: streaming:` (RUNTIME below)
+}
+RUNTIME = {"block_size": BLOCK, "max_context": 64, "max_num_seqs": 2}
+
+
+@pytest.fixture(scope="module")
+def artifacts(tiny_checkpoints, word_text, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("streaming")
+    out = {}
+    for name, (passes, target) in ARTIFACTS.items():
+        recipe = Recipe(model=str(tiny_checkpoints["llama"]), passes=passes, target=target,
+                        quality={"measure": False},
+                        calibration={"text": str(word_text), "samples": 2, "seq_len": 32,
+                                     "model_samples": 0},
+                        runtime={**RUNTIME, **({"streaming": {"sinks": STREAM.sinks,
+                                                              "window": STREAM.window}}
+                                               if name == "recipe" else {})})
+        out[name] = root / name
+        compile_recipe(recipe, out[name], log=lambda _: None)
+    return out
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 250, n)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_streaming_equals_full_attention_while_the_sequence_fits(artifacts, kv, kernel):
+    """Up to sinks + window tokens nothing is dropped: tokens and log-probs are the
+    normal path's, on prompts prefilled in one chunk and in several."""
+    for length in (9, 26):  # 26: over the streaming step budget (window - block = 24)
+        params = greedy(STREAM.budget() - length)
+        full = LLM(artifacts[kv], kernels=kernel, speculative=False).generate(
+            prompt(length), params)[0]
+        streamed = LLM(artifacts[kv], kernels=kernel, streaming=STREAM).generate(
+            prompt(length), params)[0]
+        assert streamed.token_ids == full.token_ids
+        assert [lp.logprob for lp in streamed.logprobs] == [lp.logprob for lp in full.logprobs]
+
+
+@pytest.mark.parametrize("stream", [STREAM, StreamingConfig(sinks=4, window=28, drop=8)])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_generation_runs_past_the_context_in_fixed_memory(artifacts, kernel, stream):
+    """300 tokens past a 256-position model with a 64-token lane: at most the budget's
+    blocks held at every step, every token produced (drops of one block and of two)."""
+    llm = LLM(artifacts["float32"], kernels=kernel, streaming=stream)
+    engine, kv = llm.engine, llm.engine.kv_cache_manager
+    request_id = engine.add_request(prompt(20), greedy(300))
+    held, positions = [], []
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+        request = next(iter(engine.scheduler.running), None)
+        if request is not None:
+            held.append(kv.blocks_held(request)["full"])
+            positions.append(kv.cache_position(request))
+    [final] = [o for o in outputs if o.finished and o.request_id == request_id]
+    assert len(final.token_ids) == 300
+    assert max(held) == cdiv(STREAM.budget(), BLOCK)
+    assert max(positions) <= STREAM.budget()
+    assert llm.manifest.model.max_position < 20 + 300
+
+
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kept_keys_are_the_keys_of_their_cache_positions(artifacts, kv, kernel):
+    """After drops, layer 0's entries (which depend on the token and its position only)
+    equal a fresh prefill's of the kept tokens at positions 0 .. n-1."""
+    llm = LLM(artifacts[kv], kernels=kernel, streaming=STREAM)
+    engine, manager = llm.engine, llm.engine.kv_cache_manager
+    engine.add_request(prompt(20), greedy(60))
+    streaming = manager.streaming
+    request = None
+    while request is None or streaming.num_evicted(request.request_id) < 2 * BLOCK:
+        engine.step()
+        request = engine.scheduler.running[0]
+    cached = manager.cache_position(request)
+    dropped = streaming.num_evicted(request.request_id)
+    tokens = request.all_token_ids
+    kept = tokens[:STREAM.sinks] + tokens[STREAM.sinks + dropped:request.num_computed_tokens]
+    assert len(kept) == cached
+    lane = manager.lanes[request.request_id]
+    pools = engine.executor.pools
+    got = {name: np.array(pools[f"past.0.{name}"][lane, :, :cached]) for name in ("key", "value")}
+
+    fresh = LLM(artifacts[kv], kernels=kernel, speculative=False)
+    fresh.engine.add_request(kept, greedy(2))
+    fresh.engine.step()  # the prefill, in one step
+    [running] = fresh.engine.scheduler.running
+    fresh_lane = fresh.engine.kv_cache_manager.lanes[running.request_id]
+    want = {name: fresh.engine.executor.pools[f"past.0.{name}"][fresh_lane, :, :cached]
+            for name in ("key", "value")}
+    np.testing.assert_array_equal(got["value"], want["value"])
+    tolerance = 1e-5 if kv == "float32" else 2e-3  # float16: one rounding of the turn
+    np.testing.assert_allclose(got["key"], want["key"], rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("config,error", [
+    (StreamingConfig(sinks=4, window=64), "larger than the context"),
+    (StreamingConfig(sinks=8, window=8), "below the window"),
+    (StreamingConfig(sinks=2, window=6), "at least two drops"),
+    (StreamingConfig(sinks=2, window=16, drop=6), "whole number of blocks"),
+])
+def test_bad_streaming_settings_are_refused_in_one_line(artifacts, config, error):
+    with pytest.raises(ValueError, match=error) as caught:
+        LLM(artifacts["float32"], streaming=config)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("kv,error", [("int8", "float32 and float16 KV caches only"),
+                                      ("blocks", "lanes KV layout")])
+def test_artifacts_that_cannot_stream_are_refused_in_one_line(artifacts, kv, error):
+    with pytest.raises(ValueError, match=error) as caught:
+        LLM(artifacts[kv], streaming=STREAM)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_recipe_streams_unless_the_caller_turns_it_off(artifacts):
+    on = LLM(artifacts["recipe"])
+    assert on.engine.kv_cache_manager.streaming.config == STREAM
+    assert len(on.generate(prompt(20), greedy(100))[0].token_ids) == 100  # past max_context
+    off = LLM(artifacts["recipe"], streaming=False)
+    assert off.engine.kv_cache_manager.streaming is None
+
+
+@pytest.mark.parametrize("streaming,error", [({"sinks": 8, "window": 8}, "below the window"),
+                                             ({"window": 100}, "larger than max_context")])
+def test_a_recipe_with_bad_streaming_fails_validation(tiny_checkpoints, streaming, error):
+    with pytest.raises(ValueError, match=error):
+        Recipe(model=str(tiny_checkpoints["llama"]), runtime={**RUNTIME, "streaming": streaming})
