@@ -25,6 +25,10 @@ class CheckpointRef:
     def kwargs(self) -> dict[str, Any]:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
+    def path(self) -> Path:
+        """The GGUF file, or the directory."""
+        return Path(self.location) / self.gguf_file if self.gguf_file else Path(self.location)
+
 
 PACKAGE_SCHEME = "pkg:"
 

@@ -27,6 +27,7 @@ from llmopt.compiler.checkpoint_ref import (  # noqa: F401 - re-exported: loader
     package_file,
     resolve_checkpoint,
 )
+from llmopt.compiler.gguf_source import GGUFSource, gguf_source
 from llmopt.compiler.ir import ArchSpec, LayerSpec, ModelIR, RopeSpec
 from llmopt.compiler.quant_format import QuantizedLinear
 from llmopt.compiler.quantized_checkpoints import read_quantized_checkpoint
@@ -65,6 +66,9 @@ def load_checkpoint(model: str) -> ModelIR:
     elif (source := safetensors_source(ref, family, arch)) is not None:
         # Read lazily, a tensor at a time, in the checkpoint's dtype until asked for.
         state_dict, generation_config = source, _generation_config(ref.location, config)
+    elif ref.gguf_file and (source := gguf_source(ref.path(), family, arch)) is not None:
+        # Memory-mapped, a tensor dequantized at a time (as transformers would dequantize it).
+        state_dict, generation_config = source, _generation_config(ref.location, config)
     else:
         try:
             hf_model = AutoModelForCausalLM.from_pretrained(
@@ -73,7 +77,8 @@ def load_checkpoint(model: str) -> ModelIR:
         except NotImplementedError as exc:  # e.g. a GGUF combination transformers lacks
             raise UnsupportedModelError(f"transformers cannot load {model}: {exc}") from exc
         state_dict, generation_config = hf_model.state_dict(), hf_model.generation_config
-    weights = (WeightStore(source=state_dict) if isinstance(state_dict, SafetensorsSource)
+    weights = (WeightStore(source=state_dict)
+               if isinstance(state_dict, SafetensorsSource | GGUFSource)
                else map_weights(state_dict, family, arch))
     _check_eos(arch, generation_config)
     notes = generation_notes(tokenizer.hf, ref.location, ref.gguf_file, generation_config)

@@ -4,11 +4,11 @@ The estimate is what preflight checks before any weight is read: a compile that 
 is refused in one line naming the estimate and what to change, never ended by the kernel's
 OOM killer. It follows the compiler's working set:
 
-- a safetensors directory is read a tensor at a time, so the weights cost about the
-  largest tensor (the embedding or LM head, in float32, plus its quantization) and one
-  layer (float32, plus the lowering's fused copies) — whatever the model's size;
-- any other source (a GGUF file, a pre-quantized checkpoint) goes through transformers,
-  which holds the whole model in float32 plus copies;
+- a safetensors directory or a GGUF file is read a tensor at a time, so the weights cost
+  about the largest tensor (the embedding or LM head, in float32, plus its quantization)
+  and one layer (float32, plus the lowering's fused copies) — whatever the model's size;
+- any other source (a pre-quantized checkpoint) goes through transformers, which holds
+  the whole model in float32 plus copies;
 - a calibrating pass carries its calibration activations from layer to layer, and its
   statistics (`calibration_bytes`: GPTQ's Hessian, AWQ's Grams);
 - the process itself (Python, torch, ONNX Runtime) and a margin for allocator slack.
@@ -93,13 +93,28 @@ def read_shape(ref: CheckpointRef) -> Shape | None:
 def streams_weights(ref: CheckpointRef) -> bool:
     """Whether the loader will read this checkpoint a tensor at a time."""
     location = Path(ref.location)
-    if ref.gguf_file is not None or not location.is_dir():
+    if ref.gguf_file is not None:
+        return gguf_streams(ref.path())
+    if not location.is_dir():
         return False
     try:
         config = json.loads((location / "config.json").read_text())
     except (OSError, ValueError):
         return False
     return "quantization_config" not in config and any(location.glob("*.safetensors"))
+
+
+def gguf_streams(path: Path) -> bool:
+    """Whether the loader reads this GGUF file a tensor at a time (compiler/gguf_source.py):
+    gguf names its architecture's tensors. Answered from the header, without torch."""
+    import gguf
+
+    try:
+        field = gguf.GGUFReader(str(path)).fields["general.architecture"]
+        architecture = bytes(field.parts[field.data[0]]).decode()
+    except (OSError, ValueError, KeyError, IndexError):
+        return False
+    return architecture in gguf.MODEL_ARCH_NAMES.values()
 
 
 def estimate_compile(recipe: Recipe, ref: CheckpointRef, shape: Shape) -> CompileEstimate:

@@ -23,11 +23,23 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from llmopt.compiler.quant_format import QuantizedLinear
+
+
+class TensorSource(Protocol):
+    """A checkpoint's tensors by IR name, read (in float32) on each access."""
+
+    reads: int
+
+    def __contains__(self, name: object) -> bool: ...
+    def names(self) -> list[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def read(self, name: str) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -78,7 +90,7 @@ class _Thunk:
 class WeightStore(MutableMapping[str, torch.Tensor]):
     """IR weights: overlay (tensors or thunks) over an optional lazily read source."""
 
-    def __init__(self, source: SafetensorsSource | None = None,
+    def __init__(self, source: TensorSource | None = None,
                  overlay: Mapping[str, torch.Tensor | _Thunk] | None = None,
                  deleted: set[str] | None = None):
         self.source = source

@@ -9,11 +9,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_gguf import write_gguf
 from tiny_tokenizers import FAMILY_TOKENIZERS, train_vocabulary
 from transformers import AutoConfig, GenerationConfig
 
-from llmopt.compiler.architectures import UnsupportedModelError
 from llmopt.compiler.loader import generation_defaults, load_checkpoint
 from llmopt.compiler.source_tokenizer import generation_notes, read_source_tokenizer
 from llmopt.compiler.tokenizer_check import TokenizerMismatchError, check_tokenizer
@@ -103,14 +103,18 @@ def test_unsupported_generation_settings_are_noted(family_checkpoints):
                      "implement; ignored"]
 
 
-def test_gguf_named_mistral_is_refused_with_transformers_reason(family_checkpoints, tmp_path):
+def test_gguf_named_mistral_loads_though_transformers_alone_cannot(family_checkpoints,
+                                                                   tmp_path):
     """transformers reads a llama-architecture GGUF named exactly "mistral" as Mistral and
-    then cannot load its weights: the combination transformers lacks is named."""
+    then cannot load its weights; read a tensor at a time, it loads with the weights of the
+    same file under another name."""
     family = FAMILY_TOKENIZERS["mistral"]
     path = write_gguf(family_checkpoints["mistral"]["hf"], family, train_vocabulary(family),
                       tmp_path / "named.gguf", name="mistral")
-    with pytest.raises(UnsupportedModelError, match="transformers cannot load .*mistral"):
-        load_checkpoint(str(path))
+    named, usual = load_checkpoint(str(path)), load_checkpoint(
+        str(family_checkpoints["mistral"]["gguf"]))
+    assert named.annotations["hf_config"]["model_type"] == "mistral"
+    assert all(torch.equal(named.weights[n], usual.weights[n]) for n in usual.weights)
 
 
 @pytest.mark.parametrize(("settings", "expected"), [
