@@ -34,7 +34,8 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "bfloat16": {"dtype": "bfloat16"},
     "int8": {"dtype": "int8", "rotate": False},  # (rotate: auto would turn it on)
     "fp8": {"dtype": "fp8_e4m3"},
-    "int4-g64": {"dtype": "int4"},
+    "int4-g64": {"dtype": "int4", "key_scales": "token"},  # per token, one group a head
+    "int4-default": {"dtype": "int4"},  # what int4 alone resolves to (defaults.py)
     "int4-g32": {"dtype": "int4", "group_size": 32},
     "int4-g16": {"dtype": "int4", "group_size": 16},
     "int4-g64-smooth": {"dtype": "int4", "smooth_keys": 0.5},

@@ -124,12 +124,13 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     kept = [i for i in range(ir.arch.num_layers) if i not in config.skip_layers]
     stored = {i: config.dtype if i in kept else config.skip_dtype
               for i in range(ir.arch.num_layers)}
+    # drawn from the input model: the folds below are exact, and its samples are memoized
+    windows = _windows(ir, config, context) if config.needs_calibration_text() else None
     if config.rotate:  # first: static scales are calibrated on what the cache stores
         rotated = [i for i, dtype in stored.items() if dtype != "float32"]
         rotate_values(out, rotated)
         for i in rotated:
             out.arch = out.arch.replace_layer(i, kv_rotate_keys=True)
-    windows = _windows(out, config, context) if config.needs_calibration_text() else None
     if config.smooth_keys is not None and config.dtype not in FLOAT_KV_DTYPES:
         smooth_keys(out, kv_absmax(out, windows, config.sink_tokens), config.smooth_keys, kept)
     stats = None

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from llmopt.compiler import calibration_mix
 from llmopt.compiler.calibration import calibration_windows
 from llmopt.compiler.kv_layout import lane_storable
 from llmopt.compiler.loader import load_checkpoint
@@ -152,6 +153,18 @@ def test_static_scales_with_rotation_are_those_of_the_rotated_cache(load, contex
         scale = out.weights[f"layers.0.{side}_cache_scale"]
         assert (amax <= 127 * scale * (1 + 1e-5)).all()
         assert (amax >= 0.5 * 127 * scale).any()  # tight, not a loose bound
+
+
+def test_rotated_static_scales_calibrate_on_the_input_models_samples(load, tiny_checkpoints):
+    """The rotation is exact, so the calibration samples are drawn from the input model:
+    the compile's other passes find them memoized instead of drawing a second set."""
+    ir = load("llama")
+    recipe = Recipe(model=str(tiny_checkpoints["llama"]),
+                    calibration={"samples": 2, "seq_len": 16})
+    config = kv_cache.Config(dtype="int8", key_scales="channel", value_scales="channel",
+                             rotate=True, calibration_samples=2)
+    kv_cache.run(ir, config, PassContext(recipe=recipe, log=lambda _: None))
+    assert calibration_mix._SampleMemo.key == (calibration_mix.fingerprint(ir), 16)
 
 
 def test_scale_search_clips_outliers_only_where_attention_ignores_them():
