@@ -22,6 +22,7 @@ import torch
 from llmopt.compiler.architectures import GGUF_PERMUTED_QK, GLOBAL_NAMES, ArchFamily
 from llmopt.compiler.gguf_blocks import field_string, unpermute_qk_rows
 from llmopt.compiler.ir import ArchSpec
+from llmopt.compiler.weight_store import TensorSource
 
 
 @dataclass(frozen=True)
@@ -33,26 +34,18 @@ class GGUFTensor:
     qk_heads: int = 0  # Q/K rows to un-permute in this many heads (0: none)
 
 
-class GGUFSource:
+class GGUFSource(TensorSource):
     """IR name -> a tensor of one GGUF file, dequantized to float32 on each access."""
+
+    tensors: dict[str, GGUFTensor]
 
     def __init__(self, path: Path, tensors: dict[str, GGUFTensor]):
         import gguf
 
+        super().__init__(tensors)
         self.path = path
-        self.tensors = tensors
-        self.reads = 0  # how many tensors were read: what tests count
         self._reader = gguf.GGUFReader(str(path))  # memory-mapped: reading costs no copy
         self._by_key = {t.name: t for t in self._reader.tensors}
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.tensors
-
-    def names(self) -> list[str]:
-        return list(self.tensors)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.tensors[name].shape
 
     def read(self, name: str) -> torch.Tensor:
         from gguf.quants import dequantize

@@ -27,7 +27,7 @@ from llmopt.compiler.checkpoint_ref import (  # noqa: F401 - re-exported: loader
     package_file,
     resolve_checkpoint,
 )
-from llmopt.compiler.gguf_source import GGUFSource, gguf_source
+from llmopt.compiler.gguf_source import gguf_source
 from llmopt.compiler.ir import ArchSpec, LayerSpec, ModelIR, RopeSpec
 from llmopt.compiler.quant_format import QuantizedLinear
 from llmopt.compiler.quantized_checkpoints import read_quantized_checkpoint
@@ -38,7 +38,12 @@ from llmopt.compiler.source_tokenizer import (
     read_source_tokenizer,
 )
 from llmopt.compiler.tokenizer_check import check_tokenizer
-from llmopt.compiler.weight_store import SafetensorsSource, SourceTensor, WeightStore
+from llmopt.compiler.weight_store import (
+    SafetensorsSource,
+    SourceTensor,
+    TensorSource,
+    WeightStore,
+)
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -77,8 +82,7 @@ def load_checkpoint(model: str) -> ModelIR:
         except NotImplementedError as exc:  # e.g. a GGUF combination transformers lacks
             raise UnsupportedModelError(f"transformers cannot load {model}: {exc}") from exc
         state_dict, generation_config = hf_model.state_dict(), hf_model.generation_config
-    weights = (WeightStore(source=state_dict)
-               if isinstance(state_dict, SafetensorsSource | GGUFSource)
+    weights = (WeightStore(source=state_dict) if isinstance(state_dict, TensorSource)
                else map_weights(state_dict, family, arch))
     _check_eos(arch, generation_config)
     notes = generation_notes(tokenizer.hf, ref.location, ref.gguf_file, generation_config)

@@ -23,23 +23,12 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
 from llmopt.compiler.quant_format import QuantizedLinear
-
-
-class TensorSource(Protocol):
-    """A checkpoint's tensors by IR name, read (in float32) on each access."""
-
-    reads: int
-
-    def __contains__(self, name: object) -> bool: ...
-    def names(self) -> list[str]: ...
-    def shape(self, name: str) -> tuple[int, ...]: ...
-    def read(self, name: str) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -52,10 +41,11 @@ class SourceTensor:
     offset: float = 0.0  # added after conversion (Gemma's `1 + w` norm weights)
 
 
-class SafetensorsSource:
-    """IR name -> a tensor of safetensors files, read in float32 on each access."""
+class TensorSource:
+    """A checkpoint's tensors by IR name, read (in float32) on each access: `tensors` maps
+    each name to an entry with its `shape`; a subclass reads one."""
 
-    def __init__(self, tensors: dict[str, SourceTensor]):
+    def __init__(self, tensors: dict[str, Any]):
         self.tensors = tensors
         self.reads = 0  # how many tensors were read: what tests count
 
@@ -67,6 +57,15 @@ class SafetensorsSource:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.tensors[name].shape
+
+    def read(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SafetensorsSource(TensorSource):
+    """IR name -> a tensor of safetensors files, read in float32 on each access."""
+
+    tensors: dict[str, SourceTensor]
 
     def read(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
