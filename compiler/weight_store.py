@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +42,7 @@ class SourceTensor:
     offset: float = 0.0  # added after conversion (Gemma's `1 + w` norm weights)
 
 
-class TensorSource:
+class TensorSource(ABC):
     """A checkpoint's tensors by IR name, read (in float32) on each access: `tensors` maps
     each name to an entry with its `shape`; a subclass reads one."""
 
@@ -58,8 +59,9 @@ class TensorSource:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.tensors[name].shape
 
+    @abstractmethod
     def read(self, name: str) -> torch.Tensor:
-        raise NotImplementedError
+        """The tensor `name`, in float32 (counted in `reads`)."""
 
 
 class SafetensorsSource(TensorSource):
