@@ -3,14 +3,18 @@ context, before (every block kept) and after (the local group's blocks behind th
 given back), on a Gemma-3-shaped random model over the blocks layout.
 
 The model: a random `gemma3_text` checkpoint with Gemma 3's layer pattern (five sliding
-layers of window `--window` to one full-attention layer), small widths so that it runs
-fast on a CPU. One prompt of `--context` random tokens is prefilled and `--gen` greedy
-tokens decoded, once with freeing and once with a window no sequence outgrows (the engine
-before the change: the same graph, nothing freed). Reported per run: blocks held per layer
+layers of window `--window` to one full-attention layer): `--shape small` has small widths
+so that it runs fast on a CPU, `--shape gemma-3-270m` Gemma-3-270M's (18 layers, hidden
+640, one KV head of 256, vocabulary 262,144; random weights: valid for memory and speed).
+One prompt of `--context` random tokens is prefilled and `--gen` greedy tokens decoded,
+once with freeing and once with a window no sequence outgrows (the engine before the
+change: the same graph, nothing freed). Reported per run: blocks held per layer
 group at the end, the KV bytes a sequence holds, the bytes the local group's pool takes
 against the full pool's, decode tok/s; and whether the tokens are equal.
 
     python benchmarks/bench_sliding_window.py --out-dir /tmp/swbench
+    python benchmarks/bench_sliding_window.py --out-dir /tmp/sw270m --shape gemma-3-270m \
+        --context 32000
 """
 
 from __future__ import annotations
@@ -28,7 +32,19 @@ from llmopt.runtime import LLM, SamplingParams
 _MIB = 1024 * 1024
 
 
-def build_checkpoint(directory: Path, layers: int, window: int, max_position: int) -> Path:
+# Widths by --shape; the layer count and window come from the command line.
+SHAPES: dict[str, dict[str, Any]] = {
+    "small": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                  num_key_value_heads=1, head_dim=64),
+    "gemma-3-270m": dict(hidden_size=640, intermediate_size=2048, num_attention_heads=4,
+                         num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                         query_pre_attn_scalar=256, rope_theta=1_000_000.0,
+                         rope_local_base_freq=10_000.0),
+}
+
+
+def build_checkpoint(directory: Path, shape: str, layers: int, window: int,
+                     max_position: int) -> Path:
     """A random Gemma-3-shaped checkpoint and a byte-level tokenizer."""
     import sys
 
@@ -38,9 +54,8 @@ def build_checkpoint(directory: Path, layers: int, window: int, max_position: in
     layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
                    for i in range(layers)]
     return build_tiny_checkpoint("gemma3_text", directory, overrides=dict(
-        num_hidden_layers=layers, layer_types=layer_types, sliding_window=window,
-        hidden_size=128, intermediate_size=256, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=64, max_position_embeddings=max_position))
+        SHAPES[shape], num_hidden_layers=layers, layer_types=layer_types,
+        sliding_window=window, max_position_embeddings=max_position))
 
 
 def compile_blocks(checkpoint: Path, out: Path, max_context: int, block_size: int) -> Path:
@@ -108,23 +123,26 @@ def row(name: str, result: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", type=Path, required=True)
-    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="default: 12 for small, 18 for gemma-3-270m")
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--context", type=int, default=8000)
     parser.add_argument("--gen", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args()
+    args.layers = args.layers or (18 if args.shape == "gemma-3-270m" else 12)
     max_context = args.context + args.gen + args.block_size
     checkpoint = args.out_dir / "checkpoint"
     if not (checkpoint / "config.json").exists():
-        build_checkpoint(checkpoint, args.layers, args.window, max_context)
+        build_checkpoint(checkpoint, args.shape, args.layers, args.window, max_context)
     artifact = compile_blocks(checkpoint, args.out_dir / "artifact", max_context,
                               args.block_size)
     prompt = np.random.default_rng(0).integers(3, 256, args.context).tolist()
     results = {name: run(artifact, prompt, args.gen, keep=name == "before")
                for name in ("before", "after")}
     same = results["before"]["tokens"] == results["after"]["tokens"]
-    print(f"{args.layers} layers (1 full : 5 sliding, window {args.window}), context "
+    print(f"{args.shape}: {args.layers} layers (1 full : 5 sliding, window {args.window}), context "
           f"{args.context} + {args.gen} decoded, blocks of {args.block_size}; "
           f"tokens equal: {same}")
     print("| run | full blocks | sliding blocks | KV held MiB | pools MiB | decode tok/s |")

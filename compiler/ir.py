@@ -26,7 +26,7 @@ entry, so the two may differ.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -174,14 +174,19 @@ class ModelIR:
                                    annotations=dict(self.annotations),
                                    quantized=self.quantized.copy())
 
-    def set_quantized(self, linear: str, q: QuantizedLinear) -> None:
-        """Record `linear`'s integer weights; its float weight becomes their dequantization,
-        computed when read (never a resident float copy)."""
+    def set_quantized(self, linear: str,
+                      q: QuantizedLinear | Callable[[], QuantizedLinear]) -> None:
+        """Record `linear`'s integer weights, or a function reading them from a checkpoint on
+        each access; its float weight becomes their dequantization, computed when read
+        (never a resident float copy)."""
         store = self.quantized
-        store[linear] = q
+        if isinstance(q, QuantizedLinear):
+            store[linear] = q
+        else:
+            store.defer(linear, q)
         key = "embed_tokens" if linear == "lm_head" and self.arch.tie_word_embeddings else (
             f"{linear}.weight")
-        self.weights.set_lazy(key, lambda: store[linear].dequantize(), q.shape)
+        self.weights.set_lazy(key, lambda: store[linear].dequantize(), store.shape(linear))
 
     def lm_head(self) -> torch.Tensor:
         if self.arch.tie_word_embeddings:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +40,13 @@ from llmopt.compiler.source_tokenizer import (
     read_source_tokenizer,
 )
 from llmopt.compiler.tokenizer_check import check_tokenizer
+from llmopt.compiler.weight_quant import SOURCE_QUANTIZED
 from llmopt.compiler.weight_store import (
     SafetensorsSource,
     SourceTensor,
     TensorSource,
     WeightStore,
+    index_safetensors,
 )
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -63,10 +67,12 @@ def load_checkpoint(model: str) -> ModelIR:
     arch = arch_from_config(config)
     family = family_for(config.model_type)
     tokenizer = load_tokenizer(ref, config)  # before the weights: refusals come fast
-    quantized: dict[str, QuantizedLinear] = {}
+    quantized: dict[str, Callable[[], QuantizedLinear]] = {}
     if quantization := getattr(config, "quantization_config", None):
-        # AutoModel would need each format's own kernels package: read the tensors ourselves.
-        state_dict, quantized = read_quantized_checkpoint(ref.location, dict(quantization))
+        # AutoModel would need each format's own kernels package: read the tensors ourselves,
+        # a module at a time, on access.
+        checkpoint = read_quantized_checkpoint(ref.location, dict(quantization))
+        state_dict, quantized = ir_source(checkpoint.floats, family, arch), checkpoint.modules
         generation_config = _generation_config(ref.location, config)
     elif (source := safetensors_source(ref, family, arch)) is not None:
         # Read lazily, a tensor at a time, in the checkpoint's dtype until asked for.
@@ -95,12 +101,13 @@ def load_checkpoint(model: str) -> ModelIR:
         generation_defaults=generation_defaults(generation_config),
         annotations={"tokens": _special_tokens(tokenizer.hf), "hf_config": config.to_dict()},
     )
-    for module, q in quantized.items():
+    for module, read in quantized.items():
         linear = _ir_name(f"{module}.weight", family).removesuffix(".weight")
         if linear == "lm_head" and arch.tie_word_embeddings:
             raise UnsupportedModelError("unsupported checkpoint: a quantized lm_head with "
                                         "tie_word_embeddings true")
-        ir.set_quantized(linear, q)  # its float weight becomes the dequantized codes
+        ir.set_quantized(linear, read)  # its float weight becomes the dequantized codes
+        ir.annotations.setdefault(SOURCE_QUANTIZED, []).append(linear)
     return ir
 
 
@@ -194,28 +201,30 @@ def safetensors_source(ref: CheckpointRef, family: ArchFamily,
                        arch: ArchSpec) -> SafetensorsSource | None:
     """A local directory's safetensors as IR weights read on access, or None when the
     directory needs transformers to load it (other formats, renamed or missing tensors)."""
-    from safetensors import safe_open
-
     directory = Path(ref.location)
     files = sorted(directory.glob("*.safetensors")) if ref.gguf_file is None else []
     if not directory.is_dir() or not files:
         return None
-    tensors: dict[str, SourceTensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            keys = f.keys()
-            for key in keys:
-                try:
-                    name = _ir_name(key, family)
-                except UnsupportedModelError:
-                    return None  # let transformers say what it makes of the name
-                if name == "lm_head.weight" and arch.tie_word_embeddings:
-                    continue
-                offset = family.norm_offset if family.norm_offset and is_norm(name) else 0.0
-                shape = tuple(f.get_slice(key).get_shape())
-                tensors[name] = SourceTensor(file, key, shape, offset)
-    if not arch.tie_word_embeddings and "lm_head.weight" not in tensors:
+    try:
+        source = ir_source(index_safetensors(files), family, arch)
+    except UnsupportedModelError:
+        return None  # let transformers say what it makes of the names
+    if not arch.tie_word_embeddings and "lm_head.weight" not in source:
         return None
+    return source
+
+
+def ir_source(stored: dict[str, SourceTensor], family: ArchFamily,
+              arch: ArchSpec) -> SafetensorsSource:
+    """Checkpoint tensors (by HF name) as IR weights read on access, in the model's order;
+    Gemma's norm offset folded, a tied LM head dropped."""
+    tensors: dict[str, SourceTensor] = {}
+    for key, entry in stored.items():
+        name = _ir_name(key, family)
+        if name == "lm_head.weight" and arch.tie_word_embeddings:
+            continue
+        offset = family.norm_offset if family.norm_offset and is_norm(name) else 0.0
+        tensors[name] = dataclasses.replace(entry, offset=offset)
     return SafetensorsSource(dict(sorted(tensors.items(), key=lambda kv: _model_order(kv[0]))))
 
 

@@ -4,11 +4,12 @@ The estimate is what preflight checks before any weight is read: a compile that 
 is refused in one line naming the estimate and what to change, never ended by the kernel's
 OOM killer. It follows the compiler's working set:
 
-- a safetensors directory or a GGUF file is read a tensor at a time, so the weights cost
-  about the largest tensor (the embedding or LM head, in float32, plus its quantization)
-  and one layer (float32, plus the lowering's fused copies) — whatever the model's size;
-- any other source (a pre-quantized checkpoint) goes through transformers, which holds
-  the whole model in float32 plus copies;
+- a safetensors directory (pre-quantized ones too: a module's codes at a time) or a GGUF
+  file is read a tensor at a time, so the weights cost about the largest tensor (the
+  embedding or LM head, in float32, plus its quantization) and one layer (float32, plus
+  the lowering's fused copies) — whatever the model's size;
+- any other source goes through transformers, which holds the whole model in float32
+  plus copies;
 - a calibrating pass carries its calibration activations from layer to layer, and its
   statistics (`calibration_bytes`: GPTQ's Hessian, AWQ's Grams);
 - the process itself (Python, torch, ONNX Runtime) and a margin for allocator slack.
@@ -48,6 +49,8 @@ class Shape:
     kv_heads: int
     head_dim: int
     tied: bool
+    # A pre-quantized checkpoint's (bits, group size): its linears stay codes without a pass.
+    source_codes: tuple[int, int] | None = None
 
     @property
     def layer_params(self) -> int:
@@ -85,9 +88,20 @@ def read_shape(ref: CheckpointRef) -> Shape | None:
                      layers=int(config["num_hidden_layers"]), heads=heads,
                      kv_heads=int(config.get("num_key_value_heads") or heads),
                      head_dim=int(config.get("head_dim") or hidden // heads),
-                     tied=bool(config.get("tie_word_embeddings", False)))
+                     tied=bool(config.get("tie_word_embeddings", False)),
+                     source_codes=_source_codes(config.get("quantization_config")))
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def _source_codes(quantization: dict[str, Any] | None) -> tuple[int, int] | None:
+    """(bits, group size) of a pre-quantized checkpoint's linears, as near as the config
+    says (compressed-tensors keeps them per group of modules: 4 and 128 stand in)."""
+    if not quantization:
+        return None
+    bits = quantization.get("bits") or quantization.get("w_bit") or 4
+    group = quantization.get("group_size") or quantization.get("q_group_size") or 128
+    return int(bits), int(group) if int(group) > 0 else 128
 
 
 def streams_weights(ref: CheckpointRef) -> bool:
@@ -97,11 +111,7 @@ def streams_weights(ref: CheckpointRef) -> bool:
         return gguf_streams(ref.path())
     if not location.is_dir():
         return False
-    try:
-        config = json.loads((location / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return "quantization_config" not in config and any(location.glob("*.safetensors"))
+    return (location / "config.json").is_file() and any(location.glob("*.safetensors"))
 
 
 def gguf_streams(path: Path) -> bool:
@@ -191,13 +201,18 @@ def _output_bytes(recipe: Recipe, shape: Shape) -> int:
     weight_pass = next((step.config for step in recipe.passes
                         if getattr(step.config, "bits", None)), None)
     decoder = shape.layers * shape.layer_params
-    if weight_pass is None:
-        decoder_bytes = decoder * float_bytes
-    else:  # codes, and a float32 scale per group
-        group = getattr(weight_pass, "group_size", 32) or 32
-        decoder_bytes = decoder * (weight_pass.bits / 8 + 4 / group)
-    table = shape.vocab * shape.hidden * float_bytes * (1 if shape.tied else 2)
-    return int(decoder_bytes + table)
+    if weight_pass is not None:  # codes, and a float32 scale per group
+        bits, group = weight_pass.bits, getattr(weight_pass, "group_size", 32) or 32
+    elif shape.source_codes is not None:  # the checkpoint's own codes, lowered as they are
+        bits, group = shape.source_codes
+    else:
+        return int(decoder * float_bytes + _table_bytes(shape, float_bytes))
+    return int(decoder * (bits / 8 + 4 / group) + _table_bytes(shape, float_bytes))
+
+
+def _table_bytes(shape: Shape, float_bytes: int) -> int:
+    """The embedding table and an untied LM head, in float."""
+    return shape.vocab * shape.hidden * float_bytes * (1 if shape.tied else 2)
 
 
 def available_memory() -> int:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ import torch
 from llmopt.compiler.architectures import UnsupportedModelError
 from llmopt.compiler.nf4 import BNB_TENSORS, check_bnb_config, from_bnb
 from llmopt.compiler.quant_format import QuantizedLinear
+from llmopt.compiler.weight_store import SourceTensor, index_safetensors
 
 Tensors = dict[str, torch.Tensor]
 
@@ -190,25 +193,50 @@ _MODULE_TENSORS = {
 Reader = Callable[[str, Tensors], QuantizedLinear]
 
 
+@dataclass(frozen=True)
+class QuantizedCheckpoint:
+    """A pre-quantized checkpoint indexed, no tensor read: its float tensors by HF name,
+    and per quantized module (HF name, `model.layers.0.self_attn.q_proj`) a function
+    reading that module's integer weights from the files on each call."""
+
+    floats: dict[str, SourceTensor]
+    modules: dict[str, Callable[[], QuantizedLinear]]
+
+
 def read_quantized_checkpoint(location: str, quantization: dict[str, Any]
-                              ) -> tuple[Tensors, dict[str, QuantizedLinear]]:
-    """A pre-quantized checkpoint's float tensors by HF name, and its quantized linears
-    by HF module name (`model.layers.0.self_attn.q_proj`)."""
+                              ) -> QuantizedCheckpoint:
+    """Index a pre-quantized checkpoint's files: nothing is read until asked for, so a
+    compile holds one module's codes at a time, whatever the model's size."""
     method = quantization.get("quant_method")
     if method not in _MODULE_TENSORS:
         raise UnsupportedModelError(
             f"unsupported quantized checkpoint: quant_method {method!r} (supported: "
             f"{', '.join(_MODULE_TENSORS)})")
     read = _READERS[method](quantization)
-    tensors = _read_safetensors(_local_directory(location))
+    directory = _local_directory(location)
+    tensors = index_safetensors(sorted(directory.glob("*.safetensors")))
+    if not tensors:
+        raise UnsupportedModelError(f"pre-quantized checkpoint {directory} has no .safetensors")
     names = _MODULE_TENSORS[method]
     modules = sorted(k.removesuffix(f".{names[0]}") for k in tensors if k.endswith(f".{names[0]}"))
-    quantized = {}
+    readers = {}
     for module in modules:
         own = {s: tensors.pop(f"{module}.{s}") for s in names if f"{module}.{s}" in tensors}
-        quantized[module] = read(module, own)
+        readers[module] = partial(_read_module, read, module, own)
     # Old checkpoints carry RoPE buffers that transformers ignores too.
-    return {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}, quantized
+    floats = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    return QuantizedCheckpoint(floats, readers)
+
+
+def _read_module(read: Reader, module: str, stored: dict[str, SourceTensor]) -> QuantizedLinear:
+    """One module's integer weights, read from its files now."""
+    from safetensors import safe_open
+
+    tensors = {}
+    for suffix, entry in stored.items():
+        with safe_open(str(entry.file), framework="pt") as f:
+            tensors[suffix] = f.get_tensor(entry.key)
+    return read(module, tensors)
 
 
 def _awq_reader(config: dict[str, Any]) -> Reader:
@@ -292,15 +320,3 @@ def _local_directory(location: str) -> Path:
     from huggingface_hub import snapshot_download  # a hub id: fetch what we read
 
     return Path(snapshot_download(location, allow_patterns=["*.json", "*.safetensors"]))
-
-
-def _read_safetensors(directory: Path) -> Tensors:
-    from safetensors.torch import load_file
-
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise UnsupportedModelError(f"pre-quantized checkpoint {directory} has no .safetensors")
-    tensors: Tensors = {}
-    for file in files:
-        tensors.update(load_file(file))
-    return tensors

@@ -78,12 +78,18 @@ def round_to_nearest(w: torch.Tensor, config: WeightQuantConfig,
     return group_quantize(w, config.bits, config.group_size, config.symmetric, clip)
 
 
+SOURCE_QUANTIZED = "source_quantized"  # annotation: linears the checkpoint held as codes
+
+
 def target_linears(ir: ModelIR, config: WeightQuantConfig) -> list[str]:
     """Linear names to quantize, in execution order: decoder linears, then the LM head."""
     names = [f"layers.{i}.{p}" for i in range(ir.arch.num_layers) for p in DECODER_LINEARS]
     if config.include_lm_head is not False:  # None: the default, included
         names.append("lm_head")
     chosen = [n for n in names if not any(fnmatch.fnmatch(n, pat) for pat in config.skip)]
+    # A pre-quantized checkpoint's codes are kept exact: quantizing them again only loses.
+    kept = set(ir.annotations.get(SOURCE_QUANTIZED, ()))
+    chosen = [n for n in chosen if n not in kept]
     already = [n for n in chosen if n in ir.quantized]
     if already:
         raise ValueError(f"{already[0]} is already quantized; one weight-quantization pass only")

@@ -13,7 +13,8 @@ so passes index it as they would a dict. What it saves is memory:
   writes never reach the original.
 
 `QuantizedStore` holds the passes' integer weights, optionally spilled to files in a
-directory (the compile's scratch space), so their codes need not fit in memory either.
+directory (the compile's scratch space), and a pre-quantized checkpoint's, left in its
+files until read, so their codes need not fit in memory either.
 """
 
 from __future__ import annotations
@@ -40,6 +41,19 @@ class SourceTensor:
     key: str  # the tensor's name in the file
     shape: tuple[int, ...]
     offset: float = 0.0  # added after conversion (Gemma's `1 + w` norm weights)
+
+
+def index_safetensors(files: list[Path]) -> dict[str, SourceTensor]:
+    """Every tensor of safetensors files by its name in them, headers read, no data."""
+    from safetensors import safe_open
+
+    tensors: dict[str, SourceTensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            keys = f.keys()  # a safe_open handle is not iterable
+            for key in keys:
+                tensors[key] = SourceTensor(file, key, tuple(f.get_slice(key).get_shape()))
+    return tensors
 
 
 class TensorSource(ABC):
@@ -171,18 +185,38 @@ class _Spilled:
 
 
 @dataclass
+class _Deferred:
+    """A quantized linear read from its source checkpoint on each access: its header stays
+    in memory."""
+
+    read: Callable[[], QuantizedLinear]
+    bits: int
+    group_size: int
+    symmetric: bool
+    shape: tuple[int, int]
+
+
+@dataclass
 class QuantizedStore(MutableMapping[str, QuantizedLinear]):
     """Linear name -> its integer weights; spilled to `spill_dir` when one is set."""
 
-    entries: dict[str, QuantizedLinear | _Spilled] = field(default_factory=dict)
+    entries: dict[str, QuantizedLinear | _Spilled | _Deferred] = field(default_factory=dict)
     spill_dir: Path | None = None
 
     def __getitem__(self, name: str) -> QuantizedLinear:
         value = self.entries[name]
-        return _read_spilled(value) if isinstance(value, _Spilled) else value
+        if isinstance(value, _Spilled):
+            return _read_spilled(value)
+        return value.read() if isinstance(value, _Deferred) else value
 
     def __setitem__(self, name: str, q: QuantizedLinear) -> None:
         self.entries[name] = _spill(q, self.spill_dir) if self.spill_dir is not None else q
+
+    def defer(self, name: str, read: Callable[[], QuantizedLinear]) -> None:
+        """`name` is `read()` on each access (a checkpoint's module, left in its files);
+        read once now for its header, which also raises any refusal before work starts."""
+        q = read()
+        self.entries[name] = _Deferred(read, q.bits, q.group_size, q.symmetric, q.shape)
 
     def __delitem__(self, name: str) -> None:
         del self.entries[name]

@@ -55,6 +55,20 @@ def test_streaming_bounds_the_weights_by_the_largest_tensor_and_one_layer(tmp_pa
     assert 7 * GIB < small.output_bytes < 8.5 * GIB
 
 
+def test_a_pre_quantized_checkpoint_streams_too(tmp_path):
+    """A GPTQ 8B directory is read a module at a time, as an unquantized one is, and its
+    codes are lowered as they are: an int4-sized artifact without a weight pass."""
+    recipe = Recipe(model="m", passes=[])
+    plain = _config_only(tmp_path / "plain", LLAMA_8B)
+    gptq = _config_only(tmp_path / "gptq", dict(LLAMA_8B, quantization_config={
+        "quant_method": "gptq", "bits": 4, "group_size": 128}))
+    plain_estimate, gptq_estimate = (
+        estimate_compile(recipe, resolve_checkpoint(str(d)), read_shape(resolve_checkpoint(str(d))))
+        for d in (plain, gptq))
+    assert gptq_estimate.peak_bytes == plain_estimate.peak_bytes < 10 * GIB
+    assert gptq_estimate.output_bytes < 0.5 * plain_estimate.output_bytes
+
+
 def test_calibration_is_counted_and_named_in_the_advice(tmp_path):
     shape = read_shape(resolve_checkpoint(str(_config_only(tmp_path / "m", LLAMA_8B))))
     text = tmp_path / "calib.txt"

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from llmopt.compiler import quantized_checkpoints
 from llmopt.compiler.architectures import UnsupportedModelError
 from llmopt.compiler.hf_export import export_hf
 from llmopt.compiler.ir import ModelIR
@@ -27,6 +28,7 @@ from llmopt.compiler.quantized_checkpoints import (
     unpack_int32,
 )
 from llmopt.compiler.reference import ReferenceModel
+from llmopt.compiler.weight_store import SafetensorsSource
 from llmopt.passes import rtn
 
 IDS = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -295,3 +297,35 @@ def test_an_export_larger_than_a_shard_is_sharded_with_an_index(tiny_checkpoints
     assert not list((tmp_path / "many").glob(".shard-*"))
     sharded, single = (load_checkpoint(str(tmp_path / d)) for d in ("many", "one"))
     assert sharded.arch == single.arch and sharded.quantized.keys() == single.quantized.keys()
+
+
+def test_a_loaded_checkpoint_leaves_its_codes_in_the_files(load_ir, tmp_path, monkeypatch):
+    """Nothing but headers stays in memory: each module is read once at load (its header,
+    and any refusal) and again on each access, one at a time."""
+    ir = quantized_ir(load_ir("llama"), include_lm_head=True)
+    export_hf(ir, tmp_path / "out", "gptq_v2")
+    reads: list[str] = []
+    real = quantized_checkpoints._read_module
+    monkeypatch.setattr(quantized_checkpoints, "_read_module",
+                        lambda read, module, stored: reads.append(module) or real(read, module,
+                                                                                 stored))
+    back = load_checkpoint(str(tmp_path / "out"))
+    assert sorted(reads) == sorted(set(reads)) and len(reads) == len(ir.quantized)
+    assert not any(isinstance(entry, QuantizedLinear) for entry in back.quantized.entries.values())
+    assert isinstance(back.weights.source, SafetensorsSource) and back.weights.source.reads == 0
+    reads.clear()
+    assert_same_quantization(ir, back)
+    assert len(reads) >= len(ir.quantized)  # read again from the files, on access
+
+
+def test_a_weight_pass_keeps_the_checkpoints_codes_and_quantizes_the_rest(load_ir, tmp_path):
+    """`rtn` on a GPTQ checkpoint quantizes only what came float (the LM head, at its
+    default 8 bits); quantizing the codes again would only lose."""
+    ir = quantized_ir(load_ir("llama"))
+    export_hf(ir, tmp_path / "out", "gptq_v2")
+    back = load_checkpoint(str(tmp_path / "out"))
+    after = rtn.run(back, rtn.Config(bits=4, symmetric=True), None).ir
+    assert set(after.quantized) == set(ir.quantized) | {"lm_head"}
+    assert after.quantized.scheme("lm_head")[0] == 8
+    for name in ir.quantized:
+        assert torch.equal(after.quantized[name].codes, ir.quantized[name].codes)
