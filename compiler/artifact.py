@@ -21,7 +21,6 @@ import onnx
 
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.lower import LoweredGraph
-from llmopt.compiler.native_plan import native_plan
 from llmopt.compiler.onnx_graph import save_with_external_data
 from llmopt.compiler.preflight import check_output_directory
 from llmopt.compiler.recipe import Recipe, resolved_dict
@@ -132,7 +131,7 @@ def save_graph(lowered: LoweredGraph, path: Path) -> dict[str, Any]:
             "operator_set": options.operator_set, "nodes": len(model.graph.node),
             "nodes_per_layer": lowered.nodes_per_layer,
             "nbits_accuracy_level": options.nbits_accuracy_level,
-            "native": native_plan(model, options.nbits_accuracy_level).to_manifest()}
+            "native": lowered.native.resolve(model).to_manifest()}
 
 
 def _opset(model: onnx.ModelProto) -> int:

@@ -42,7 +42,14 @@ from llmopt.compiler.kv_layout import (
 )
 from llmopt.compiler.lower_ops import OPERATOR_SETS, StandardOps
 from llmopt.compiler.masks import StepBlocks, additive_mask, sink_mask
-from llmopt.compiler.nf4 import codebook_matmul
+from llmopt.compiler.native_plan import (
+    BNB4_CODEBOOKS,
+    AttentionShape,
+    LaneNames,
+    MatrixNames,
+    PlanRecorder,
+)
+from llmopt.compiler.nf4 import bnb_quant_type, codebook_matmul
 from llmopt.compiler.onnx_graph import MS_DOMAIN, NP_TO_ONNX, GraphBuilder
 from llmopt.compiler.quant_format import (
     QuantizedLinear,
@@ -59,6 +66,7 @@ if TYPE_CHECKING:
     from llmopt.compiler.recipe import Recipe
 
 WEIGHT_DTYPES = {"float32": np.float32, "float16": np.float16}
+_FLOAT_PROJECTIONS = "float projections (MatMul): the native step multiplies int4/int8 codes"
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,7 @@ class LoweredGraph:
     options: LoweringOptions
     kv_cache: KVCacheSpec  # the manifest's `kv_cache` section for `options.kv_layout`
     nodes_per_layer: int  # the most nodes a layer past the first takes
+    native: PlanRecorder  # the native step's plan, resolved once the graph is saved
 
 
 def lower(ir: ModelIR, recipe: Recipe, data_file: Path | None = None) -> LoweredGraph:
@@ -109,7 +118,7 @@ def lower(ir: ModelIR, recipe: Recipe, data_file: Path | None = None) -> Lowered
     lowering = _DecoderLowering(ir, options, data_file)
     model = lowering.build()
     kv_cache = KVCacheSpec.model_validate(kv_cache_spec(ir.arch, options.kv_layout))
-    return LoweredGraph(model, options, kv_cache, lowering.nodes_per_layer)
+    return LoweredGraph(model, options, kv_cache, lowering.nodes_per_layer, lowering.native)
 
 
 def lower_to_onnx(ir: ModelIR, options: LoweringOptions) -> onnx.ModelProto:
@@ -129,6 +138,10 @@ class _DecoderLowering:
         self._positions: str | None = None  # lanes: the step's positions, built once
         self.lanes = options.kv_layout == "lanes"
         self.nodes_per_layer = 0  # set by build()
+        # Each emitter records what the native step needs of its nodes, or why it cannot.
+        self.native = PlanRecorder(ir.arch)
+        if not self.lanes:
+            self.native.unsupported("not a lanes graph (no GroupQueryAttention)")
 
     def build(self) -> onnx.ModelProto:
         self._declare_io()
@@ -229,45 +242,73 @@ class _DecoderLowering:
         """x @ concat(parts)^T (+ bias): one MatMul for fused projections (QKV, gate/up)."""
         w = self.ir.weights
         quantized = [self.ir.quantized.get(prefix + p) for p in parts]
+        fused = f"{prefix}{'_'.join(parts)}"
         if all(quantized):
-            out = self._quantized_matmul(x, f"{prefix}{'_'.join(parts)}", concat_outputs(quantized))
+            out = self._quantized_matmul(x, fused, concat_outputs(quantized))
         else:  # float, or a fused group only partly quantized: its float (dequantized) weights
             weight = np.concatenate([_np(w[f"{prefix}{p}.weight"]) for p in parts], axis=0)
-            out = self.g.op("MatMul", [x, self._stored(f"{prefix}{'_'.join(parts)}", weight.T)])
+            out = self.g.op("MatMul", [x, self._stored(fused, weight.T)])
+            self.native.unsupported(_FLOAT_PROJECTIONS)
         if any(f"{prefix}{p}.bias" in w for p in parts):
             bias = np.concatenate([_bias(w, f"{prefix}{p}") for p in parts])
-            out = self.g.op("Add", [out, self.g.weight(f"{prefix}{'_'.join(parts)}.bias", bias)])
+            out = self.g.op("Add", [out, self.g.weight(f"{fused}.bias", bias)])
+            self.native.bias(fused, f"{fused}.bias")
         return out
 
     def _quantized_matmul(self, x: str, name: str, q: QuantizedLinear) -> str:
         """x @ wᵀ for integer weights, in the form the target's operators take."""
+        n, k = q.shape
         if q.codebook is not None:  # NF4 / FP4
+            self._record_codebook(name, q)
             return codebook_matmul(self.g, self.ops.operator_set, x, name, q)
         if not q.integer_zeros():  # fractional zero points: symmetric codes + group offsets
             symmetric, offset = split_fractional_zeros(q)
-            g, k = self.g, q.shape[1]
+            g = self.g
             sums = g.op("MatMul", [x, g.weight(f"group_sum.{k}.{q.group_size}",
                                                group_sum_matrix(k, q.group_size))])
             correction = g.op("MatMul", [sums, g.weight(f"{name}.group_offset", offset)])
+            self.native.group_offsets(name, f"{name}.group_offset")
             return g.op("Add", [self._quantized_matmul(x, name, symmetric), correction])
         form = self.options.quantized_matmul or self.ops.quantized_matmul
         if form == "matmul_nbits" and q.bits == 8 and self.options.nbits_accuracy_level == 0:
             # ONNX Runtime's 8-bit MatMulNBits with float activations is much slower than
             # a float32 MatMul: exact float weights win.
+            self.native.unsupported(_FLOAT_PROJECTIONS)
             return self.g.op("MatMul", [x, self._stored(name, q.dequantize().numpy().T)])
         if form == "dequantize_linear":
             inputs = [self.g.weight(f"{name}.{key}", value)
                       for key, value in pack_dequantize_linear(q).items()]
             weight = self.g.op("DequantizeLinear", inputs, name=f"{name}.dq", axis=0,
                                block_size=q.group_size)
+            self.native.unsupported(_FLOAT_PROJECTIONS)
             return self.g.op("MatMul", [x, weight])
         packed = pack_matmul_nbits(q)
         inputs = [x] + [self.g.weight(f"{name}.{key}", packed[key])
                         for key in ("B", "scales", "zero_points") if key in packed]
-        n, k = q.shape
+        self._record_activations()
+        self.native.projection(name, MatrixNames(
+            f"{name}.B", f"{name}.scales", inputs[3] if len(inputs) > 3 else None, q.bits,
+            q.group_size, n, k))
         return self.g.op("MatMulNBits", inputs, name="matmul_nbits", domain=MS_DOMAIN,
                          K=k, N=n, bits=q.bits, block_size=q.group_size,
                          accuracy_level=self.options.nbits_accuracy_level)
+
+    def _record_codebook(self, name: str, q: QuantizedLinear) -> None:
+        """What codebook_matmul emits: MatMulBnb4 (the native step's too) or a float MatMul."""
+        quant_type = bnb_quant_type(q.codebook)
+        if self.ops.operator_set != "onnxruntime" or quant_type is None:
+            self.native.unsupported(_FLOAT_PROJECTIONS)
+            return
+        self._record_activations()
+        n, k = q.shape
+        self.native.projection(name, MatrixNames(
+            f"{name}.B", f"{name}.absmax", None, 4, q.group_size, n, k,
+            codebook=BNB4_CODEBOOKS[quant_type]))
+
+    def _record_activations(self) -> None:
+        if self.options.nbits_accuracy_level != 4:
+            self.native.unsupported("float activations (nbits_accuracy_level 0): the native "
+                                    "step multiplies int8 activations")
 
     # --- blocks -----------------------------------------------------------------------
     def _embed(self) -> str:
@@ -276,9 +317,14 @@ class _DecoderLowering:
         else:
             table = self._stored("embed_tokens", _np(self.ir.weights["embed_tokens"]))
             hidden = self.g.op("Gather", [table, C.INPUT_IDS], name="embed")
+            self.native.embed = table
+            if table != "embed_tokens":
+                self.native.unsupported("a float16 embedding table (the native step reads "
+                                        "float32 rows)")
         if self.arch.embedding_scale is not None:
             scale = self.g.const(self.arch.embedding_scale, np.float32)
             hidden = self.g.op("Mul", [hidden, scale])
+            self.native.unsupported("scaled embeddings")
         return hidden
 
     def _embeds_head_codes(self) -> bool:
@@ -301,6 +347,10 @@ class _DecoderLowering:
                   C.INPUT_IDS, self.g.weight("embed_tokens.scales", packed["scales"])]
         if "zero_points" in packed:
             inputs.append(self.g.weight("embed_tokens.zero_points", packed["zero_points"]))
+        self.native.embed = MatrixNames(inputs[0], inputs[2], inputs[3] if len(inputs) > 3
+                                        else None, q.bits, q.group_size, vocab, q.shape[1])
+        if q.group_size not in (32, 64, 128):
+            self.native.unsupported("a quantized embedding in blocks other than 32, 64 or 128")
         return self.g.op("GatherBlockQuantized", inputs, name="embed", domain=MS_DOMAIN,
                          bits=q.bits, block_size=q.group_size, gather_axis=0,
                          quantize_axis=1)
@@ -310,6 +360,7 @@ class _DecoderLowering:
         p = f"layers.{index}."
         attn = self._attention(index, x)
         if self.arch.sandwich_norm:
+            self.native.unsupported("norms after attention and after the MLP")
             attn = self.ops.rms_norm(attn, self._norm(p + "post_attn_norm"))
         x, hidden = self.ops.add_rms_norm(attn, hidden, self._norm(p + "mlp_norm"))
         mlp = self._mlp(p, x)
@@ -327,6 +378,7 @@ class _DecoderLowering:
             act = g.op("Mul", [gate, g.op("Sigmoid", [gate])], name="silu")
         else:
             act = g.op("Gelu", [gate], name="gelu", approximate="tanh")
+            self.native.unsupported("a GELU MLP")
         return self._linear(g.op("Mul", [act, up]), p, ["down_proj"])
 
     def _attention(self, index: int, x: str) -> str:
@@ -412,6 +464,7 @@ class _DecoderLowering:
         if coded:
             attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL",
                          kv_cache_bit_width=8 if spec.kv_dtype == "int8" else 4)
+        self._record_lane_attention(index, scales if coded else None, half)
         out = g.fresh("attention")
         inputs = [*qkv_inputs, C.past_name(index, "key"), C.past_name(index, "value"),
                   C.SEQLENS_K, C.TOTAL_SEQUENCE_LENGTH, *rotary,
@@ -422,6 +475,23 @@ class _DecoderLowering:
                   [out, C.present_name(index, "key"), C.present_name(index, "value")],
                   domain=MS_DOMAIN, **attrs)
         return g.op("Cast", [out], to=TensorProto.FLOAT) if half else out
+
+    def _record_lane_attention(self, index: int, scales: list[str] | None, half: bool) -> None:
+        """A layer's attention shape and lanes, as `_lane_attention` emitted them."""
+        spec, native = self.arch.layers[index], self.native
+        native.attention[index] = AttentionShape(
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, self.arch.attn_scale,
+            f"rope.{spec.rope}", spec.sliding_window)
+        if self.arch.attn_softcap:
+            native.unsupported("softcaps")
+        if self.arch.qk_norm:
+            native.head_norms.add(index)
+        rotation = f"hadamard_{spec.head_dim}" if spec.kv_rotate_keys else None
+        if half:
+            native.lanes[index] = LaneNames(16, rotation=rotation)
+        elif scales:
+            native.lanes[index] = LaneNames(8 if spec.kv_dtype == "int8" else 4, *scales,
+                                            rotation=rotation)
 
     def _lane_positions(self) -> str:
         """Row s of sequence b is at position seqlens_k[b] + 1 - query_seqlens[b] + s, as
@@ -565,10 +635,14 @@ class _DecoderLowering:
         elif self.arch.tie_word_embeddings:  # share the embedding table: [vocab, hidden]
             table = self._stored("embed_tokens", _np(self.ir.weights["embed_tokens"]))
             logits = g.op("Gemm", [normed, table], transB=1, name="lm_head")
+            self.native.unsupported("a float LM head (Gemm): the native step multiplies "
+                                    "int4/int8 codes")
         else:
             head = self._stored("lm_head", _np(self.ir.weights["lm_head.weight"]).T)
             logits = g.op("MatMul", [normed, head], name="lm_head")
+            self.native.unsupported(_FLOAT_PROJECTIONS)
         if self.arch.final_softcap:
+            self.native.unsupported("softcaps")
             cap = g.const(self.arch.final_softcap, np.float32)
             logits = g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, cap])]), cap])
         g.op_into("Identity", [logits], [C.LOGITS])

@@ -145,7 +145,7 @@ def pack_bnb(codes: torch.Tensor) -> torch.Tensor:
 
 
 # --- the graph side ------------------------------------------------------------------------
-def _bnb_quant_type(code: torch.Tensor) -> int | None:
+def bnb_quant_type(code: torch.Tensor) -> int | None:
     """MatMulBnb4's quant_type for a code book it has built in (0 FP4, 1 NF4), else None."""
     for quant_type, table in ((1, NF4_CODE), (0, FP4_CODE)):
         if torch.equal(code, table):
@@ -158,7 +158,7 @@ def codebook_matmul(g: Any, operator_set: str, x: str, name: str, q: QuantizedLi
     contrib operators and the code book is one it knows, else standard ONNX (codes cast
     to indices, a Gather of the code book, the block scales multiplied, MatMul)."""
     n, k = q.shape
-    quant_type = _bnb_quant_type(q.codebook)
+    quant_type = bnb_quant_type(q.codebook)
     if operator_set == "onnxruntime" and quant_type is not None:
         inputs = [x, g.weight(f"{name}.B", pack_bnb(q.codes).numpy().reshape(-1)),
                   g.weight(f"{name}.absmax", q.scales.numpy().reshape(-1).astype(np.float32))]

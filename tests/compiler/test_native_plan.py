@@ -9,7 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llmopt.compiler.native_plan import native_plan
+from llmopt.compiler.loader import load_checkpoint
+from llmopt.compiler.lower import lower
+from llmopt.compiler.onnx_graph import save_with_external_data
+from llmopt.compiler.pass_manager import PassContext, apply_passes
 from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.recipe import Recipe
 from llmopt.runtime.artifact import load_manifest
@@ -116,12 +119,35 @@ def test_a_graph_the_native_step_cannot_run_gets_a_reason(name, reason, compiled
     assert read_plan(section) == Unsupported(section["unsupported"])
 
 
-def test_the_planner_returns_types(compiled):
-    """native_plan itself (the writer's call) returns the typed plan of a saved graph."""
-    import onnx
-
-    artifact = compiled["llama"]
-    model = onnx.load(str(artifact / "target.onnx"), load_external_data=False)
-    plan = native_plan(model)
+def test_the_lowering_records_the_typed_plan(tiny_checkpoints, tmp_path, compiled):
+    """The lowering records the plan as it emits the graph; saved, it resolves to the typed
+    plan the manifest holds (the writer's call)."""
+    arch, passes, target = CASES["llama"]
+    recipe = Recipe(model=str(tiny_checkpoints[arch]), passes=passes, target=target,
+                    quality={"measure": False},
+                    runtime={"block_size": 4, "max_context": 64, "max_num_seqs": 4})
+    ir, _ = apply_passes(load_checkpoint(recipe.model), recipe.passes,
+                         PassContext(recipe, lambda _: None))
+    lowered = lower(ir, recipe)
+    save_with_external_data(lowered.model, tmp_path / "target.onnx")
+    plan = lowered.native.resolve(lowered.model)
     assert isinstance(plan, NativePlan)
-    assert plan.to_manifest() == _native(artifact)
+    assert plan.to_manifest() == _native(compiled["llama"])
+
+
+@pytest.mark.parametrize("arch,reason", [
+    ("gemma2", "scaled embeddings"), ("gemma3_text", "scaled embeddings"), ("llama", None),
+    ("mistral", None), ("qwen2", None), ("qwen3", None)])
+def test_each_family_gets_a_plan_or_the_reason_it_has_none(arch, reason, tiny_checkpoints,
+                                                           tmp_path):
+    """Llama-style families run natively; Gemma's scaled embeddings, GELU and norms after
+    attention do not (the first the lowering met is named)."""
+    recipe = Recipe(model=str(tiny_checkpoints[arch]), passes=[RTN], target=A8,
+                    quality={"measure": False},
+                    runtime={"block_size": 4, "max_context": 64, "max_num_seqs": 4})
+    compile_recipe(recipe, tmp_path / "out", log=lambda _: None)
+    plan = read_plan(_native(tmp_path / "out"))
+    if reason is None:
+        assert isinstance(plan, NativePlan)
+    else:
+        assert isinstance(plan, Unsupported) and reason in plan.reason
