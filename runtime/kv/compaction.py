@@ -38,9 +38,9 @@ def decode_keys(rows: np.ndarray, key: KeyFormat) -> np.ndarray:
     if key.bits == 4:  # element 2j in the low nibble of byte j, codes + 8
         codes = np.stack([rows & 15, rows >> 4], axis=-1).reshape(*rows.shape[:-1], -1)
         rows = codes.astype(np.int8) - np.int8(8)
-    x = rows.astype(np.float32)
+    x = rows.astype(np.float32, copy=False)  # float32 rows: a gathered copy already
     if key.scale is not None:
-        x *= key.scale
+        x = x * key.scale
     return x if key.rotation is None else x @ key.rotation.T
 
 
@@ -49,7 +49,7 @@ def encode_keys(x: np.ndarray, key: KeyFormat, dtype: np.dtype) -> np.ndarray:
     if key.rotation is not None:
         x = x @ key.rotation
     if key.bits not in CODE_RANGE:
-        return x.astype(dtype)
+        return x.astype(dtype, copy=False)
     assert key.scale is not None
     low, high = CODE_RANGE[key.bits]
     codes = np.clip(np.rint(x / key.scale), low, high).astype(np.int8)
@@ -82,8 +82,7 @@ class LaneMover:
                 if start is None:
                     continue
                 sources = kept[..., start:]
-                moved = (rows[:, sources] if sources.ndim == 1
-                         else np.take_along_axis(rows, sources[..., None], axis=1))
+                moved = gather_rows(rows, sources)
                 if name.endswith(".key"):
                     distance = sources - np.arange(start, kept.shape[-1])
                     key = self.key_formats.get(layer, FLOAT32)
@@ -95,6 +94,8 @@ class LaneMover:
         """Keys [..., head_dim] rotated at p, rotated at p - distance instead (a new array):
         `distance` an int, or one per key ([...] of keys' leading shape, broadcast)."""
         distance = np.asarray(distance)
+        if distance.ndim and (distance == distance.flat[0]).all():  # one row of cos, sin
+            distance = distance.flat[0]
         cos, sin = self.rope_cos[distance], self.rope_sin[distance]
         half = keys.shape[-1] // 2
         a, b = keys[..., :half], keys[..., half:]
@@ -104,6 +105,17 @@ class LaneMover:
         np.multiply(b, cos, out=turned[..., half:])
         turned[..., half:] -= a * sin
         return turned
+
+
+def gather_rows(rows: np.ndarray, sources: np.ndarray) -> np.ndarray:
+    """rows [heads, tokens, width] at `sources` [n] (every head's) or [heads, n] (each
+    head's own): [heads, n, width], whole rows copied (a flat row index, not an index per
+    element as take_along_axis builds)."""
+    if sources.ndim == 1:
+        return rows[:, sources]
+    heads, tokens = rows.shape[:2]
+    flat = (sources + np.arange(heads)[:, None] * tokens).reshape(-1)
+    return rows.reshape(heads * tokens, -1)[flat].reshape(*sources.shape, -1)
 
 
 def first_moved(keep: np.ndarray) -> int | None:
