@@ -209,6 +209,19 @@ def test_generation_runs_past_the_context_within_the_budget(artifacts):
     assert llm.manifest.model.max_position < 20 + 300
 
 
+@needs_native
+def test_requests_batched_together_evict_as_each_would_alone(artifacts):
+    """Two requests past the budget in one batch: each lane's sums and evictions are its
+    own, so each produces the tokens it produces alone."""
+    prompts, params = [prompt(20, seed=1), prompt(13, seed=2)], greedy(60)
+    together = LLM(artifacts["float32"], kernels="native", streaming=H2O).generate(
+        prompts, params)
+    for alone_prompt, output in zip(prompts, together, strict=True):
+        alone = LLM(artifacts["float32"], kernels="native", streaming=H2O).generate(
+            alone_prompt, params)[0]
+        assert output.token_ids == alone.token_ids
+
+
 @pytest.mark.parametrize("config,error", [
     (H2OConfig(budget=32, recent=32), "must exceed the recent window"),
     (H2OConfig(budget=32, recent=28, sinks=4), "must exceed the recent window"),
