@@ -63,22 +63,26 @@ def streaming_llm(artifact: Path, budget: int, chunk: int) -> LLM:
                streaming=StreamingConfig(sinks=SINKS, window=budget - SINKS))
 
 
-def h2o_llm(artifact: Path, budget: int, chunk: int) -> LLM:
+def h2o_llm(artifact: Path, budget: int, chunk: int, sinks: int = 0) -> LLM:
     return LLM(artifact, max_num_seqs=1, max_context=budget, max_num_batched_tokens=chunk,
-               streaming=H2OConfig(budget=budget))
+               streaming=H2OConfig(budget=budget, sinks=sinks))
 
 
-def evicting_llms(artifact: Path, budgets: list[int], chunk: int) -> dict[str, LLM]:
-    """Sinks + window and H2O at each budget, by label."""
+def evicting_llms(artifact: Path, budgets: list[int], chunk: int, kinds: set[str],
+                  h2o_sinks: int) -> dict[str, LLM]:
+    """Sinks + window and H2O at each budget, by label (those of `kinds`)."""
     llms = {}
     for b in budgets:
-        llms[f"sinks+window {b}"] = streaming_llm(artifact, b, chunk)
-        llms[f"h2o {b}"] = h2o_llm(artifact, b, chunk)
+        if "sinks+window" in kinds:
+            llms[f"sinks+window {b}"] = streaming_llm(artifact, b, chunk)
+        if "h2o" in kinds:
+            label = f"h2o {b}" if not h2o_sinks else f"h2o sinks {h2o_sinks} {b}"
+            llms[label] = h2o_llm(artifact, b, chunk, h2o_sinks)
     return llms
 
 
-def perplexities(artifact: Path, tokens: int, budgets: list[int], chunk: int
-                 ) -> list[dict[str, Any]]:
+def perplexities(artifact: Path, tokens: int, budgets: list[int], chunk: int,
+                 kinds: set[str], h2o_sinks: int) -> list[dict[str, Any]]:
     full = LLM(artifact, max_num_seqs=1, max_context=tokens, max_num_batched_tokens=512)
     rows = []
     for name in TEXTS:
@@ -89,7 +93,8 @@ def perplexities(artifact: Path, tokens: int, budgets: list[int], chunk: int
         ids = ids[:tokens]
         row: dict[str, Any] = {"text": name, "tokens": tokens,
                                "sha256": hashlib.sha256(text.encode()).hexdigest()[:16]}
-        runs = {"full": full, **evicting_llms(artifact, budgets, chunk)}
+        runs = {"full": full} if "full" in kinds else {}
+        runs.update(evicting_llms(artifact, budgets, chunk, kinds, h2o_sinks))
         past = min(budgets)
         for label, llm in runs.items():
             started = time.perf_counter()
@@ -216,6 +221,10 @@ def main() -> None:
     parser.add_argument("--distances", default="512,1536,4096,7168")
     parser.add_argument("--gen", type=int, default=20000)
     parser.add_argument("--cost-rounds", type=int, default=2)
+    parser.add_argument("--ppl-runs", default="full,sinks+window,h2o",
+                        help="which perplexity runs: comma list of full,sinks+window,h2o")
+    parser.add_argument("--h2o-sinks", type=int, default=0,
+                        help="positions H2O always keeps first (the paper: none)")
     parser.add_argument("--skip", default="",
                         help="comma list of parts to skip: ppl,probe,cost,gen (or gen-stream)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_long_context.json")
@@ -228,7 +237,8 @@ def main() -> None:
                                "sinks": SINKS, "chunk": args.chunk}
     if "ppl" not in skip:
         print("perplexity:", flush=True)
-        payload["perplexity"] = perplexities(args.artifact, args.tokens, budgets, args.chunk)
+        payload["perplexity"] = perplexities(args.artifact, args.tokens, budgets, args.chunk,
+                                             set(args.ppl_runs.split(",")), args.h2o_sinks)
     if "probe" not in skip:
         print("retrieval probe:", flush=True)
         payload["retrieval"] = retrieval(args.artifact, [int(d) for d in
@@ -246,7 +256,8 @@ def main() -> None:
 
 
 def print_tables(payload: dict[str, Any], budgets: list[int]) -> None:
-    labels = ["full", *(f"{kind} {b}" for b in budgets for kind in ("sinks+window", "h2o"))]
+    labels = [label for label in payload["perplexity"][0] if isinstance(
+        payload["perplexity"][0][label], dict)] if "perplexity" in payload else []
     past = min(budgets)
     if "perplexity" in payload:
         print(f"\n| text | {' | '.join(labels)} |")
