@@ -1,16 +1,21 @@
-"""Streaming past the context (attention sinks + a window, `kv.streaming`) against full
-attention on SmolLM2-135M-Instruct (context 8192), int4 weights, float32 KV lanes, the
-native step.
+"""Streaming past the context (attention sinks + a window, `kv.streaming`) and H2O
+(heavy hitters + a recent window, `kv.h2o`) against full attention on
+SmolLM2-135M-Instruct (context 8192), int4 weights, float32 KV lanes, the native step.
 
 1. Perplexity over long texts (the first `--tokens` tokens of each, fixed files on this
-   machine): full attention, and sinks + window at each `--budgets` (sinks 4). Scored
-   in chunks of `--chunk` tokens, so a token sees the sinks and between budget - chunk -
-   block and budget - 4 recent tokens. Also the perplexity of the tokens past the
-   smallest budget only (before it nothing is dropped and the runs are equal).
+   machine): full attention, sinks + window (sinks 4) and H2O (recent half the budget,
+   no sinks: the paper's rule) at each `--budgets`. Scored in chunks of `--chunk`
+   tokens, so a token sees the sinks and between budget - chunk - block and budget - 4
+   recent tokens (H2O: the recent half and the heavy hitters). Also the perplexity of
+   the tokens past the smallest budget only (before it nothing is dropped and the runs
+   are equal).
 2. A retrieval probe: a pass code planted at the start, licence text after it, then the
    question; the log-probability of the code's tokens and whether greedy decoding
-   says it, at several distances, full attention against the smallest budget.
-3. A `--gen`-token greedy generation in a lane of the largest budget (memory per
+   says it, at several distances, full attention against both at the smallest budget.
+3. What H2O costs per decode step beside sinks + window at the largest budget: greedy
+   decoding past the budget (evictions included), the two interleaved `--cost-rounds`
+   times; mean ms per step over the steps past the budget.
+4. A `--gen`-token greedy generation in a lane of the largest budget (memory per
    sequence: its lane's KV bytes; decode tok/s around 2k, 8k, 16k and at the end),
    beside full attention decoding its last 256 tokens up to 8k in a lane of 8k.
 
@@ -30,6 +35,7 @@ import numpy as np
 from _common import REPO_ROOT, RESULTS_DIR, compile_artifact, machine_info, write_json
 
 from llmopt.runtime import LLM, SamplingParams
+from llmopt.runtime.kv.h2o import H2OConfig
 from llmopt.runtime.kv.streaming import StreamingConfig
 
 SINKS = 4
@@ -57,8 +63,26 @@ def streaming_llm(artifact: Path, budget: int, chunk: int) -> LLM:
                streaming=StreamingConfig(sinks=SINKS, window=budget - SINKS))
 
 
-def perplexities(artifact: Path, tokens: int, budgets: list[int], chunk: int
-                 ) -> list[dict[str, Any]]:
+def h2o_llm(artifact: Path, budget: int, chunk: int, sinks: int = 0) -> LLM:
+    return LLM(artifact, max_num_seqs=1, max_context=budget, max_num_batched_tokens=chunk,
+               streaming=H2OConfig(budget=budget, sinks=sinks))
+
+
+def evicting_llms(artifact: Path, budgets: list[int], chunk: int, kinds: set[str],
+                  h2o_sinks: int) -> dict[str, LLM]:
+    """Sinks + window and H2O at each budget, by label (those of `kinds`)."""
+    llms = {}
+    for b in budgets:
+        if "sinks+window" in kinds:
+            llms[f"sinks+window {b}"] = streaming_llm(artifact, b, chunk)
+        if "h2o" in kinds:
+            label = f"h2o {b}" if not h2o_sinks else f"h2o sinks {h2o_sinks} {b}"
+            llms[label] = h2o_llm(artifact, b, chunk, h2o_sinks)
+    return llms
+
+
+def perplexities(artifact: Path, tokens: int, budgets: list[int], chunk: int,
+                 kinds: set[str], h2o_sinks: int) -> list[dict[str, Any]]:
     full = LLM(artifact, max_num_seqs=1, max_context=tokens, max_num_batched_tokens=512)
     rows = []
     for name in TEXTS:
@@ -69,8 +93,8 @@ def perplexities(artifact: Path, tokens: int, budgets: list[int], chunk: int
         ids = ids[:tokens]
         row: dict[str, Any] = {"text": name, "tokens": tokens,
                                "sha256": hashlib.sha256(text.encode()).hexdigest()[:16]}
-        runs = {"full": full}
-        runs.update({f"sinks+window {b}": streaming_llm(artifact, b, chunk) for b in budgets})
+        runs = {"full": full} if "full" in kinds else {}
+        runs.update(evicting_llms(artifact, budgets, chunk, kinds, h2o_sinks))
         past = min(budgets)
         for label, llm in runs.items():
             started = time.perf_counter()
@@ -89,7 +113,8 @@ def retrieval(artifact: Path, distances: list[int], budget: int, chunk: int
               ) -> list[dict[str, Any]]:
     full = LLM(artifact, max_num_seqs=1, max_num_batched_tokens=512,
                max_context=max(distances) + 256)
-    streamed = streaming_llm(artifact, budget, chunk)
+    runs = {"full": full, f"sinks+window {budget}": streaming_llm(artifact, budget, chunk),
+            f"h2o {budget}": h2o_llm(artifact, budget, chunk)}
     tok = full.tokenizer
     filler = tok.encode(read_text("licences"))
     answer = tok.encode(" " + CODE)
@@ -97,7 +122,7 @@ def retrieval(artifact: Path, distances: list[int], budget: int, chunk: int
     for distance in distances:
         prompt = tok.encode(FACT) + filler[:distance] + tok.encode(QUESTION)
         row: dict[str, Any] = {"distance": distance, "prompt_tokens": len(prompt)}
-        for label, llm in (("full", full), (f"sinks+window {budget}", streamed)):
+        for label, llm in runs.items():
             logprobs = llm.score(prompt + answer)[-len(answer):]
             out = llm.generate(prompt, SamplingParams(max_tokens=len(answer) + 2,
                                                       temperature=0.0))[0]
@@ -135,6 +160,39 @@ def timed_generation(llm: LLM, prompt: list[int], gen: int, marks: list[int]
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+def step_times(llm: LLM, prompt: list[int], gen: int) -> list[float]:
+    """Seconds of each greedy decode step after the prefill."""
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True))
+    times = []
+    while engine.has_unfinished_requests():
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+    return times[-gen + 1:]
+
+
+def decode_cost(artifact: Path, budget: int, rounds: int) -> dict[str, Any]:
+    """Mean ms per decode step past the budget, sinks + window against H2O, interleaved."""
+    text = LLM(artifact, max_num_seqs=1, max_context=budget).tokenizer.encode(
+        read_text("licences"))
+    prompt, gen = text[:budget // 2], budget
+    llms = {"sinks+window": streaming_llm(artifact, budget, 512),
+            "h2o": h2o_llm(artifact, budget, 512)}
+    past = {label: [] for label in llms}
+    for i in range(rounds):
+        for label in (list(llms) if i % 2 == 0 else list(reversed(llms))):
+            times = step_times(llms[label], prompt, gen)
+            past[label] += times[budget - len(prompt):]  # the steps past the budget
+    result = {label: {"steps": len(t), "ms_per_step": round(1e3 * float(np.mean(t)), 3),
+                      "median_ms": round(1e3 * float(np.median(t)), 3),
+                      "max_ms": round(1e3 * float(np.max(t)), 1)} for label, t in past.items()}
+    result["h2o_over_streaming"] = round(result["h2o"]["ms_per_step"]
+                                         / result["sinks+window"]["ms_per_step"], 3)
+    print(f"  decode cost at {budget}: {result}", flush=True)
+    return {"budget": budget, "rounds": rounds, **result}
+
+
 def generation(artifact: Path, gen: int, budget: int, skip: set[str]) -> dict[str, Any]:
     text = LLM(artifact, max_num_seqs=1, max_context=budget).tokenizer.encode(
         read_text("licences") + read_text("vim-usr_41"))
@@ -158,12 +216,17 @@ def main() -> None:
     parser.add_argument("--artifact", type=Path, default=Path("/tmp/smollm2-int4-8k"),
                         help="compiled here from recipes/smollm2-135m-int4.yaml if missing")
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--budgets", default="2048,1024,512")
+    parser.add_argument("--budgets", default="2048,1024")
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--distances", default="512,1536,4096,7168")
     parser.add_argument("--gen", type=int, default=20000)
+    parser.add_argument("--cost-rounds", type=int, default=2)
+    parser.add_argument("--ppl-runs", default="full,sinks+window,h2o",
+                        help="which perplexity runs: comma list of full,sinks+window,h2o")
+    parser.add_argument("--h2o-sinks", type=int, default=0,
+                        help="positions H2O always keeps first (the paper: none)")
     parser.add_argument("--skip", default="",
-                        help="comma list of parts to skip: ppl,probe,gen (or gen-stream)")
+                        help="comma list of parts to skip: ppl,probe,cost,gen (or gen-stream)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_long_context.json")
     args = parser.parse_args()
     compile_artifact(args.artifact, REPO_ROOT / "recipes" / "smollm2-135m-int4.yaml",
@@ -174,12 +237,16 @@ def main() -> None:
                                "sinks": SINKS, "chunk": args.chunk}
     if "ppl" not in skip:
         print("perplexity:", flush=True)
-        payload["perplexity"] = perplexities(args.artifact, args.tokens, budgets, args.chunk)
+        payload["perplexity"] = perplexities(args.artifact, args.tokens, budgets, args.chunk,
+                                             set(args.ppl_runs.split(",")), args.h2o_sinks)
     if "probe" not in skip:
         print("retrieval probe:", flush=True)
         payload["retrieval"] = retrieval(args.artifact, [int(d) for d in
                                                          args.distances.split(",")],
                                          min(budgets), args.chunk)
+    if "cost" not in skip:
+        print("decode cost:", flush=True)
+        payload["decode_cost"] = decode_cost(args.artifact, max(budgets), args.cost_rounds)
     if "gen" not in skip:
         print("generation:", flush=True)
         payload["generation"] = generation(args.artifact, args.gen, max(budgets), skip)
@@ -189,7 +256,8 @@ def main() -> None:
 
 
 def print_tables(payload: dict[str, Any], budgets: list[int]) -> None:
-    labels = ["full", *(f"sinks+window {b}" for b in budgets)]
+    labels = [label for label in payload["perplexity"][0] if isinstance(
+        payload["perplexity"][0][label], dict)] if "perplexity" in payload else []
     past = min(budgets)
     if "perplexity" in payload:
         print(f"\n| text | {' | '.join(labels)} |")
@@ -199,8 +267,8 @@ def print_tables(payload: dict[str, Any], budgets: list[int]) -> None:
                      for label in labels]
             print(f"| {row['text']} | {' | '.join(cells)} |")
     if "retrieval" in payload:
-        print("\n| distance | full log p / says it | streaming log p / says it |")
-        print("|---|---|---|")
+        print("\n| distance | full | sinks+window | h2o | (log p of the code / greedy says it)")
+        print("|---|---|---|---|")
         for row in payload["retrieval"]:
             cells = [f"{row[label]['answer_logprob']:.2f} / {row[label]['greedy_says_it']}"
                      for label in row if label not in ("distance", "prompt_tokens")]

@@ -221,17 +221,28 @@ def inspect_command(artifact: Path, pool_mib: float, as_json: bool) -> None:
 
 
 def _streaming_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """--window and --sinks (StreamingLLM), for generate, bench and serve."""
+    """--window and --sinks (StreamingLLM), --h2o (heavy hitters), for generate, bench and
+    serve."""
+    command = click.option("--h2o", type=POSITIVE, default=None, metavar="BUDGET",
+                           help="Stream past the context keeping BUDGET entries per request: "
+                                "the recent half and the heavy hitters by accumulated "
+                                "attention (the native step; no speculation).")(command)
     command = click.option("--sinks", type=click.IntRange(min=0), default=4, show_default=True,
                            help="With --window: first positions every request keeps.")(command)
     return click.option("--window", type=POSITIVE, default=None,
                         help="Stream past the context: keep the sinks and the last WINDOW "
-                             "positions of each request (float KV lanes; no speculation).")(
+                             "positions of each request (lanes KV; no speculation).")(
         command)
 
 
-def _streaming_kwargs(sinks: int, window: int | None) -> dict[str, Any]:
-    """LLM's `streaming` argument from --sinks/--window (none without --window)."""
+def _streaming_kwargs(sinks: int, window: int | None, h2o: int | None) -> dict[str, Any]:
+    """LLM's `streaming` argument from --sinks/--window or --h2o (none without either)."""
+    if window is not None and h2o is not None:
+        raise ValueError("choose one of --window and --h2o")
+    if h2o is not None:
+        from llmopt.runtime.kv.h2o import H2OConfig
+
+        return {"streaming": H2OConfig(budget=h2o)}
     if window is None:
         return {}
     from llmopt.runtime.kv.streaming import StreamingConfig
@@ -300,7 +311,8 @@ def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_t
                      num_blocks: int | None,
                      max_context: int | None, as_json: bool, speculative: bool,
                      gamma: int | None, spec_max_batch: int | None, drafts: str,
-                     draft_tree: bool, sinks: int, window: int | None) -> None:
+                     draft_tree: bool, sinks: int, window: int | None,
+                     h2o: int | None) -> None:
     """Generate a continuation of each PROMPT, batched together."""
     from llmopt.runtime import LLM, SamplingParams
 
@@ -314,7 +326,7 @@ def generate_command(artifact: Path, prompts: tuple[str, ...], chat: bool, max_t
     given = {k: v for k, v in chosen.items() if v is not None}
     SamplingParams(max_tokens=max_tokens, stop=list(stop), **given)  # bad values: before loading
     llm = LLM(artifact, num_threads=threads, num_blocks=num_blocks, max_context=max_context,
-              kernels=kernels, **_streaming_kwargs(sinks, window),
+              kernels=kernels, **_streaming_kwargs(sinks, window, h2o),
               **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts, draft_tree))
     params = SamplingParams.from_generation_config(  # the manifest's: transformers' defaults
         llm.manifest.generation, max_tokens=max_tokens, stop=list(stop), **given)
@@ -410,15 +422,17 @@ def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: 
                   threads: int | None, kernels: str, pool_mib: float, prompts_kind: str,
                   as_json: bool,
                   speculative: bool, gamma: int | None, spec_max_batch: int | None,
-                  drafts: str, draft_tree: bool, sinks: int, window: int | None) -> None:
+                  drafts: str, draft_tree: bool, sinks: int, window: int | None,
+                  h2o: int | None) -> None:
     """TTFT, decode tok/s per stream, aggregate tok/s, peak RSS (with a draft, also
     acceptance rate and tokens per target step)."""
     from llmopt.runtime import LLM
     from llmopt.runtime.tools.bench import prompt_kind, run_bench
 
-    streaming = _streaming_kwargs(sinks, window)  # lanes of sinks + window, not the run's length
+    streaming = _streaming_kwargs(sinks, window, h2o)  # lanes of the budget, not the run's length
+    budget = h2o or (sinks + window if window else None)
     llm = LLM(artifact, num_threads=threads, max_num_seqs=max(batches),
-              max_context=sinks + window if streaming and window else prompt_len + gen_len + 1,
+              max_context=budget or prompt_len + gen_len + 1,
               kernels=kernels, **streaming,
               **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts, draft_tree))
     kind = prompt_kind(prompts_kind, llm.engine.speculator is not None)
@@ -479,7 +493,7 @@ def serve_command(artifact: Path, host: str, port: int, served_model_name: str |
                   max_context: int | None, max_waiting: int, no_prefix_caching: bool,
                   grace_period: float, speculative: bool, gamma: int | None,
                   spec_max_batch: int | None, drafts: str, draft_tree: bool, sinks: int,
-                  window: int | None) -> None:
+                  window: int | None, h2o: int | None) -> None:
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (needs the `serve` extra).
 
     Engine limits left unset take the artifact's recipe defaults.
@@ -506,7 +520,7 @@ def serve_command(artifact: Path, host: str, port: int, served_model_name: str |
           num_threads=threads, kernels=kernels, max_num_seqs=max_num_seqs,
           max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks,
           max_context=max_context, enable_prefix_caching=not no_prefix_caching,
-          **_streaming_kwargs(sinks, window),
+          **_streaming_kwargs(sinks, window, h2o),
           **_speculation_kwargs(speculative, gamma, spec_max_batch, drafts, draft_tree))
 
 

@@ -10,11 +10,14 @@ import numpy as np
 from llmopt.runtime.engine import EngineConfig, LLMEngine
 from llmopt.runtime.executors.choose import graph_executor, kernels_name
 from llmopt.runtime.executors.step_batch import Executor
+from llmopt.runtime.kv.compaction import KeyFormat, LaneMover
+from llmopt.runtime.kv.h2o import H2OKV, H2OConfig
 from llmopt.runtime.kv.manager import KVCacheManager
 from llmopt.runtime.kv.paging import cdiv
 from llmopt.runtime.kv.sliding import SlidingBlocks
 from llmopt.runtime.kv.streaming import StreamingConfig, StreamingKV
 from llmopt.runtime.manifest import KVCacheSpec, Manifest
+from llmopt.runtime.native.library import unavailable_reason
 from llmopt.runtime.native.plan import NativePlan, Tensor, read_plan
 from llmopt.runtime.speculative.speculator import build_speculator
 from llmopt.runtime.tokenizer import Tokenizer
@@ -39,8 +42,9 @@ class EngineOptions:
     drafts: str = "all"
     draft_tree: bool = False  # suffix n-gram drafts as trees (needs an executor that runs them)
     kernels: str = "auto"  # native where it runs, else ONNX Runtime | "native" | "onnxruntime"
-    # attention sinks + a window (`kv.streaming`); None: the manifest's; False: off
-    streaming: StreamingConfig | bool | None = None
+    # attention sinks + a window (`kv.streaming`) or H2O (`kv.h2o`); None: the manifest's;
+    # False: off
+    streaming: StreamingConfig | H2OConfig | bool | None = None
 
 
 def kv_cache_manager_for(manifest: Manifest, config: EngineConfig) -> KVCacheManager:
@@ -97,6 +101,8 @@ def engine_config(manifest: Manifest, options: EngineOptions) -> EngineConfig:
     streaming = streaming_config(manifest, options)
     if streaming is not None:
         check_streaming(manifest, streaming, max_context, block_size)
+        if isinstance(streaming, H2OConfig):
+            check_h2o(manifest, options.kernels, cdiv(max_context, block_size) * block_size)
         step_tokens = min(step_tokens, streaming.max_step_tokens(block_size))
     return EngineConfig(
         block_size=block_size,
@@ -110,18 +116,37 @@ def engine_config(manifest: Manifest, options: EngineOptions) -> EngineConfig:
     )
 
 
-def streaming_config(manifest: Manifest, options: EngineOptions) -> StreamingConfig | None:
-    """The streaming the options ask for, else the recipe's (None: off)."""
-    if isinstance(options.streaming, StreamingConfig):
+def streaming_config(manifest: Manifest, options: EngineOptions
+                     ) -> StreamingConfig | H2OConfig | None:
+    """The eviction the options ask for, else the recipe's (None: off)."""
+    if isinstance(options.streaming, StreamingConfig | H2OConfig):
         return options.streaming
-    recipe = manifest.runtime.streaming
-    if options.streaming is False or recipe is None:
+    if options.streaming is False:
+        return None
+    recipe, h2o = manifest.runtime.streaming, manifest.runtime.h2o
+    if h2o is not None:
+        return H2OConfig(budget=h2o.budget, recent=h2o.recent, sinks=h2o.sinks, drop=h2o.drop)
+    if recipe is None:
         return None
     return StreamingConfig(sinks=recipe.sinks, window=recipe.window, drop=recipe.drop)
 
 
-def check_streaming(manifest: Manifest, streaming: StreamingConfig, max_context: int,
-                    block_size: int) -> None:
+def check_h2o(manifest: Manifest, kernels: str, lane_tokens: int) -> None:
+    """H2O needs the native step, which returns attention weights: one line where it
+    cannot run the target (before any work)."""
+    graph = manifest.graphs["target"]
+    if kernels == "onnxruntime":
+        raise ValueError("h2o needs the native step's attention weights; ONNX Runtime's fused "
+                         "GroupQueryAttention does not return them (kernels: onnxruntime)")
+    reason = unavailable_reason(graph, manifest.kv_cache, lane_tokens)
+    if reason is not None:
+        raise ValueError(f"h2o needs the native step's attention weights (ONNX Runtime's "
+                         f"fused GroupQueryAttention does not return them), and it cannot "
+                         f"run here: {reason}")
+
+
+def check_streaming(manifest: Manifest, streaming: StreamingConfig | H2OConfig,
+                    max_context: int, block_size: int) -> None:
     """One-line errors where an artifact or the settings cannot stream (before any work)."""
     streaming.check(max_context=max_context, block_size=block_size,
                     max_position=manifest.model.max_position)
@@ -129,25 +154,45 @@ def check_streaming(manifest: Manifest, streaming: StreamingConfig, max_context:
     if kv_cache.layout != "lanes":
         raise ValueError("streaming needs the lanes KV layout; this artifact's is "
                          f"{kv_cache.layout!r}")
-    dtypes = {(t.name, t.dtype) for layer in kv_cache.layers for t in layer.tensors}
-    if not all(name in ("key", "value") and dtype in ("float32", "float16")
-               for name, dtype in dtypes):
-        raise ValueError("streaming supports float32 and float16 KV caches only; this "
-                         f"artifact's holds {sorted(dtypes)} (compile without kv_cache codes)")
-    if not isinstance(read_plan(manifest.graphs["target"].native), NativePlan):
+    names = {t.name for layer in kv_cache.layers for t in layer.tensors}
+    if not names <= {"key", "value"}:
+        raise ValueError(f"streaming supports lanes of keys and values only; this artifact's "
+                         f"hold {sorted(names)}")
+    plan = read_plan(manifest.graphs["target"].native)
+    if not isinstance(plan, NativePlan):
         raise ValueError("streaming needs the rotary tables of the target's native plan, "
                          "which this artifact does not have")
+    if any(layer.kv is not None and layer.kv.bits in (8, 4) and layer.kv.key_scale is None
+           for layer in plan.layers):
+        raise ValueError("streaming needs the static key scales of KV codes to turn kept "
+                         "keys; this artifact's native plan has none")
 
 
-def streaming_kv(path: Path, manifest: Manifest, streaming: StreamingConfig,
-                 block_size: int) -> StreamingKV:
-    """The per-request eviction state, with the target's rotary tables."""
+def eviction_kv(path: Path, manifest: Manifest, policy: StreamingConfig | H2OConfig,
+                manager: KVCacheManager) -> StreamingKV | H2OKV:
+    """The per-request eviction state, with the target's rotary tables and key formats."""
     spec = manifest.graphs["target"]
     plan = read_plan(spec.native)
     assert isinstance(plan, NativePlan), "check_streaming let a graph without a plan through"
     data = np.memmap(path / spec.data_file, np.uint8, mode="r") if spec.data_file else None
-    return StreamingKV(streaming, block_size, _tensor_array(plan.rope_cos, data),
-                       _tensor_array(plan.rope_sin, data))
+    formats = {}
+    for index, layer in enumerate(plan.layers):
+        kv = layer.kv
+        if kv is None:
+            continue
+        scale = (None if kv.key_scale is None
+                 else _tensor_array(kv.key_scale, data).reshape(-1, 1, plan.head_dim))
+        rotation = None if kv.rotation is None else _tensor_array(kv.rotation, data)
+        formats[index] = KeyFormat(kv.bits, scale, rotation)
+    mover = LaneMover(_tensor_array(plan.rope_cos, data), _tensor_array(plan.rope_sin, data),
+                      formats)
+    block_size = manager.block_size
+    if isinstance(policy, StreamingConfig):
+        return StreamingKV(policy, block_size, mover)
+    assert manager.lane_blocks is not None, "check_streaming let a blocks layout through"
+    kv_heads = manifest.kv_cache.layers[0].tensors[0].slot_shape[0]
+    return H2OKV(policy, block_size, mover, layers=len(plan.layers), lanes=manager.num_lanes,
+                 kv_heads=kv_heads, lane_tokens=manager.lane_blocks * block_size)
 
 
 def _tensor_array(tensor: Tensor, data: np.ndarray | None) -> np.ndarray:
@@ -166,7 +211,7 @@ def build_engine(path: Path, manifest: Manifest, tokenizer: Tokenizer,
     kv_cache_manager = kv_cache_manager_for(manifest, config)
     streaming = streaming_config(manifest, options)
     if streaming is not None:
-        kv_cache_manager.streaming = streaming_kv(path, manifest, streaming, config.block_size)
+        kv_cache_manager.streaming = eviction_kv(path, manifest, streaming, kv_cache_manager)
     sliding = kv_cache_manager.sliding
     local_blocks = len(sliding.block_pool.blocks) if sliding is not None else None
 
@@ -189,6 +234,8 @@ def build_engine(path: Path, manifest: Manifest, tokenizer: Tokenizer,
         return executor
 
     target = executor_for("target", manifest.kv_cache, manifest.model.max_position)
+    if isinstance(kv_cache_manager.streaming, H2OKV):  # check_h2o saw it runs native
+        target.accumulate_attention(kv_cache_manager.streaming.sums)  # type: ignore[attr-defined]
     if options.draft_tree and not getattr(target, "tree_attention", False):
         raise ValueError(f"draft_tree needs a target that runs draft trees (the native "
                          f"step); this one runs on {kernels_name(target)}")

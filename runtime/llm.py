@@ -11,6 +11,7 @@ import numpy as np
 from llmopt.runtime.artifact import load_manifest
 from llmopt.runtime.assembly import EngineOptions, build_engine
 from llmopt.runtime.executors.choose import kernels_name
+from llmopt.runtime.kv.h2o import H2OConfig
 from llmopt.runtime.kv.streaming import StreamingConfig
 from llmopt.runtime.output import RequestOutput
 from llmopt.runtime.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
@@ -34,9 +35,11 @@ class LLM:
     `draft_tree=True` makes a suffix n-gram draft propose trees (several candidates per
     position, verified in one step under a tree mask; the native step runs them).
     `streaming=StreamingConfig(sinks, window)` keeps each request's first `sinks` and last
-    `window` positions, so generation runs past the context in fixed memory (lanes with
-    float KV; no speculation, no prefix caching; see `kv.streaming`); None takes the
-    recipe's `runtime: streaming:`, False turns it off.
+    `window` positions, so generation runs past the context in fixed memory (lanes; no
+    speculation, no prefix caching; see `kv.streaming`); `streaming=H2OConfig(budget)`
+    keeps heavy hitters by accumulated attention and a recent window instead (the native
+    step; `kv.h2o`); None takes the recipe's `runtime: streaming:` or `h2o:`, False turns
+    it off.
     """
 
     def __init__(
@@ -58,7 +61,7 @@ class LLM:
         drafts: str = "all",
         draft_tree: bool = False,
         kernels: str = "auto",
-        streaming: StreamingConfig | bool | None = None,
+        streaming: StreamingConfig | H2OConfig | bool | None = None,
     ):
         self.path = Path(path)
         self.num_threads = num_threads

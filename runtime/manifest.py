@@ -143,6 +143,23 @@ class StreamingDefaults(_Strict):
         return self
 
 
+class H2ODefaults(_Strict):
+    """H2O (runtime/kv/h2o.py): heavy hitters by accumulated attention plus a recent window."""
+
+    budget: int = Field(gt=0)
+    recent: int | None = Field(None, gt=0)  # None: half the budget
+    sinks: int = Field(0, ge=0)
+    drop: int | None = Field(None, gt=0)  # entries evicted at once (None: the runtime's)
+
+    @model_validator(mode="after")
+    def _room_for_heavy_hitters(self) -> H2ODefaults:
+        recent = self.budget // 2 if self.recent is None else self.recent
+        if recent + self.sinks >= self.budget:
+            raise ValueError(f"the budget {self.budget} must exceed the recent window {recent} "
+                             f"plus {self.sinks} sinks")
+        return self
+
+
 class RuntimeDefaults(_Strict):
     """What the runtime starts with: a recipe's `runtime:` section, kept in the manifest."""
 
@@ -152,6 +169,7 @@ class RuntimeDefaults(_Strict):
     max_num_batched_tokens: int = Field(512, gt=0)  # per-step token budget: chunked prefill
     num_blocks: int | None = Field(None, gt=0)  # None: enough for max_num_seqs * max_context
     streaming: StreamingDefaults | None = None  # None: every request keeps all its KV
+    h2o: H2ODefaults | None = None  # None: no heavy-hitter eviction
 
     @model_validator(mode="after")
     def _streaming_fits(self) -> RuntimeDefaults:
@@ -159,6 +177,11 @@ class RuntimeDefaults(_Strict):
             raise ValueError(f"streaming: sinks + window = "
                              f"{self.streaming.sinks + self.streaming.window} is larger than "
                              f"max_context {self.max_context}")
+        if self.h2o and self.h2o.budget > self.max_context:
+            raise ValueError(f"h2o: the budget {self.h2o.budget} is larger than max_context "
+                             f"{self.max_context}")
+        if self.h2o and self.streaming:
+            raise ValueError("runtime: choose one of streaming and h2o")
         return self
 
 

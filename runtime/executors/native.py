@@ -39,6 +39,7 @@ class NativeLaneExecutor:
         self._values = (ctypes.c_void_p * layers)(
             *(pools[f"past.{i}.value"].ctypes.data for i in range(layers)))
         self._lib = kernels()
+        self._sums: ctypes.Array | None = None  # accumulate_attention's, per layer
         self.governor = ThreadGovernor(threads, os.environ.get(ADAPTIVE_VARIABLE, "1") != "0")
 
     @property
@@ -51,6 +52,16 @@ class NativeLaneExecutor:
         """Move an accepted tree branch's entries (see `LanePools.move_entries`)."""
         self.pools.move_entries(block_table, sources, destinations)
 
+    def accumulate_attention(self, sums: np.ndarray) -> None:
+        """Every step adds each token's attention weights to `sums` [layers, lanes, kv_heads,
+        lane_tokens] float32 (H2O's accumulated attention: `kv.h2o`)."""
+        layers, lanes, kv_heads, lane_tokens = sums.shape
+        if (sums.dtype != np.float32 or not sums.flags.c_contiguous or lanes != self.pools.num_lanes
+                or lane_tokens != self.pools.lane_tokens or layers != self.pools.num_layers):
+            raise ValueError(f"attention sums {sums.shape} {sums.dtype} do not match the lanes")
+        self._sums = (ctypes.c_void_p * layers)(*(sums[i].ctypes.data for i in range(layers)))
+        self._sums_array = sums  # keeps the memory the pointers name alive
+
     def execute(self, batch: StepBatch) -> np.ndarray:
         step = native_inputs(batch, [self.pools.lane_of(table) for table in batch.block_tables])
         positions = step.positions
@@ -60,11 +71,13 @@ class NativeLaneExecutor:
         logits = np.empty((rows.size, self.vocab_size), np.float32)
         threads = self.weights.model.num_threads = self.governor.choose(step.tokens.size)
         started = time.perf_counter()
-        status = self._lib.llmopt_forward(
-            ctypes.byref(self.weights.model), step.tokens.size, step.tokens.ctypes.data,
-            step.token_lanes.ctypes.data, positions.ctypes.data, step.lane_rows.ctypes.data,
-            None if step.masks is None else step.masks.ctypes.data, self._keys, self._values,
-            self.pools.lane_tokens, rows.size, rows.ctypes.data, logits.ctypes.data)
+        args = (ctypes.byref(self.weights.model), step.tokens.size, step.tokens.ctypes.data,
+                step.token_lanes.ctypes.data, positions.ctypes.data, step.lane_rows.ctypes.data,
+                None if step.masks is None else step.masks.ctypes.data, self._keys,
+                self._values, self.pools.lane_tokens, rows.size, rows.ctypes.data,
+                logits.ctypes.data)
+        status = (self._lib.llmopt_forward(*args) if self._sums is None
+                  else self._lib.llmopt_forward_scored(*args, self._sums))
         self.governor.observe(step.tokens.size, threads, time.perf_counter() - started)
         if status:
             raise MemoryError("the native step could not allocate its scratch memory")

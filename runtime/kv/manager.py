@@ -22,8 +22,9 @@ table have blocks of their own, given back once behind their window (`SlidingBlo
 
 With `streaming` (lanes only) a request keeps attention sinks and a window in its lane:
 before a step would overrun them the oldest entries after the sinks are dropped
-(`StreamingKV`), and the request's entries sit at its cache positions, its computed
-tokens less those dropped (`cache_position`).
+(`StreamingKV`; with H2O, those of least accumulated attention: `H2OKV`), and the
+request's entries sit at its cache positions, its computed tokens less those dropped
+(`cache_position`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmopt.runtime.kv.block_pool import Block, BlockPool, hash_block_tokens
+from llmopt.runtime.kv.h2o import H2OKV
 from llmopt.runtime.kv.paging import cdiv, lane_block, lane_position, num_lanes, slots_of
 from llmopt.runtime.kv.pools import BlockPools, KVPools
 from llmopt.runtime.kv.sliding import SlidingBlocks
@@ -87,7 +89,8 @@ class KVCacheManager:
         # How many leading blocks of each request are registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.trailing: TrailingKV | None = None  # `trail`
-        self.streaming: StreamingKV | None = None  # set with the lanes layout only
+        # an eviction policy, set with the lanes layout only
+        self.streaming: StreamingKV | H2OKV | None = None
 
     def trail(self) -> TrailingKV:
         """Track a graph whose pools fill behind the target's (see the module's note)."""
@@ -228,9 +231,9 @@ class KVCacheManager:
         self.block_pool.free(reversed(table))
         if self.sliding is not None:
             self.sliding.free(request.request_id)
-        if self.streaming is not None:
-            self.streaming.forget(request.request_id)
         lane = self.lanes.pop(request.request_id, None) if self.lane_blocks is not None else None
+        if self.streaming is not None:
+            self.streaming.forget(request.request_id, lane)
         if lane is not None:
             self.free_lanes.add(lane)
 

@@ -8,8 +8,9 @@ every entry sits at its cache position and the rotary stays within the positions
 model was trained on, as the paper does. Until the first drop nothing differs from full
 attention.
 
-Supported: the lanes layout with float32 or float16 keys and values (codes with static
-scales would need requantizing); the rotary tables come from the graph's native plan.
+Supported: the lanes layout with float32 or float16 keys and values, or int8/int4 codes
+of static per-channel scales (kept keys decoded, turned and rounded back with the same
+scales: `kv.compaction`); the rotary tables come from the graph's native plan.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llmopt.runtime.kv.compaction import Evictions, LaneMover
 from llmopt.runtime.kv.paging import cdiv
 
 
@@ -67,22 +69,15 @@ class StreamingConfig:
         return self.window - self.drop_size(block_size)
 
 
-class StreamingKV:
+class StreamingKV(Evictions):
     """Per request: how many positions were dropped; and the drop itself over every
-    attached lane pool (move down, turn keys back)."""
+    attached lane pool (move down, turn keys back: `LaneMover`)."""
 
-    def __init__(self, config: StreamingConfig, block_size: int, rope_cos: np.ndarray,
-                 rope_sin: np.ndarray):
-        """`rope_cos`, `rope_sin`: [positions, head_dim / 2] as the graph rotates keys
-        (rotate-half: pairs i and i + head_dim / 2)."""
+    def __init__(self, config: StreamingConfig, block_size: int, mover: LaneMover):
+        super().__init__()
         self.config = config
         self.block_size = block_size
-        self.rope_cos = np.asarray(rope_cos, np.float32)
-        self.rope_sin = np.asarray(rope_sin, np.float32)
-        self.evicted: dict[str, int] = {}  # request id -> positions dropped so far
-
-    def num_evicted(self, request_id: str) -> int:
-        return self.evicted.get(request_id, 0)
+        self.mover = mover
 
     def to_drop(self, cached: int, num_new_tokens: int) -> int:
         """Positions to drop before a step of `num_new_tokens` over `cached` entries: whole
@@ -99,27 +94,7 @@ class StreamingKV:
 
     def drop(self, request_id: str, pools: list, lane: int, cached: int, drop: int) -> None:
         """Drop positions sinks .. sinks + drop - 1 of the lane's `cached` entries."""
-        start, end = self.config.sinks, cached
-        for pool_set in pools:
-            for name, array in pool_set.arrays.items():
-                rows = array[lane]  # [kv_heads, lane tokens, head_dim]
-                if name.endswith(".key"):
-                    rows[:, start:end - drop] = self.turn_back(rows[:, start + drop:end], drop)
-                else:  # numpy buffers the overlapping move
-                    rows[:, start:end - drop] = rows[:, start + drop:end]
-        self.evicted[request_id] = self.num_evicted(request_id) + drop
-
-    def turn_back(self, keys: np.ndarray, distance: int) -> np.ndarray:
-        """Keys [..., head_dim] rotated at p, rotated at p - distance instead (a new array)."""
-        cos, sin = self.rope_cos[distance], self.rope_sin[distance]
-        half = keys.shape[-1] // 2
-        a, b = keys[..., :half], keys[..., half:]
-        turned = np.empty(keys.shape, np.float32)
-        np.multiply(a, cos, out=turned[..., :half])
-        turned[..., :half] += b * sin
-        np.multiply(b, cos, out=turned[..., half:])
-        turned[..., half:] -= a * sin
-        return turned
-
-    def forget(self, request_id: str) -> None:
-        self.evicted.pop(request_id, None)
+        sinks = self.config.sinks
+        keep = np.concatenate([np.arange(sinks), np.arange(sinks + drop, cached)])
+        self.mover.compact(pools, lane, keep)
+        self.add(request_id, drop)

@@ -55,6 +55,31 @@ static void softmax_shown(float *row, int len, int width, uint64_t mask, float *
     memset(row + len, 0, sizeof(float) * (width - len));
 }
 
+/* H2O's accumulated attention: sums[j] += the weights of token i's `group` heads on row j
+   (their sum, heads in order), for the run's tokens in order, each over its own rows 0 ..
+   first_len + i - 1. The weights are softmax_row's floats, or (weight_scales non-NULL)
+   weight_codes' int16 codes times their scales. */
+static void add_weights(const float *scores, const float *weight_scales, int n, int group,
+                        int first_len, int longest, float *sums) {
+    for (int i = 0; i < n; i++) {
+        const int len = first_len + i;
+        for (int j = 0; j < len; j += 16) {
+            const __mmask16 m = rows_before(j, len);
+            __m512 total = _mm512_setzero_ps();
+            for (int h = i * group; h < (i + 1) * group; h++) {
+                const float *row = scores + (int64_t)h * longest;
+                total = _mm512_add_ps(total, weight_scales
+                    ? _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+                          _mm256_maskz_loadu_epi16(m, (const int16_t *)row + j))),
+                                    _mm512_set1_ps(weight_scales[h]))
+                    : _mm512_maskz_loadu_ps(m, row + j));
+            }
+            _mm512_mask_storeu_ps(sums + j, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, sums + j),
+                                                             total));
+        }
+    }
+}
+
 /* A run's scales of one kind (RunCodes), rounded up to whole cache lines: the threads'
    sets lie side by side in Scratch.code_scales. */
 static inline int64_t run_scales(int heads) {
@@ -82,13 +107,15 @@ typedef struct {
    weighted sum. masks (NULL: none) hide rows of a draft tree's other branches: bit j of
    masks[i] clear hides row first_len - 1 + i - j from token i (softmax_shown), so a
    tree's token computes what it would in a chain of its branch. ahead: the next run's
-   rows, prefetched as the scores are computed.
+   rows, prefetched as the scores are computed. sums (NULL: none): the lane's accumulated
+   attention of this query group, which the run's weights add to (add_weights).
    scores: [n * group + 1][first_len + n - 1]; rows: [n * group][dim]. */
 static void attend_run(const float *q, int64_t q_stride, int n, int group,
                        const uint8_t *keys, const uint8_t *values, const KVLayout *kv,
                        int64_t scale_at, int first_len, int dim, float scale,
                        const uint64_t *masks, float *scores, float *rows,
-                       RunCodes *codes, float *out, int64_t out_stride, Ahead *ahead) {
+                       RunCodes *codes, float *out, int64_t out_stride, Ahead *ahead,
+                       float *sums) {
     const int heads = n * group, longest = first_len + n - 1, strips = dim / 16;
     const int quantized = kv->bits == 8 || kv->bits == 4, half = kv->bits == 16;
     const int integer = kv->bits == 8;
@@ -124,12 +151,14 @@ static void attend_run(const float *q, int64_t q_stride, int n, int group,
             codes->weight_scales[h] = weight_codes(scores + (int64_t)h * longest,
                                                    first_len + h / group, longest,
                                                    masks ? masks[h / group] : ~0ull);
+        if (sums) add_weights(scores, codes->weight_scales, n, group, first_len, longest, sums);
         for (int h = 0; h < heads; h += at_once)
             weigh_values_int8((const int16_t *)(scores + (int64_t)h * longest), 2 * longest,
                               codes->weight_scales + h, longest, values,
                               heads - h < at_once ? heads - h : at_once, dim,
                               rows + (int64_t)h * dim);
     } else {
+        if (sums) add_weights(scores, NULL, n, group, first_len, longest, sums);
         for (int h = 0; h < heads; h += at_once)
             weigh_values(scores + (int64_t)h * longest, longest, values, kv->bits,
                          heads - h < at_once ? heads - h : at_once, strips,

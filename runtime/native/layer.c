@@ -97,7 +97,45 @@ static void attend(const Model *m, const KVLayout *kv, int t_rows, const int32_t
                    dim, m->attn_scale, masks ? masks + t : NULL,
                    run.scores, run.rows, &run.codes,
                    s->attn + (int64_t)t * heads * dim + g * group * dim, (int64_t)heads * dim,
-                   &ahead);
+                   &ahead, NULL);
+    }
+}
+
+/* attend, adding each token's attention weights to its lane's accumulated attention (sums:
+   the layer's [lanes][kv_heads][lane_tokens], H2O). An item is a query group against a
+   lane's consecutive runs, all taken by one thread in token order: no two threads add to
+   one row, and each row's sum runs in the same order whatever the threads. */
+static void attend_scored(const Model *m, const KVLayout *kv, int t_rows, const int32_t *lanes,
+                          const int32_t *lane_rows, const uint64_t *masks,
+                          const uint8_t *key_pool, const uint8_t *value_pool, int lane_tokens,
+                          float *sums, Scratch *s) {
+    const int dim = m->head_dim, heads = m->heads, kv_heads = m->kv_heads;
+    const int qkv_width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
+    const int64_t stride = row_bytes(kv->bits, dim);
+    const int runs = query_runs(t_rows, lanes, lane_rows, s->runs);
+    int threads = m->num_threads > 1 ? m->num_threads : 1;
+    (void)threads;
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
+    for (int i = 0; i < runs * kv_heads; i++) {
+        const int first = i / kv_heads, g = i % kv_heads;
+        if (first > 0 && lanes[s->runs[first]] == lanes[s->runs[first - 1]]) continue;
+#ifdef _OPENMP
+        RunScratch run = run_scratch(m, s, omp_get_thread_num());
+#else
+        RunScratch run = run_scratch(m, s, 0);
+#endif
+        const int lane = lanes[s->runs[first]];
+        const int64_t at = lane_start(lane, g, kv_heads, lane_tokens, stride);
+        float *lane_sums = sums + ((int64_t)lane * kv_heads + g) * lane_tokens;
+        for (int r = first; r < runs && lanes[s->runs[r]] == lane; r++) {
+            const int t = s->runs[r], n = s->runs[r + 1] - t;
+            Ahead ahead = {0};
+            attend_run(s->qkv + (int64_t)t * qkv_width + g * group * dim, qkv_width, n, group,
+                       key_pool + at, value_pool + at, kv, (int64_t)g * dim, lane_rows[t] + 1,
+                       dim, m->attn_scale, masks ? masks + t : NULL, run.scores, run.rows,
+                       &run.codes, s->attn + (int64_t)t * heads * dim + g * group * dim,
+                       (int64_t)heads * dim, &ahead, lane_sums);
+        }
     }
 }
 
@@ -136,11 +174,13 @@ int llmopt_linear(const QMatrix *w, const float *x, int32_t t_rows, float *y, in
    reference: n query tokens of `group` heads (q [n][group][dim], rotated already) at
    positions first_len - 1 .. first_len + n - 2 of one lane whose first first_len + n - 1
    rows `keys` and `values` hold, in kv's format (its scales: this group's channels); masks
-   as llmopt_forward's (NULL: none). out [n][group][dim]. Returns 0, or -1 when memory runs
-   out. */
-int llmopt_attention(const KVLayout *kv, const float *q, int32_t n, int32_t group,
-                     const uint8_t *keys, const uint8_t *values, int32_t first_len,
-                     int32_t dim, float scale, const uint64_t *masks, float *out) {
+   as llmopt_forward's (NULL: none). out [n][group][dim]; sums (NULL: none) [first_len + n
+   - 1] has the run's attention weights added (attend_run). Returns 0, or -1 when memory
+   runs out. */
+int llmopt_attention_scored(const KVLayout *kv, const float *q, int32_t n, int32_t group,
+                            const uint8_t *keys, const uint8_t *values, int32_t first_len,
+                            int32_t dim, float scale, const uint64_t *masks, float *out,
+                            float *sums) {
     const int longest = first_len + n - 1, heads = n * group;
     float *scores = lines_alloc(sizeof(float) * (heads + 1) * longest);
     float *rows = lines_alloc(sizeof(float) * heads * dim);
@@ -150,17 +190,26 @@ int llmopt_attention(const KVLayout *kv, const float *q, int32_t n, int32_t grou
     Ahead ahead = {0};
     if (ok)
         attend_run(q, (int64_t)group * dim, n, group, keys, values, kv, 0, first_len, dim,
-                   scale, masks, scores, rows, &codes, out, (int64_t)group * dim, &ahead);
+                   scale, masks, scores, rows, &codes, out, (int64_t)group * dim, &ahead, sums);
     free(scores); free(rows); free(codes.codes); free(codes.scales); free(codes.weight_scales);
     return ok ? 0 : -1;
 }
 
-/* A step's tokens as llmopt_forward has them (see there), and the layers' KV pools. */
+int llmopt_attention(const KVLayout *kv, const float *q, int32_t n, int32_t group,
+                     const uint8_t *keys, const uint8_t *values, int32_t first_len,
+                     int32_t dim, float scale, const uint64_t *masks, float *out) {
+    return llmopt_attention_scored(kv, q, n, group, keys, values, first_len, dim, scale, masks,
+                                   out, NULL);
+}
+
+/* A step's tokens as llmopt_forward has them (see there), the layers' KV pools, and their
+   accumulated attention (sums: [layers] of [lanes][kv_heads][lane_tokens], or NULL). */
 typedef struct {
     const int32_t *lanes, *positions, *lane_rows;
     const uint64_t *masks;
     uint8_t *const *key_pools, *const *value_pools;
     int32_t lane_tokens;
+    float *const *sums;
 } StepTokens;
 
 /* Adds the time since *clock to `phase` (no clock: a thread that keeps no profile). */
@@ -243,9 +292,14 @@ static int layer_rest(const Model *m, int l, const StepTokens *step, int c, int 
                       Scratch *s, double *clock) {
     const int hidden = m->hidden;
     float *x = s->x + (int64_t)c * hidden, *h = s->h + (int64_t)c * hidden;
-    attend(m, &m->kv[l], rows, step->lanes + c, step->lane_rows + c,
-           step->masks ? step->masks + c : NULL, step->key_pools[l], step->value_pools[l],
-           step->lane_tokens, s);
+    if (step->sums)
+        attend_scored(m, &m->kv[l], rows, step->lanes + c, step->lane_rows + c,
+                      step->masks ? step->masks + c : NULL, step->key_pools[l],
+                      step->value_pools[l], step->lane_tokens, step->sums[l], s);
+    else
+        attend(m, &m->kv[l], rows, step->lanes + c, step->lane_rows + c,
+               step->masks ? step->masks + c : NULL, step->key_pools[l], step->value_pools[l],
+               step->lane_tokens, s);
     mark(m, clock, PHASE_ATTEND);
     int status = linear(m, &m->o[l], s->attn, rows, s, s->proj);
     mark(m, clock, PHASE_O);
@@ -339,11 +393,12 @@ static inline int splits(const Model *m, int rows) {
     return (split_share(m, rows, m->num_threads) * m->num_threads - rows) * 16 <= rows;
 }
 
-/* Layer l over the step's rows c .. c + rows - 1: by rows between threads where `splits`,
-   else every phase split between the threads. */
+/* Layer l over the step's rows c .. c + rows - 1: by rows between threads where `splits`
+   (never with accumulated attention: a lane's rows would be split between threads), else
+   every phase split between the threads. */
 static int layer_chunk(const Model *m, int l, const StepTokens *step, int c, int rows,
                        Scratch *s, double *clock) {
-    if (splits(m, rows)) return layer_split(m, l, step, c, rows, s, clock, 1);
+    if (!step->sums && splits(m, rows)) return layer_split(m, l, step, c, rows, s, clock, 1);
     const int status = layer_qkv(m, l, step, c, rows, s, clock);  /* (| orders no calls) */
     return status | layer_rest(m, l, step, c, rows, s, clock);
 }

@@ -91,12 +91,16 @@ static int kept_alloc(int t_rows, int n_logits, const int32_t *logit_rows, int m
    share positions), where its key and value are written in every layer; masks[t] (masks
    NULL: none) hides a tree's other branches from it (attend_run). Logit row r is the
    head's output for token logit_rows[r]. Each layer runs over the rows chunk_rows at a
-   time, in order. Returns 0, or -1 when memory runs out. */
-int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
-                   const int32_t *lanes, const int32_t *positions, const int32_t *lane_rows,
-                   const uint64_t *masks, uint8_t *const *key_pools,
-                   uint8_t *const *value_pools, int32_t lane_tokens, int32_t n_logits,
-                   const int32_t *logit_rows, float *logits) {
+   time, in order. sums (NULL: none): each layer's accumulated attention, [lanes][kv_heads]
+   [lane_tokens], which every token's attention weights add to (summed over the query
+   group's heads; H2O); then every row runs every layer. Returns 0, or -1 when memory runs
+   out. */
+int llmopt_forward_scored(const Model *m, int32_t t_rows, const int64_t *tokens,
+                          const int32_t *lanes, const int32_t *positions,
+                          const int32_t *lane_rows, const uint64_t *masks,
+                          uint8_t *const *key_pools, uint8_t *const *value_pools,
+                          int32_t lane_tokens, int32_t n_logits, const int32_t *logit_rows,
+                          float *logits, float *const *sums) {
     Scratch s;
     int longest = 1;
     for (int t = 0; t < t_rows; t++) if (lane_rows[t] + 1 > longest) longest = lane_rows[t] + 1;
@@ -105,7 +109,7 @@ int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
         return -1;
     }
     const StepTokens step = {lanes, positions, lane_rows, masks, key_pools, value_pools,
-                             lane_tokens};
+                             lane_tokens, sums};
     const int hidden = m->hidden;
     double clock = profile_clock(m->knobs.phase_seconds);
     #pragma omp parallel for num_threads(m->num_threads) \
@@ -118,7 +122,8 @@ int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
     clock = profile_phase(m->knobs.phase_seconds, PHASE_EMBED, clock);
     const int chunk = chunk_rows(m);
     KeptRows kept = {0};
-    const int trim = n_logits < t_rows;  /* some rows' logits unwanted: last_layer_chunk */
+    /* some rows' logits unwanted: last_layer_chunk (not where every row's attention adds up) */
+    const int trim = n_logits < t_rows && !sums;
     /* status: an AMX tile's unpacking buffer, or kept's arrays, may fail to allocate */
     int status = trim && !kept_alloc(t_rows, n_logits, logit_rows, masks != NULL, &kept);
     for (int l = 0; l < m->layers && !status; l++)
@@ -139,6 +144,16 @@ int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
     scratch_free(&s);
     kept_free(&kept);
     return status ? -1 : 0;
+}
+
+int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
+                   const int32_t *lanes, const int32_t *positions, const int32_t *lane_rows,
+                   const uint64_t *masks, uint8_t *const *key_pools,
+                   uint8_t *const *value_pools, int32_t lane_tokens, int32_t n_logits,
+                   const int32_t *logit_rows, float *logits) {
+    return llmopt_forward_scored(m, t_rows, tokens, lanes, positions, lane_rows, masks,
+                                 key_pools, value_pools, lane_tokens, n_logits, logit_rows,
+                                 logits, NULL);
 }
 
 /* A model's default settings (Knobs): AMX off (the caller turns it on where

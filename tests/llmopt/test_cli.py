@@ -368,3 +368,7 @@ def test_streaming_flags_refuse_what_cannot_stream_in_one_line(artifact):
     assert_one_line_error(code, err, "larger than the context")
     code, _, err = run("generate", artifact, "hello", "--window", "28", "--max-tokens", "2")
     assert_one_line_error(code, err, "rotary tables")
+    code, _, err = run("generate", artifact, "hello", "--h2o", "28", "--max-tokens", "2")
+    assert_one_line_error(code, err, "rotary tables")
+    code, _, err = run("generate", artifact, "hello", "--h2o", "28", "--window", "28")
+    assert_one_line_error(code, err, "choose one of --window and --h2o")
