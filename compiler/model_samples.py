@@ -11,7 +11,6 @@ compiles the same model many times draws each set once).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 import time
@@ -39,11 +38,9 @@ def sample(ir: ModelIR, count: int, seq_len: int, seed: int, log: Log | None = N
         arch.eos_token_ids[0] if arch.eos_token_ids else 0)
     banned = [i for i in arch.eos_token_ids if i < arch.vocab_size]
     model, generator = ReferenceModel(ir, seq_len), torch.Generator().manual_seed(seed)
-    # Every token reads every weight: a model in memory is held as it is (quantized linears
-    # dequantized once); a streamed one is read per step, a layer at a time
-    # (compiler/sample_budget.py bounds that cost).
-    streamed = getattr(ir.weights, "source", None) is not None
-    held = contextlib.nullcontext() if streamed else model.holding(list(ir.weights))
+    # Every token reads every weight: they are read (and dequantized) once and held; a model
+    # small enough to sample is small enough to hold (compiler/sample_budget.py).
+    held = model.holding(list(ir.weights))
     started = last = time.perf_counter()
     if log is not None:
         log(f"      {what}: sampling {count} sequences of {seq_len} tokens from the model "
