@@ -202,7 +202,8 @@ def calibration_used(recipe: Recipe, ir: ModelIR) -> str | None:
 def summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """What a row keeps of the pass reports: the choices a pass made, not its per-linear data."""
     keep = ("name", "config", "seconds", "skipped", "layers_merged", "kv_cache_reduction",
-            "calibration_tokens", "calibration", "rotate", "fit_kl", "kl_by_skipped",
+            "calibration_tokens", "calibration", "rotate", "fit_kl", "held_out_kl", "kept_step",
+            "kl_by_skipped",
             "sensitivity_kl", "fit_seconds", "awq")
     return [{k: r[k] for k in keep if k in r} for r in reports]
 
