@@ -54,7 +54,7 @@ from llmopt.compiler.model_samples import SampleMemo
 from llmopt.compiler.pass_manager import PassContext, apply_passes
 from llmopt.compiler.pass_registry import PASSES
 from llmopt.compiler.recipe import Recipe
-from llmopt.compiler.reference import ReferenceModel
+from llmopt.compiler.reference import ReferenceModel, rms_norm
 from llmopt.compiler.sample_budget import parameter_count
 from llmopt.runtime.tools.evaluate import windows_of
 
@@ -174,6 +174,32 @@ def score(base: ReferenceModel, base_hidden: torch.Tensor, model: ReferenceModel
             "kl": round(kl / count, 5), "top1": round(agree / count, 5), "tokens": count}
 
 
+class Int8Activations(ReferenceModel):
+    """The reference with each quantized linear's input rounded as the native step rounds it
+    (`nbits_accuracy_level: 4`): int8 per token, per block of the weight's group, absmax/127."""
+
+    def linear(self, index: int, x: torch.Tensor, name: str) -> torch.Tensor:
+        return super().linear(index, self.rounded(f"layers.{index}.{name}", x), name)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if "lm_head" not in self.ir.quantized:
+            return super().logits(hidden)
+        head = "embed_tokens" if self.arch.tie_word_embeddings else "lm_head.weight"
+        x = rms_norm(hidden, self.weight("final_norm"), self.arch.norm_eps)
+        logits = self.rounded("lm_head", x) @ self.weight(head).T
+        if self.arch.final_softcap:
+            logits = torch.tanh(logits / self.arch.final_softcap) * self.arch.final_softcap
+        return logits
+
+    def rounded(self, linear: str, x: torch.Tensor) -> torch.Tensor:
+        if linear not in self.ir.quantized:
+            return x
+        _, group, _ = self.ir.quantized.layout(linear)
+        blocks = x.unflatten(-1, (-1, group))
+        scale = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+        return ((blocks / scale).round().clamp(-127, 127) * scale).flatten(-2)
+
+
 def run_config(ir: ModelIR, passes: list[dict[str, Any]], calibration: dict[str, Any] | None,
                ) -> tuple[ModelIR, list[dict[str, Any]], float, str | None]:
     """The recipe's passes run as `llmopt compile` runs them (quality probe off); the
@@ -229,6 +255,9 @@ def main() -> None:
                         help="where the float32 model's final hidden states and the "
                              "model's calibration samples are kept")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--int8-activations", action="store_true",
+                        help="score with quantized linears' inputs in int8, as the native "
+                             "step computes them (the row's name gets '+a8')")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ir = load_checkpoint(MODEL)
@@ -245,8 +274,10 @@ def main() -> None:
             ((pass_name, options),) = passes[0].items()
             passes[0] = {pass_name: {**options, **json.loads(args.options)}}
         out, reports, seconds, used = run_config(ir, passes, calibration)
-        model = None if not passes else ReferenceModel(out, SEQ_LEN)
-        row = {"config": args.label or name, "passes": passes, "calibration": calibration,
+        scorer = Int8Activations if args.int8_activations else ReferenceModel
+        model = None if not passes else scorer(out, SEQ_LEN)
+        label = (args.label or name) + ("+a8" if args.int8_activations else "")
+        row = {"config": label, "passes": passes, "calibration": calibration,
                "calibration_used": used,
                "split": args.split, "windows": count, "pass_seconds": round(seconds, 1),
                "reports": summary(reports),
