@@ -1,8 +1,9 @@
 """GQA head regrouping: fewer KV heads per layer, without retraining.
 
 Recipe: `- gqa_regroup: {kv_heads: 1, kv_cache_reduction: 0.33, layers: auto, method: aligned,
-fit: end_to_end, fit_steps: 600, max_ppl_increase_pct: null}` with a `calibration:` block
-(the end-to-end fit reads one window a step: give it as many windows as steps).
+fit: end_to_end, fit_steps: 600, held_out_windows: 8, max_ppl_increase_pct: null}`; the
+calibration windows are the model's own samples unless the recipe names a text (the
+end-to-end fit reads one a step, and keeps the step that scores best on the held-out ones).
 
 Each chosen layer's KV heads are merged into `kv_heads` (MHA → GQA, or GQA → fewer), query
 heads keeping their order: new KV head j serves the query heads of old KV heads
