@@ -33,6 +33,7 @@ agreement. Prints a table; merges its rows into benchmarks/results/quality_domai
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import hashlib
 import json
@@ -46,11 +47,15 @@ import torch
 from _common import REPO_ROOT, RESULTS_DIR, machine_info, write_json
 
 from llmopt.compiler import calibration_mix
+from llmopt.compiler.calibration_mix import model_share
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.loader import load_checkpoint
+from llmopt.compiler.model_samples import SampleMemo
 from llmopt.compiler.pass_manager import PassContext, apply_passes
+from llmopt.compiler.pass_registry import PASSES
 from llmopt.compiler.recipe import Recipe
-from llmopt.compiler.reference import ReferenceModel
+from llmopt.compiler.reference import ReferenceModel, rms_norm
+from llmopt.compiler.sample_budget import parameter_count
 from llmopt.runtime.tools.evaluate import windows_of
 
 # ../shared/data beside the checkout (CI); a worktree one level deeper finds it one up
@@ -151,49 +156,80 @@ def score(base: ReferenceModel, base_hidden: torch.Tensor, model: ReferenceModel
     """Perplexity of `base` and of `model` (None: `base` alone), KL(base || model), top-1."""
     nll_base = nll = kl = agree = 0.0
     count = 0
-    for window, hidden in zip(windows, base_hidden, strict=True):
-        targets = torch.tensor(window[1:])[:, None]
-        logp = torch.log_softmax(base.logits(hidden[:-1]), -1)
-        logq = logp if model is None else torch.log_softmax(
-            model.forward(torch.tensor([window]))[0, :-1], -1)
-        nll_base -= logp.gather(1, targets).sum().item()
-        nll -= logq.gather(1, targets).sum().item()
-        kl += (logp.exp() * (logp - logq)).sum().item()
-        agree += (logp.argmax(-1) == logq.argmax(-1)).sum().item()
-        count += len(window) - 1
+    held = contextlib.nullcontext() if model is None else model.holding(list(model.ir.weights))
+    with base.holding_head(), held:  # each weight read (dequantized) once, not per window
+        for window, hidden in zip(windows, base_hidden, strict=True):
+            targets = torch.tensor(window[1:])[:, None]
+            logp = torch.log_softmax(base.logits(hidden[:-1]), -1)
+            logq = logp if model is None else torch.log_softmax(
+                model.forward(torch.tensor([window]))[0, :-1], -1)
+            nll_base -= logp.gather(1, targets).sum().item()
+            nll -= logq.gather(1, targets).sum().item()
+            kl += (logp.exp() * (logp - logq)).sum().item()
+            agree += (logp.argmax(-1) == logq.argmax(-1)).sum().item()
+            count += len(window) - 1
     ppl_base, ppl = math.exp(nll_base / count), math.exp(nll / count)
     return {"ppl_float32": round(ppl_base, 4), "ppl": round(ppl, 4),
             "ppl_increase_pct": round(100 * (ppl / ppl_base - 1), 3),
             "kl": round(kl / count, 5), "top1": round(agree / count, 5), "tokens": count}
 
 
+class Int8Activations(ReferenceModel):
+    """The reference with each quantized linear's input rounded as the native step rounds it
+    (`nbits_accuracy_level: 4`): int8 per token, per block of the weight's group, absmax/127."""
+
+    def linear(self, index: int, x: torch.Tensor, name: str) -> torch.Tensor:
+        return super().linear(index, self.rounded(f"layers.{index}.{name}", x), name)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if "lm_head" not in self.ir.quantized:
+            return super().logits(hidden)
+        head = "embed_tokens" if self.arch.tie_word_embeddings else "lm_head.weight"
+        x = rms_norm(hidden, self.weight("final_norm"), self.arch.norm_eps)
+        logits = self.rounded("lm_head", x) @ self.weight(head).T
+        if self.arch.final_softcap:
+            logits = torch.tanh(logits / self.arch.final_softcap) * self.arch.final_softcap
+        return logits
+
+    def rounded(self, linear: str, x: torch.Tensor) -> torch.Tensor:
+        if linear not in self.ir.quantized:
+            return x
+        _, group, _ = self.ir.quantized.layout(linear)
+        blocks = x.unflatten(-1, (-1, group))
+        scale = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+        return ((blocks / scale).round().clamp(-127, 127) * scale).flatten(-2)
+
+
 def run_config(ir: ModelIR, passes: list[dict[str, Any]], calibration: dict[str, Any] | None,
-               ) -> tuple[ModelIR, list[dict[str, Any]], float]:
-    """The recipe's passes run as `llmopt compile` runs them (quality probe off)."""
+               ) -> tuple[ModelIR, list[dict[str, Any]], float, str | None]:
+    """The recipe's passes run as `llmopt compile` runs them (quality probe off); the
+    calibration they read, in words."""
     recipe = Recipe(model=MODEL, passes=passes, quality={"measure": False},
                     **({"calibration": calibration} if calibration else {}))
     started = time.perf_counter()
     out, reports = apply_passes(ir, recipe.passes, PassContext(recipe, print))
-    return out, reports, time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    return out, reports, seconds, calibration_used(recipe, ir)
 
 
-def shared_samples(cache: Path, save: bool) -> None:
-    """The model's calibration samples kept in `cache` for every run of this script: loaded
-    into calibration_mix's memo (it checks the model and length), saved once drawn."""
-    memo, path = calibration_mix._SampleMemo, cache / "calibration-samples.pt"
-    if not save and path.is_file():
-        memo.key, memo.samples = torch.load(path)
-    elif save and memo.samples is not None:
-        saved = torch.load(path)[1] if path.is_file() else None
-        if saved is None or len(memo.samples) > len(saved):
-            cache.mkdir(parents=True, exist_ok=True)
-            torch.save((memo.key, memo.samples), path)
+def calibration_used(recipe: Recipe, ir: ModelIR) -> str | None:
+    """What the passes calibrated on, in words (None: no pass calibrates)."""
+    if not any(PASSES[step.name].calibrates for step in recipe.passes):
+        return None
+    config = recipe.calibration
+    share = model_share(config, parameter_count(ir.arch))
+    sampled = round(share * config.samples)
+    parts = [f"{sampled} model samples (seed {calibration_mix.SAMPLE_SEED})"] if sampled else []
+    if sampled < config.samples:
+        parts.append(f"{config.samples - sampled} windows of {Path(config.text).name}")
+    return f"{' + '.join(parts)} x {config.seq_len} tokens"
 
 
 def summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """What a row keeps of the pass reports: the choices a pass made, not its per-linear data."""
     keep = ("name", "config", "seconds", "skipped", "layers_merged", "kv_cache_reduction",
-            "calibration_tokens", "calibration", "rotate", "fit_kl", "kl_by_skipped",
+            "calibration_tokens", "calibration", "rotate", "fit_kl", "held_out_kl", "kept_step",
+            "kl_by_skipped",
             "sensitivity_kl", "fit_seconds", "awq")
     return [{k: r[k] for k in keep if k in r} for r in reports]
 
@@ -216,8 +252,12 @@ def main() -> None:
                         help="windows per text (default: 16 eval, 8 tuning)")
     parser.add_argument("--json", type=Path, default=RESULTS_DIR / "quality_domains.json")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/llmopt-quality-domains"),
-                        help="where the float32 model's final hidden states are kept")
+                        help="where the float32 model's final hidden states and the "
+                             "model's calibration samples are kept")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--int8-activations", action="store_true",
+                        help="score with quantized linears' inputs in int8, as the native "
+                             "step computes them (the row's name gets '+a8')")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ir = load_checkpoint(MODEL)
@@ -227,16 +267,18 @@ def main() -> None:
                     else [CALIBRATION[c] for c in args.calibration.split(",")])
     base = ReferenceModel(ir, SEQ_LEN)
     hidden = {t: cached_hidden(base, w, args.cache) for t, w in texts.items()}
-    shared_samples(args.cache, save=False)
+    SampleMemo.directory = args.cache  # each calibration set drawn once, for every run
     for name, calibration in ((n, c) for c in calibrations for n in args.configs.split(",")):
         passes = [dict(p) for p in CONFIGS[name]]
         if args.options:
             ((pass_name, options),) = passes[0].items()
             passes[0] = {pass_name: {**options, **json.loads(args.options)}}
-        out, reports, seconds = run_config(ir, passes, calibration)
-        shared_samples(args.cache, save=True)
-        model = None if not passes else ReferenceModel(out, SEQ_LEN)
-        row = {"config": args.label or name, "passes": passes, "calibration": calibration,
+        out, reports, seconds, used = run_config(ir, passes, calibration)
+        scorer = Int8Activations if args.int8_activations else ReferenceModel
+        model = None if not passes else scorer(out, SEQ_LEN)
+        label = (args.label or name) + ("+a8" if args.int8_activations else "")
+        row = {"config": label, "passes": passes, "calibration": calibration,
+               "calibration_used": used,
                "split": args.split, "windows": count, "pass_seconds": round(seconds, 1),
                "reports": summary(reports),
                "texts": {t: score(base, hidden[t], model, w) for t, w in texts.items()},
@@ -259,7 +301,8 @@ def _key(row: dict[str, Any]) -> str:
 def print_row(row: dict[str, Any]) -> None:
     cells = "  ".join(f"{t} {s['ppl']:.3f} ({s['ppl_increase_pct']:+.2f} %, KL {s['kl']:.4f}, "
                       f"top-1 {100 * s['top1']:.1f} %)" for t, s in row["texts"].items())
-    print(f"{row['config']:<12} [{row['split']}] {cells}  ({row['pass_seconds']} s)", flush=True)
+    print(f"{row['config']:<12} [{row['split']}] {cells}  ({row['pass_seconds']} s; "
+          f"calibration: {row['calibration_used']})", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ probe costs two reads of the model plus the forward over its few windows.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -28,11 +27,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from llmopt.compiler.ir import ModelIR
+from llmopt.compiler.model_samples import sample
 from llmopt.compiler.pass_registry import PASSES
-from llmopt.compiler.reference import KVCache, ReferenceModel
+from llmopt.compiler.reference import ReferenceModel
 from llmopt.compiler.sample_budget import SAMPLING_MAX_PARAMETERS
 from llmopt.compiler.sample_budget import parameter_count as arch_parameters
-from llmopt.compiler.weight_quant import intra_op_threads
 from llmopt.runtime.tools.evaluate import windows_of
 
 if TYPE_CHECKING:
@@ -128,7 +127,7 @@ class QualityProbe:
     def from_samples(cls, ir: ModelIR, sequences: int, tokens: int, seed: int,
                      log: Callable[[str], None] | None = None) -> QualityProbe:
         tokens = min(tokens, ir.arch.max_position)
-        windows = sample_sequences(ir, sequences, tokens, seed, log)
+        windows = sample(ir, sequences, tokens, seed, log, "quality").tolist()
         return cls(windows, log, f"{sequences} sequences of {tokens} tokens sampled from "
                    f"the input model (seed {seed})", SAMPLES)
 
@@ -217,41 +216,6 @@ def calibration_span(recipe: Recipe) -> int:
     if not any(PASSES[step.name].calibrates for step in recipe.passes):
         return 0
     return recipe.calibration.samples * recipe.calibration.seq_len
-
-
-@torch.no_grad()
-def sample_sequences(ir: ModelIR, sequences: int, tokens: int, seed: int,
-                     log: Callable[[str], None] | None = None) -> list[list[int]]:
-    """`sequences` sequences of `tokens` tokens drawn from `ir` at temperature 1, together
-    with a KV cache, seeded. Each starts at the BOS token (else the first EOS, the document
-    separator of tokenizers without BOS); EOS is never drawn, so each stays one document."""
-    arch = ir.arch
-    start = arch.bos_token_id if arch.bos_token_id is not None else (
-        arch.eos_token_ids[0] if arch.eos_token_ids else 0)
-    model, cache = ReferenceModel(ir, tokens), KVCache()
-    # Every token reads every weight: a model already in memory is held as it is (its
-    # quantized linears dequantized once); a streamed one is read per step, one layer at
-    # a time (compiler/sample_budget.py bounds that cost).
-    streamed = getattr(ir.weights, "source", None) is not None
-    held = contextlib.nullcontext() if streamed else model.holding(list(ir.weights))
-    generator = torch.Generator().manual_seed(seed)
-    columns = [torch.full((sequences, 1), start, dtype=torch.int64)]
-    banned = [i for i in arch.eos_token_ids if i < arch.vocab_size]
-    progress = _Progress(log, tokens - 1, unit="tokens sampled",
-                         opening=f"sampling {sequences} sequences of {tokens} tokens from "
-                                 f"the input model (seed {seed}), to measure on")
-    # One token per sequence a step is many small ops: torch's thread pool costs more than
-    # it gives there, and on shared cores it collapses.
-    with intra_op_threads(1), held:
-        logits = model.forward(columns[0], cache, all_logits=False)
-        for _ in range(tokens - 1):
-            logits[:, banned] = -math.inf
-            drawn = torch.multinomial(torch.softmax(logits.float(), -1), 1,
-                                      generator=generator)
-            columns.append(drawn)
-            logits = model.forward(drawn, cache, all_logits=False)
-            progress.done_one()
-    return torch.cat(columns, dim=1).tolist()
 
 
 class _Progress:

@@ -15,8 +15,8 @@ layer sees the outputs of the layers below it as quantized (`LayerwiseRunner.adv
 The LM head, when included, gets the clipping search only: tied, it is also the embedding,
 which a scale would change. Its perplexity against RTN's is in benchmarks/README.md.
 
-Recipe: `- awq: {bits: 4, group_size: 128, symmetric: false, grid: 20, clip: true}`,
-with `calibration.text`.
+Recipe: `- awq: {bits: 4, group_size: 128, symmetric: false, grid: 20, clip: true}`;
+calibration reads the model's own samples unless the recipe names a `calibration.text`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """GQA head regrouping: fewer KV heads per layer, without retraining.
 
 Recipe: `- gqa_regroup: {kv_heads: 1, kv_cache_reduction: 0.33, layers: auto, method: aligned,
-fit: end_to_end, fit_steps: 600, max_ppl_increase_pct: null}` with a `calibration:` block
-(the end-to-end fit reads one window a step: give it as many windows as steps).
+fit: end_to_end, fit_steps: 600, held_out_windows: 8, max_ppl_increase_pct: null}`; the
+calibration windows are the model's own samples unless the recipe names a text (the
+end-to-end fit reads one a step, and keeps the step that scores best on the held-out ones).
 
 Each chosen layer's KV heads are merged into `kv_heads` (MHA → GQA, or GQA → fewer), query
 heads keeping their order: new KV head j serves the query heads of old KV heads
@@ -58,6 +59,9 @@ class Config(BaseModel):
     # end_to_end matmuls in bfloat16 (mixed precision); auto: where the CPU has it natively
     fit_precision: Literal["auto"] | FitPrecision = "auto"
     fit_windows: int | None = Field(None, gt=0)  # default: all (end_to_end), 8 (layer)
+    # end_to_end: the last calibration windows, never trained on, that choose the step whose
+    # parameters are kept (early stopping, fit.py); 0: keep the last step's
+    held_out_windows: int = Field(8, ge=0)
     moment_windows: int = Field(32, gt=0)  # calibration windows the input moments average
     sensitivity_windows: int = Field(2, gt=0)  # calibration windows each layer is measured on
     baseline: bool = True  # also measure mean pooling on the same layers
@@ -244,19 +248,27 @@ def _fit(ir: ModelIR, merged: ModelIR, chosen: list[int], hidden: list[torch.Ten
                             config.fit_steps, config.learning_rate(), context.log, errors)
         report: dict[str, Any] = {"fit_relative_error": errors}
     else:
+        windows, held_out = split_held_out(windows, config.held_out_windows)
         windows = windows[:config.fit_windows]
         if config.fit_steps > len(windows):
             context.log(f"      gqa_regroup: {config.fit_steps} fit steps over {len(windows)} "
                         "calibration windows: each is seen more than once (more calibration "
                         "samples, up to fit_steps, generalize better)")
         precision = config.precision()
-        fitted, kl = fit_end_to_end(ir, merged, chosen, windows, config.fit_steps,
-                                    config.learning_rate(), config.fit_scope, context.log,
-                                    precision)
-        # calibration KL over the first and last tenth of the steps
-        report = {"fit_kl": kl, "fit_precision": precision}
+        fitted, report = fit_end_to_end(ir, merged, chosen, windows, config.fit_steps,
+                                        config.learning_rate(), config.fit_scope, context.log,
+                                        precision, held_out)
+        report["fit_precision"] = precision
     report["fit_seconds"] = round(time.perf_counter() - started, 1)
     return fitted, report
+
+
+def split_held_out(windows: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(windows to train on, the last `count` held out); none held out unless at least one
+    window is left to train on."""
+    if not count or len(windows) <= count:
+        return windows, None
+    return windows[:-count], windows[-count:]
 
 
 def _report(ir: ModelIR, result: ModelIR, unfitted: ModelIR | None, chosen: list[int],

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -74,10 +74,15 @@ def fit_layers(ir: ModelIR, merged: ModelIR, layers: list[int], hidden: list[tor
 
 def fit_end_to_end(ir: ModelIR, merged: ModelIR, layers: list[int], windows: torch.Tensor,
                    steps: int, lr: float, scope: FitScope, log: Log,
-                   precision: FitPrecision = "float32") -> tuple[ModelIR, list[float]]:
+                   precision: FitPrecision = "float32", held_out: torch.Tensor | None = None,
+                   ) -> tuple[ModelIR, dict[str, Any]]:
     """Adam on the merged layers against KL(original ‖ merged) of the final logits, one
-    calibration window a step, cosine-decayed learning rate. Returns the tuned model and the
-    mean KL of the first and the last tenth of the steps.
+    calibration window a step, cosine-decayed learning rate. Returns the tuned model and a
+    report: `fit_kl`, the mean KL of the first and the last tenth of the steps.
+
+    `held_out` windows (never trained on) are scored before the fit and every tenth of the
+    steps; the parameters that score best there are kept (early stopping: the fit stops
+    helping where it starts learning its own windows). `held_out_kl`: before, and kept.
 
     `bfloat16` runs the matmuls of both models in bfloat16 (torch autocast; the weights,
     their gradients, Adam's state and the loss stay float32): mixed precision, as GPU
@@ -90,31 +95,78 @@ def fit_end_to_end(ir: ModelIR, merged: ModelIR, layers: list[int], windows: tor
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps)))
     first = min(layers)
-    kls: list[float] = []
-    started = last_log = time.perf_counter()
-    for step in range(steps):
-        ids = windows[step % windows.shape[0]][None]
-        with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bfloat16"):
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=precision == "bfloat16")
+
+    def window_kl(ids: torch.Tensor) -> torch.Tensor:
+        with autocast:
             with torch.no_grad():
                 h = _run_layers(teacher, teacher.embed(ids), range(first), positions)
                 target = torch.log_softmax(teacher.logits(_run_layers(
                     teacher, h, range(first, ir.arch.num_layers), positions)).float(), -1)
             out = _run_layers(student, h, range(first, ir.arch.num_layers), positions)
             logits = student.logits(out).float()
-        loss = torch.sum(target.exp() * (target - torch.log_softmax(logits, -1)), -1).mean()
+        return torch.sum(target.exp() * (target - torch.log_softmax(logits, -1)), -1).mean()
+
+    check = _HeldOut(held_out, window_kl, params)
+    kls: list[float] = []
+    started = last_log = time.perf_counter()
+    every = max(1, steps // 10)
+    for step in range(steps):
+        loss = window_kl(windows[step % windows.shape[0]][None])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         schedule.step()
         kls.append(float(loss.detach()))
+        if (step + 1) % every == 0 or step == steps - 1:
+            check.score(step + 1)
         if time.perf_counter() - last_log > 30 or step == steps - 1:
             last_log = time.perf_counter()
             log(f"      gqa_regroup: end-to-end fit step {step + 1}/{steps}: KL "
-                f"{sum(kls[-10:]) / len(kls[-10:]):.4f} ({last_log - started:.0f} s)")
+                f"{sum(kls[-10:]) / len(kls[-10:]):.4f}{check.line()} "
+                f"({last_log - started:.0f} s)")
     tuned = merged.copy()
-    tuned.weights.update({n: p.detach() for n, p in params.items()})
+    tuned.weights.update(check.best_params())
     tenth = max(1, steps // 10)
-    return tuned, [round(sum(kls[:tenth]) / tenth, 6), round(sum(kls[-tenth:]) / tenth, 6)]
+    report: dict[str, Any] = {"fit_kl": [round(sum(kls[:tenth]) / tenth, 6),
+                                         round(sum(kls[-tenth:]) / tenth, 6)]}
+    return tuned, {**report, **check.report()}
+
+
+class _HeldOut:
+    """Early stopping: the trained parameters' KL on windows the fit never reads, and a copy
+    of the best so far (step 0: the merge as it was)."""
+
+    def __init__(self, windows: torch.Tensor | None, window_kl: Callable[[torch.Tensor], Any],
+                 params: dict[str, torch.Tensor]):
+        self.windows, self.window_kl, self.params = windows, window_kl, params
+        self.first = self.best = None
+        self.best_step, self.kept = 0, None
+        if windows is not None and len(windows):
+            self.score(0)
+
+    @torch.no_grad()
+    def score(self, step: int) -> None:
+        if self.windows is None or not len(self.windows):
+            return
+        kl = sum(float(self.window_kl(w[None])) for w in self.windows) / len(self.windows)
+        self.first = kl if self.first is None else self.first
+        if self.best is None or kl < self.best:
+            self.best, self.best_step = kl, step
+            self.kept = {n: p.detach().clone() for n, p in self.params.items()}
+
+    def line(self) -> str:
+        return "" if self.best is None else f", held out {self.best:.4f} (step {self.best_step})"
+
+    def best_params(self) -> dict[str, torch.Tensor]:
+        return self.kept if self.kept is not None else {
+            n: p.detach() for n, p in self.params.items()}
+
+    def report(self) -> dict[str, Any]:
+        if self.best is None:
+            return {}
+        return {"held_out_kl": [round(self.first, 6), round(self.best, 6)],
+                "kept_step": self.best_step}
 
 
 def _trainable_copy(ir: ModelIR, names: list[str], seq: int

@@ -6,10 +6,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from llmopt.compiler import calibration_mix
+from llmopt.compiler import calibration_mix, model_samples
 from llmopt.compiler.calibration_mix import calibration_windows, interleave, model_share
 from llmopt.compiler.loader import load_checkpoint
-from llmopt.compiler.quality import sample_sequences
 from llmopt.compiler.recipe import CalibrationConfig
 from llmopt.compiler.sample_budget import check_calibration_source
 from llmopt.runtime.tools.evaluate import windows_of
@@ -19,10 +18,6 @@ from llmopt.runtime.tools.evaluate import windows_of
 def ir(tiny_checkpoints):
     return load_checkpoint(str(tiny_checkpoints["llama"]))
 
-
-def test_the_preallocated_cache_samples_what_the_growing_cache_samples(ir):
-    drawn = calibration_mix.sample(ir, 3, 24, seed=5)
-    assert drawn.tolist() == sample_sequences(ir, 3, 24, seed=5)
 
 SMALL, LARGE = 135_000_000, 8_000_000_000  # parameters either side of the sampling budget
 
@@ -44,20 +39,12 @@ def test_a_model_too_large_to_sample_needs_a_text_or_no_samples(word_text):
     check_calibration_source(asked, SMALL)
 
 
-def test_batches_of_samples_come_from_one_generator(ir, monkeypatch):
-    monkeypatch.setattr(calibration_mix, "SAMPLE_BATCH", 2)
-    drawn = calibration_mix.sample(ir, 5, 12, seed=5)
-    assert drawn.shape == (5, 12)
-    assert drawn[:2].tolist() == sample_sequences(ir, 2, 12, seed=5)
-    assert len({tuple(row) for row in drawn.tolist()}) == 5
-
-
 def test_without_a_text_every_window_is_sampled_from_the_model(ir):
     config = CalibrationConfig(samples=4, seq_len=16)
     assert model_share(config, SMALL) == 1.0
     windows = calibration_windows(ir, config)
     assert windows.shape == (4, 16) and windows.dtype == torch.int64
-    expected = calibration_mix.sample(ir, 4, 16, calibration_mix.SAMPLE_SEED)
+    expected = model_samples.sample(ir, 4, 16, calibration_mix.SAMPLE_SEED)
     assert torch.equal(windows, expected)
 
 
@@ -74,19 +61,6 @@ def test_model_samples_zero_is_the_texts_first_windows(ir, word_text):
     config = CalibrationConfig(text=str(word_text), samples=3, seq_len=16, model_samples=0)
     assert calibration_windows(ir, config).tolist() == windows_of(
         ir.text_token_ids(word_text), 16, 3)
-
-
-def test_a_compile_draws_its_samples_once(ir, monkeypatch):
-    calls = []
-    real = calibration_mix.sample
-    monkeypatch.setattr(calibration_mix, "sample",
-                        lambda *a, **k: calls.append(a[1]) or real(*a, **k))
-    first = calibration_mix.model_samples(ir, 3, 8)
-    assert torch.equal(calibration_mix.model_samples(ir, 2, 8), first[:2])
-    changed = ir.copy()
-    changed.weights["final_norm"] = changed.weights["final_norm"] * 2
-    calibration_mix.model_samples(changed, 2, 8)
-    assert calls == [3, 2]
 
 
 def test_interleave_spreads_the_smaller_set():

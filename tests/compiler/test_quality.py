@@ -4,8 +4,9 @@ reads, else the input model's own seeded samples; never nothing unless told."""
 from __future__ import annotations
 
 from llmopt.compiler.loader import load_checkpoint
+from llmopt.compiler.model_samples import sample
 from llmopt.compiler.pass_manager import PassContext, apply_passes
-from llmopt.compiler.quality import SAMPLES, QualityProbe, sample_sequences
+from llmopt.compiler.quality import SAMPLES, QualityProbe
 from llmopt.compiler.recipe import Recipe
 
 RTN = [{"rtn": {"bits": 4, "group_size": 32}}]
@@ -32,9 +33,9 @@ def test_without_any_text_a_lossy_pass_is_measured_on_the_models_own_samples(
 
 def test_samples_are_seeded_start_at_bos_and_never_hold_eos(tiny_checkpoints):
     ir = load_checkpoint(str(tiny_checkpoints["llama"]))
-    first = sample_sequences(ir, 4, 30, seed=3)
-    assert first == sample_sequences(ir, 4, 30, seed=3)
-    assert first != sample_sequences(ir, 4, 30, seed=4)
+    first = sample(ir, 4, 30, seed=3).tolist()
+    assert first == sample(ir, 4, 30, seed=3).tolist()
+    assert first != sample(ir, 4, 30, seed=4).tolist()
     start = ir.arch.bos_token_id if ir.arch.bos_token_id is not None else ir.arch.eos_token_ids[0]
     assert all(len(s) == 30 and s[0] == start for s in first)
     assert not set(ir.arch.eos_token_ids) & {t for s in first for t in s[1:]}

@@ -184,6 +184,20 @@ def test_end_to_end_fit_brings_the_merged_model_closer_to_the_original(precision
     assert report["quality"]["kl"] < report["quality_mean_pooling"]["kl"]
 
 
+def test_held_out_windows_keep_the_step_that_generalizes(tiny_checkpoints, word_text):
+    """A fit that diverges (learning rate far too high) gets worse on the windows it never
+    reads: the merge as it was before the fit is kept; a sane fit keeps a later step."""
+    kwargs = {"kv_heads": 1, "layers": [0, 1], "fit_steps": 20, "held_out_windows": 2}
+    _, wild = regrouped(tiny_checkpoints["llama"], word_text, fit_lr=10.0, **kwargs)
+    assert wild.report["kept_step"] == 0
+    before, kept = wild.report["held_out_kl"]
+    assert kept == before
+    assert wild.report["quality"] == wild.report["quality_before_fit"]  # the merge, unfitted
+    _, sane = regrouped(tiny_checkpoints["llama"], word_text, fit_lr=3e-3, **kwargs)
+    assert sane.report["kept_step"] > 0
+    assert sane.report["held_out_kl"][1] < sane.report["held_out_kl"][0]
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
 def test_qk_norm_is_refused(arch, tiny_checkpoints, word_text):
     with pytest.raises(ValueError, match="qk-norm"):

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from llmopt.compiler import calibration_mix
+from llmopt.compiler import calibration_mix, model_samples
 from llmopt.compiler.calibration import calibration_windows
 from llmopt.compiler.kv_layout import lane_storable
 from llmopt.compiler.loader import load_checkpoint
@@ -164,7 +164,8 @@ def test_rotated_static_scales_calibrate_on_the_input_models_samples(load, tiny_
     config = kv_cache.Config(dtype="int8", key_scales="channel", value_scales="channel",
                              rotate=True, calibration_samples=2)
     kv_cache.run(ir, config, PassContext(recipe=recipe, log=lambda _: None))
-    assert calibration_mix._SampleMemo.key == (calibration_mix.fingerprint(ir), 16)
+    assert model_samples.SampleMemo.key == (model_samples.fingerprint(ir), 16,
+                                            calibration_mix.SAMPLE_SEED)
 
 
 def test_scale_search_clips_outliers_only_where_attention_ignores_them():
