@@ -174,3 +174,13 @@ def reference_greedy(prompt: Sequence[int], max_tokens: int) -> list[int]:
     for _ in range(max_tokens):
         tokens.append(int(np.argmax(fake_logits(history_hash(tokens)))))
     return tokens[len(prompt) :]
+
+
+def random_prompt(n: int, seed: int = 0) -> list[int]:
+    """n random token ids of a tiny model's vocabulary (past its special tokens)."""
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 250, n)]
+
+
+def greedy_params(max_tokens: int) -> SamplingParams:
+    """Greedy decoding of exactly max_tokens tokens, with their log-probs."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from runtime_fakes import greedy_params, random_prompt
 
 from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.recipe import Recipe
-from llmopt.runtime import LLM, SamplingParams
+from llmopt.runtime import LLM
 from llmopt.runtime.kv.h2o import H2OConfig, kept_rows
 from llmopt.runtime.kv.paging import cdiv
 from llmopt.runtime.native.library import KVLayout, kernels
@@ -49,14 +50,6 @@ def artifacts(tiny_checkpoints, word_text, tmp_path_factory) -> dict[str, Path]:
         out[name] = root / name
         compile_recipe(recipe, out[name], log=lambda _: None)
     return out
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(3, 250, n)]
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
 
 
 @needs_native
@@ -116,11 +109,11 @@ def test_h2o_equals_full_attention_while_the_sequence_fits(artifacts, kv):
     """Up to the budget nothing is evicted: tokens and log-probs are the normal path's,
     on a prompt prefilled in one chunk and one in several (every step accumulating)."""
     for length in (9, 20):  # 20: over H2O's step budget (heavy hitters less a drop: 14)
-        params = greedy(H2O.budget - length)
+        params = greedy_params(H2O.budget - length)
         full = LLM(artifacts[kv], kernels="native", speculative=False).generate(
-            prompt(length), params)[0]
+            random_prompt(length), params)[0]
         h2o = LLM(artifacts[kv], kernels="native", streaming=H2O).generate(
-            prompt(length), params)[0]
+            random_prompt(length), params)[0]
         assert h2o.token_ids == full.token_ids
         assert [lp.logprob for lp in h2o.logprobs] == [lp.logprob for lp in full.logprobs]
 
@@ -131,7 +124,7 @@ def test_every_layer_adds_each_tokens_weights(artifacts):
     token and query head of the group; rows past the entries hold nothing."""
     llm = LLM(artifacts["float32"], kernels="native", streaming=H2O)
     engine, manager = llm.engine, llm.engine.kv_cache_manager
-    engine.add_request(prompt(20), greedy(6))
+    engine.add_request(random_prompt(20), greedy_params(6))
     for _ in range(4):
         engine.step()
     [request] = engine.scheduler.running
@@ -158,7 +151,7 @@ def test_an_eviction_keeps_the_heavy_hitters_at_their_cache_positions(artifacts,
     nothing was clipped: conftest's codes_close)."""
     llm = LLM(artifacts[kv], kernels="native", streaming=H2O)
     engine, manager = llm.engine, llm.engine.kv_cache_manager
-    engine.add_request(prompt(20), greedy(40))
+    engine.add_request(random_prompt(20), greedy_params(40))
     engine.step()
     [request] = engine.scheduler.running
     lane, h2o = manager.lanes[request.request_id], manager.streaming
@@ -180,7 +173,7 @@ def test_an_eviction_keeps_the_heavy_hitters_at_their_cache_positions(artifacts,
     for head in range(keep.shape[1]):
         kept = [tokens[i] for i in keep[0, head]]
         fresh = LLM(artifacts[kv], kernels="native", speculative=False)
-        fresh.engine.add_request(kept, greedy(2))
+        fresh.engine.add_request(kept, greedy_params(2))
         fresh.engine.step()  # the prefill, in one step
         [running] = fresh.engine.scheduler.running
         fresh_lane = fresh.engine.kv_cache_manager.lanes[running.request_id]
@@ -196,7 +189,7 @@ def test_an_eviction_keeps_the_heavy_hitters_at_their_cache_positions(artifacts,
 def test_generation_runs_past_the_context_within_the_budget(artifacts):
     llm = LLM(artifacts["int8"], kernels="native", streaming=H2O)
     engine, manager = llm.engine, llm.engine.kv_cache_manager
-    request_id = engine.add_request(prompt(20), greedy(300))
+    request_id = engine.add_request(random_prompt(20), greedy_params(300))
     held, outputs = [], []
     while engine.has_unfinished_requests():
         outputs += engine.step()
@@ -213,7 +206,7 @@ def test_generation_runs_past_the_context_within_the_budget(artifacts):
 def test_requests_batched_together_evict_as_each_would_alone(artifacts):
     """Two requests past the budget in one batch: each lane's sums and evictions are its
     own, so each produces the tokens it produces alone."""
-    prompts, params = [prompt(20, seed=1), prompt(13, seed=2)], greedy(60)
+    prompts, params = [random_prompt(20, seed=1), random_prompt(13, seed=2)], greedy_params(60)
     together = LLM(artifacts["float32"], kernels="native", streaming=H2O).generate(
         prompts, params)
     for alone_prompt, output in zip(prompts, together, strict=True):
@@ -245,7 +238,8 @@ def test_onnx_runtime_is_refused_in_one_line(artifacts):
 def test_a_recipe_evicts_heavy_hitters_unless_the_caller_turns_it_off(artifacts):
     on = LLM(artifacts["recipe"])
     assert on.engine.kv_cache_manager.streaming.config == H2O
-    assert len(on.generate(prompt(20), greedy(100))[0].token_ids) == 100  # past max_context
+    generated = on.generate(random_prompt(20), greedy_params(100))[0].token_ids
+    assert len(generated) == 100  # past max_context
     off = LLM(artifacts["recipe"], streaming=False)
     assert off.engine.kv_cache_manager.streaming is None
 

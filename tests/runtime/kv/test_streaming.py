@@ -8,10 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from runtime_fakes import greedy_params, random_prompt
 
 from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.recipe import Recipe
-from llmopt.runtime import LLM, SamplingParams
+from llmopt.runtime import LLM
 from llmopt.runtime.kv.paging import cdiv
 from llmopt.runtime.kv.streaming import StreamingConfig
 from llmopt.runtime.native.library import kernels
@@ -55,25 +56,17 @@ def artifacts(tiny_checkpoints, word_text, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def prompt(n: int, seed: int = 0) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(3, 250, n)]
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
-
-
 @pytest.mark.parametrize("kv", ["float32", "float16", "int8", "int4"])
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_streaming_equals_full_attention_while_the_sequence_fits(artifacts, kv, kernel):
     """Up to sinks + window tokens nothing is dropped: tokens and log-probs are the
     normal path's, on prompts prefilled in one chunk and in several."""
     for length in (9, 26):  # 26: over the streaming step budget (window - block = 24)
-        params = greedy(STREAM.budget() - length)
+        params = greedy_params(STREAM.budget() - length)
         full = LLM(artifacts[kv], kernels=kernel, speculative=False).generate(
-            prompt(length), params)[0]
+            random_prompt(length), params)[0]
         streamed = LLM(artifacts[kv], kernels=kernel, streaming=STREAM).generate(
-            prompt(length), params)[0]
+            random_prompt(length), params)[0]
         assert streamed.token_ids == full.token_ids
         assert [lp.logprob for lp in streamed.logprobs] == [lp.logprob for lp in full.logprobs]
 
@@ -85,7 +78,7 @@ def test_generation_runs_past_the_context_in_fixed_memory(artifacts, kernel, str
     blocks held at every step, every token produced (drops of one block and of two)."""
     llm = LLM(artifacts["float32"], kernels=kernel, streaming=stream)
     engine, kv = llm.engine, llm.engine.kv_cache_manager
-    request_id = engine.add_request(prompt(20), greedy(300))
+    request_id = engine.add_request(random_prompt(20), greedy_params(300))
     held, positions = [], []
     outputs = []
     while engine.has_unfinished_requests():
@@ -112,7 +105,7 @@ def test_kept_keys_are_the_keys_of_their_cache_positions(artifacts, kv, kernel, 
     when it was stored; no turn restores it)."""
     llm = LLM(artifacts[kv], kernels=kernel, streaming=STREAM)
     engine, manager = llm.engine, llm.engine.kv_cache_manager
-    engine.add_request(prompt(20), greedy(60))
+    engine.add_request(random_prompt(20), greedy_params(60))
     streaming = manager.streaming
     codes = kv in ("int8", "int4")
     request, before = None, None
@@ -133,7 +126,7 @@ def test_kept_keys_are_the_keys_of_their_cache_positions(artifacts, kv, kernel, 
     got = {name: np.array(pools[f"past.0.{name}"][lane, :, :cached]) for name in ("key", "value")}
 
     fresh = LLM(artifacts[kv], kernels=kernel, speculative=False)
-    fresh.engine.add_request(kept, greedy(2))
+    fresh.engine.add_request(kept, greedy_params(2))
     fresh.engine.step()  # the prefill, in one step
     [running] = fresh.engine.scheduler.running
     fresh_lane = fresh.engine.kv_cache_manager.lanes[running.request_id]
@@ -176,7 +169,8 @@ def test_artifacts_that_cannot_stream_are_refused_in_one_line(artifacts, kv, err
 def test_a_recipe_streams_unless_the_caller_turns_it_off(artifacts):
     on = LLM(artifacts["recipe"])
     assert on.engine.kv_cache_manager.streaming.config == STREAM
-    assert len(on.generate(prompt(20), greedy(100))[0].token_ids) == 100  # past max_context
+    generated = on.generate(random_prompt(20), greedy_params(100))[0].token_ids
+    assert len(generated) == 100  # past max_context
     off = LLM(artifacts["recipe"], streaming=False)
     assert off.engine.kv_cache_manager.streaming is None
 
