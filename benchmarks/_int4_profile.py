@@ -67,7 +67,7 @@ def profile_llmopt(artifact: str, threads: int, prefix: str,
                    args: argparse.Namespace) -> tuple[str, list[float], float]:
     import llmopt.runtime.executors.gathered as executor
     from llmopt.runtime import LLM
-    from llmopt.runtime.tools.bench import run_bench
+    from llmopt.tools.bench import run_bench
 
     original = executor.session_options
 
@@ -104,7 +104,7 @@ def profile_ort_genai(model_dir: str, threads: int, prefix: str,
     import numpy as np
     import onnxruntime_genai as og
 
-    from llmopt.runtime.tools.bench import bench_prompts
+    from llmopt.tools.bench import bench_prompts
 
     config = og.Config(model_dir)
     config.overlay(json.dumps({"model": {"decoder": {"session_options": {

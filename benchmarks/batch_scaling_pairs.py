@@ -25,7 +25,7 @@ from native_kernels_ab import engine_on, load_build
 
 from llmopt.runtime import LLM
 from llmopt.runtime.native.library import kernels
-from llmopt.runtime.tools.bench import run_bench
+from llmopt.tools.bench import run_bench
 
 PROMPT_LEN, GEN_LEN, WARMUP_GEN_LEN = 128, 128, 8
 BATCHES = (1, 16)

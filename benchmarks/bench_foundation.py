@@ -65,7 +65,7 @@ def run_llmopt(
     spec: dict[str, str], threads: int, batches: list[int], prompt_len: int, gen_len: int
 ) -> list[dict[str, float]]:
     from llmopt.runtime import LLM
-    from llmopt.runtime.tools.bench import run_bench
+    from llmopt.tools.bench import run_bench
 
     llm = LLM(spec["artifact"], num_threads=threads, max_num_seqs=max(batches),
               max_context=prompt_len + gen_len + 1)
@@ -108,7 +108,7 @@ def hf_generate(model: Any, batch: int, prompt_len: int, new_tokens: int, seed: 
     """Seconds for one greedy, cached `generate` of exactly `new_tokens` tokens per stream."""
     import torch
 
-    from llmopt.runtime.tools.bench import bench_prompts
+    from llmopt.tools.bench import bench_prompts
 
     ids = torch.tensor(bench_prompts(model.config.vocab_size, batch, prompt_len, seed))
     started = time.perf_counter()

@@ -48,7 +48,7 @@ from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes import gqa_regroup
 from llmopt.passes.gqa_regroup.fit import fit_end_to_end
-from llmopt.runtime.tools.evaluate import windows_of
+from llmopt.runtime.texts import windows_of
 
 DATA = REPO_ROOT.parent / "shared" / "data"
 VALID, TEST = DATA / "wikitext2-valid.tokens.txt", DATA / "wikitext2-test.raw.txt"

@@ -221,12 +221,12 @@ def timed_result(case: Case, prefill_s: float, total_s: float) -> dict[str, floa
 
 
 def run_llmopt(spec: dict[str, str], threads: int, cases: list[Case]) -> list[dict[str, float]]:
-    """`runtime.tools.bench.run_bench` per case: prefill = mean TTFT over the batch, decode =
+    """`llmopt.tools.bench.run_bench` per case: prefill = mean TTFT over the batch, decode =
     mean per-stream speed after the first token, decode aggregate = tokens per second once
     every stream has its first token (streams admitted early decode beside later prompts'
     prefill chunks, which their per-stream speed counts)."""
     from llmopt.runtime import LLM
-    from llmopt.runtime.tools.bench import run_bench
+    from llmopt.tools.bench import run_bench
 
     kernels = "native" if spec["system"].endswith("-native") else "onnxruntime"
     llm = LLM(spec["artifact"], num_threads=threads, max_num_seqs=max(c[0] for c in cases),
@@ -288,7 +288,7 @@ class LlamaCppBatch:
         """Greedy-generate `gen_len` tokens per sequence; seconds to the first token, total."""
         import numpy as np
 
-        from llmopt.runtime.tools.bench import bench_prompts
+        from llmopt.tools.bench import bench_prompts
 
         lc, b = self.lc, self.lc_batch
         lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
@@ -354,7 +354,7 @@ def ort_genai_generate(og: Any, model: Any, vocab_size: int, case: Case, seed: i
     """Greedy-generate the case's tokens per sequence; seconds to the first token, total."""
     import numpy as np
 
-    from llmopt.runtime.tools.bench import bench_prompts
+    from llmopt.tools.bench import bench_prompts
 
     batch, prompt_len, new_tokens = case
     ids = np.asarray(bench_prompts(vocab_size, batch, prompt_len, seed), dtype=np.int32)

@@ -7,7 +7,7 @@ native step cannot run falls back to ONNX Runtime, slower than llama.cpp on the 
 Each family is a checkpoint of random weights in a real model's shape (tests/tiny_checkpoints.py's
 initialisation, scaled so greedy decoding does not loop on one token), compiled once under
 --out-dir to int4 (`rtn` sym g32, 8-bit head, accuracy level 4). Per round, interleaved, each
-artifact runs batch 1 and batch 8 (prompt 128, gen 64, random ids: `runtime.tools.bench.run_bench`)
+artifact runs batch 1 and batch 8 (prompt 128, gen 64, random ids: `llmopt.tools.bench.run_bench`)
 with `--kernels native` and `onnxruntime` in one process each; the table gives medians and the
 native / ONNX Runtime ratios, and how far the two kernels' log-probs of 200 random tokens lie
 apart (the same int8-activation arithmetic, summed in other orders: `llama-0.5b`, Qwen2.5's
@@ -29,7 +29,7 @@ import numpy as np
 from _common import REPO_ROOT, RESULTS_DIR, machine_info, write_json
 
 from llmopt.runtime import LLM
-from llmopt.runtime.tools.bench import run_bench
+from llmopt.tools.bench import run_bench
 
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
                   num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,

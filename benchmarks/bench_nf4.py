@@ -78,7 +78,7 @@ def perplexity(artifact: Path) -> dict[str, Any]:
 def decode_speeds(artifacts: dict[str, Path], rounds: int) -> dict[str, list[float]]:
     """Batch-1 decode tok/s per artifact, one thread, interleaved round by round."""
     from llmopt.runtime import LLM
-    from llmopt.runtime.tools.bench import run_bench
+    from llmopt.tools.bench import run_bench
 
     llms = {name: LLM(path, kernels="native", num_threads=1, speculative=False)
             for name, path in artifacts.items()}

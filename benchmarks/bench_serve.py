@@ -253,7 +253,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def overhead(args: argparse.Namespace) -> dict[str, Any]:
     """Decode tok/s of one streamed 128+128 request through HTTP vs `llmopt bench` at batch
     1 (speculation off in both: random-token prompts), interleaved rounds, medians."""
-    from llmopt.runtime.tools.bench import bench_prompts
+    from llmopt.tools.bench import bench_prompts
 
     llmopt = str(Path(sys.executable).with_name("llmopt"))
     bench_cmd = [llmopt, "bench", args.artifact, "--batch", "1", "--prompt-len", "128",

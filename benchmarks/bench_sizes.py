@@ -83,7 +83,7 @@ def compile_llmopt(shape: str, checkpoint: Path, out_dir: Path, args: argparse.N
 def llmopt_worker(artifact: Path, threads: int) -> dict[str, Any]:
     """Load the artifact and time it, in this process (called in a fresh one)."""
     from llmopt.runtime import LLM
-    from llmopt.runtime.tools.bench import run_bench
+    from llmopt.tools.bench import run_bench
 
     started = time.perf_counter()
     llm = LLM(str(artifact), num_threads=threads)

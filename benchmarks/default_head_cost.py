@@ -24,7 +24,7 @@ import llmopt.runtime.engine as engine
 from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.recipe import Recipe
 from llmopt.runtime import LLM
-from llmopt.runtime.tools.evaluate import read_text, windows_of
+from llmopt.runtime.texts import read_text, windows_of
 
 # beside the repository (a checkout) or beside its worktrees' directory
 TEXTS = [root / "shared" / "data" / "wikitext2-test.raw.txt" for root in REPO_ROOT.parents[:2]]

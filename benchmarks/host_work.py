@@ -25,7 +25,7 @@ import numpy as np
 from _common import RESULTS_DIR, machine_info, write_json
 
 from llmopt.runtime import LLM, SamplingParams
-from llmopt.runtime.tools.bench import bench_prompts
+from llmopt.tools.bench import bench_prompts
 
 GEN_LEN = 128
 

@@ -71,7 +71,7 @@ def prepare(out_dir: Path) -> dict[str, Path]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from llmopt.compiler.loader import resolve_checkpoint
-    from llmopt.runtime.tools.evaluate import windows_of
+    from llmopt.runtime.texts import windows_of
 
     out_dir.mkdir(parents=True, exist_ok=True)
     ref = resolve_checkpoint(MODEL)

@@ -35,7 +35,7 @@ from llmopt.runtime import LLM, SamplingParams
 from llmopt.runtime.executors import native as native_executor
 from llmopt.runtime.executors.step_batch import SequenceStep, StepBatch, make_step_batch
 from llmopt.runtime.native.library import amx_available, declare_signatures, default_knobs, kernels
-from llmopt.runtime.tools.bench import bench_prompts
+from llmopt.tools.bench import bench_prompts
 
 
 def load_build(path: str) -> ctypes.CDLL:

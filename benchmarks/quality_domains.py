@@ -56,7 +56,7 @@ from llmopt.compiler.pass_registry import PASSES
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel, rms_norm
 from llmopt.compiler.sample_budget import parameter_count
-from llmopt.runtime.tools.evaluate import windows_of
+from llmopt.runtime.texts import windows_of
 
 # ../shared/data beside the checkout (CI); a worktree one level deeper finds it one up
 DATA = next((d.resolve() for d in (REPO_ROOT.parent / "shared" / "data",

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llmopt.compiler.hf_reference import hf_perplexity
 from llmopt.runtime import LLM
-from llmopt.runtime.tools.evaluate import perplexity
+from llmopt.tools.evaluate import perplexity
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_TEXT = ROOT.parent / "shared" / "data" / "wikitext2-test.raw.txt"

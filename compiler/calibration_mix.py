@@ -29,7 +29,7 @@ from llmopt.compiler.sample_budget import (
     check_calibration_source,
     parameter_count,
 )
-from llmopt.runtime.tools.evaluate import windows_of
+from llmopt.runtime.texts import windows_of
 
 Log = Callable[[str], None]
 MIXED_SHARE = 0.5  # `model_samples: auto` with a calibration.text

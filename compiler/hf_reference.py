@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from llmopt.runtime.tools.evaluate import windows_of
+from llmopt.runtime.texts import windows_of
 
 
 @torch.no_grad()

@@ -164,7 +164,7 @@ class ModelIR:
 
     def text_token_ids(self, text_file: str | Path) -> list[int]:
         """A UTF-8 text file's token ids without special tokens (the perplexity protocol)."""
-        from llmopt.runtime.tools.evaluate import read_text
+        from llmopt.runtime.texts import read_text
 
         return self.text_tokenizer().encode(read_text(text_file), add_special_tokens=False).ids
 

@@ -32,7 +32,7 @@ from llmopt.compiler.pass_registry import PASSES
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.compiler.sample_budget import SAMPLING_MAX_PARAMETERS
 from llmopt.compiler.sample_budget import parameter_count as arch_parameters
-from llmopt.runtime.tools.evaluate import windows_of
+from llmopt.runtime.texts import windows_of
 
 if TYPE_CHECKING:
     from llmopt.compiler.recipe import Recipe
@@ -89,7 +89,7 @@ class QualityProbe:
     def from_passages(cls, ir: ModelIR, windows: int,
                       log: Callable[[str], None] | None = None) -> QualityProbe:
         """Up to `windows` windows of the prose passages built into the package."""
-        from llmopt.runtime.tools.bench_text import PASSAGES
+        from llmopt.runtime.texts import PASSAGES
 
         ids = ir.text_tokenizer().encode("\n\n".join(PASSAGES), add_special_tokens=False).ids
         length = min(PASSAGE_WINDOW, ir.arch.max_position, len(ids))

@@ -214,7 +214,7 @@ def export_hf_command(source: Path, out: Path, fmt: str, overrides: tuple[str, .
 @_one_line_errors
 def inspect_command(artifact: Path, pool_mib: float, as_json: bool) -> None:
     """Sizes, passes, KV bytes per token of ARTIFACT."""
-    from llmopt.runtime.tools.inspect import describe, format_description
+    from llmopt.tools.inspect import describe, format_description
 
     info = describe(artifact, pool_mib)
     click.echo(json.dumps(info, indent=2) if as_json else format_description(info))
@@ -372,7 +372,7 @@ def eval_command(artifact: Path, text_files: tuple[Path, ...], windows: int, seq
                  threads: int | None, kernels: str, as_json: bool) -> None:
     """Perplexity of ARTIFACT on one or more text files, computed by the runtime."""
     from llmopt.runtime import LLM
-    from llmopt.runtime.tools.evaluate import perplexity
+    from llmopt.tools.evaluate import perplexity
 
     llm = LLM(artifact, num_threads=threads, max_num_batched_tokens=seq_len, kernels=kernels)
     results = []
@@ -427,7 +427,7 @@ def bench_command(artifact: Path, batches: list[int], prompt_len: int, gen_len: 
     """TTFT, decode tok/s per stream, aggregate tok/s, peak RSS (with a draft, also
     acceptance rate and tokens per target step)."""
     from llmopt.runtime import LLM
-    from llmopt.runtime.tools.bench import prompt_kind, run_bench
+    from llmopt.tools.bench import prompt_kind, run_bench
 
     streaming = _streaming_kwargs(sinks, window, h2o)  # lanes of the budget, not the run's length
     budget = h2o or (sinks + window if window else None)

@@ -179,6 +179,17 @@ def test_no_pass_imports_a_compiler_module_that_imports_the_passes():
     assert upward == []
 
 
+def test_the_user_tools_sit_above_compiler_passes_and_runtime():
+    """`llmopt.tools` (bench, evaluate, inspect) and the CLI use the rest; nothing below
+    them imports them."""
+    graph = import_graph()
+    rooms = tuple(f"{PACKAGE}.{room}" for room in ("compiler", "passes", "runtime"))
+    tools = (f"{PACKAGE}.tools", f"{PACKAGE}.cli")
+    upward = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith(rooms)
+                    for t in targets if t.startswith(tools))
+    assert upward == []
+
+
 if __name__ == "__main__":
     graph = import_graph()
     print(f"{len(graph)} modules, {sum(map(len, graph.values()))} imports")

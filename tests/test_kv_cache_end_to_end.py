@@ -16,7 +16,7 @@ from test_end_to_end import GREEDY, shared_prefix_requests
 from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.recipe import Recipe
 from llmopt.runtime import LLM
-from llmopt.runtime.tools.inspect import describe, format_description
+from llmopt.tools.inspect import describe, format_description
 
 STATIC_INT8 = {"dtype": "int8", "key_scales": "channel", "value_scales": "channel"}
 STATIC_INT4 = {**STATIC_INT8, "dtype": "int4"}

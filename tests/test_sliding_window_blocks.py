@@ -130,7 +130,7 @@ def test_speculation_stays_exact(name, drafts, artifacts):
 
 
 def test_inspect_shows_what_a_long_sequence_holds_per_layer_group(artifacts):
-    from llmopt.runtime.tools.inspect import describe, format_description
+    from llmopt.tools.inspect import describe, format_description
 
     info = describe(artifacts["gemma3_text"])
     layer_bytes = 2 * 2 * 16 * 4  # keys and values, 2 KV heads of 16, float32

@@ -16,7 +16,7 @@ from llmopt.compiler.hf_reference import hf_perplexity
 from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.recipe import load_recipe
 from llmopt.runtime import LLM, SamplingParams
-from llmopt.runtime.tools.evaluate import perplexity
+from llmopt.tools.evaluate import perplexity
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ import torch
 
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.reference import ReferenceModel, rms_norm
-from llmopt.runtime.tools.evaluate import windows_of
+from llmopt.runtime.texts import windows_of
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from llmopt.compiler.calibration_mix import calibration_windows, interleave, mod
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.recipe import CalibrationConfig
 from llmopt.compiler.sample_budget import check_calibration_source
-from llmopt.runtime.tools.evaluate import windows_of
+from llmopt.runtime.texts import windows_of
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,8 @@ from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel, apply_rope
 from llmopt.passes import gqa_regroup
 from llmopt.runtime import LLM
-from llmopt.runtime.tools.evaluate import perplexity
-from llmopt.runtime.tools.inspect import describe
+from llmopt.tools.evaluate import perplexity
+from llmopt.tools.inspect import describe
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 SPEC = LayerSpec(num_heads=4, num_kv_heads=2, head_dim=8)

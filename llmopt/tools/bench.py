@@ -12,7 +12,7 @@ from llmopt.runtime.llm import LLM
 from llmopt.runtime.output import RequestOutput
 from llmopt.runtime.sampling_params import SamplingParams
 from llmopt.runtime.speculative.metrics import total_speculation
-from llmopt.runtime.tools.bench_text import text_prompts
+from llmopt.tools.bench_text import text_prompts
 
 
 @dataclass(frozen=True)

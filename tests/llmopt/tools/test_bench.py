@@ -9,8 +9,9 @@ from toy_artifact import add_draft, build_artifact
 from llmopt.cli import main
 from llmopt.runtime import LLM
 from llmopt.runtime.sampling_params import SamplingParams
-from llmopt.runtime.tools.bench import bench_prompts, generate_timed, prompt_kind, run_bench
-from llmopt.runtime.tools.bench_text import PASSAGES, text_prompts
+from llmopt.runtime.texts import PASSAGES
+from llmopt.tools.bench import bench_prompts, generate_timed, prompt_kind, run_bench
+from llmopt.tools.bench_text import text_prompts
 
 
 def test_auto_is_text_exactly_when_the_artifact_speculates():

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from llmopt.runtime.texts import read_text, windows_of
 
 if TYPE_CHECKING:
     from llmopt.runtime.llm import LLM
@@ -31,28 +32,6 @@ class PerplexityResult:
 
     def to_dict(self) -> dict[str, float | int]:
         return asdict(self)
-
-
-def windows_of(token_ids: Sequence[int], seq_len: int, windows: int | None = None,
-               minimum: int = 1, source: str = "the text") -> list[list[int]]:
-    """The first `windows` (None: all) non-overlapping windows of `seq_len` tokens; at
-    least `minimum` must fit. The one way text becomes model input windows: evaluation,
-    calibration, quality probes and distillation alike."""
-    available = len(token_ids) // seq_len
-    if available < minimum:
-        raise ValueError(f"{source} has {len(token_ids)} tokens: {available} windows of "
-                         f"{seq_len}, fewer than the {minimum} needed")
-    count = available if windows is None else min(windows, available)
-    return [list(token_ids[i * seq_len:(i + 1) * seq_len]) for i in range(count)]
-
-
-def read_text(text_file: str | Path) -> str:
-    """A UTF-8 text file's contents; a clear error for anything else."""
-    try:
-        return Path(text_file).read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{text_file} is not UTF-8 text (byte {exc.start} cannot be "
-                         "decoded)") from None
 
 
 def perplexity(llm: LLM, text_file: str | Path, windows: int = 64,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from toy_artifact import add_draft, build_artifact
 
-from llmopt.runtime.tools.inspect import describe, format_description
+from llmopt.tools.inspect import describe, format_description
 
 
 def lines_of(path) -> list[str]:
