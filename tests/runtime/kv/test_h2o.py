@@ -9,47 +9,37 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from lane_artifacts import (
+    A8,
+    BLOCK,
+    RTN,
+    RUNTIME,
+    compile_artifacts,
+    kv_codes,
+    needs_native,
+)
 from runtime_fakes import greedy_params, random_prompt
 
-from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.recipe import Recipe
 from llmopt.runtime import LLM
 from llmopt.runtime.kv.h2o import H2OConfig, kept_rows
 from llmopt.runtime.kv.paging import cdiv
 from llmopt.runtime.native.library import KVLayout, kernels
 
-lib = kernels()
-HAS_NATIVE = lib is not None and bool(lib.llmopt_native_supported())
-needs_native = pytest.mark.skipif(not HAS_NATIVE, reason="no native kernels in this install, "
-                                                         "or no AVX-512 VNNI")
-BLOCK = 4
 H2O = H2OConfig(budget=32, recent=12, sinks=2)  # heavy hitters 18, drops of 4
-RTN = {"rtn": {"bits": 4, "group_size": 32, "symmetric": True, "include_lm_head": True,
-               "lm_head_bits": 8}}
-A8 = {"nbits_accuracy_level": 4}  # int8 activations: the graphs the native step runs
 ARTIFACTS = {  # name -> (passes, target options)
     "float32": ([RTN], A8),
-    "int8": ([{"kv_cache": {"dtype": "int8", "key_scales": "channel",
-                            "value_scales": "channel"}}, RTN], A8),
+    "int8": ([kv_codes("int8"), RTN], A8),
     "recipe": ([RTN], A8),  # with `runtime: h2o:` (RUNTIME below)
 }
-RUNTIME = {"block_size": BLOCK, "max_context": 64, "max_num_seqs": 2}
 
 
 @pytest.fixture(scope="module")
 def artifacts(tiny_checkpoints, word_text, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("h2o")
-    out = {}
-    for name, (passes, target) in ARTIFACTS.items():
-        runtime = {**RUNTIME, **({"h2o": {"budget": H2O.budget, "recent": H2O.recent,
-                                          "sinks": H2O.sinks}} if name == "recipe" else {})}
-        recipe = Recipe(model=str(tiny_checkpoints["llama"]), passes=passes, target=target,
-                        quality={"measure": False}, runtime=runtime,
-                        calibration={"text": str(word_text), "samples": 2, "seq_len": 32,
-                                     "model_samples": 0})
-        out[name] = root / name
-        compile_recipe(recipe, out[name], log=lambda _: None)
-    return out
+    return compile_artifacts(tiny_checkpoints["llama"], word_text,
+                             tmp_path_factory.mktemp("h2o"), ARTIFACTS,
+                             {"h2o": {"budget": H2O.budget, "recent": H2O.recent,
+                                      "sinks": H2O.sinks}})
 
 
 @needs_native
@@ -74,7 +64,7 @@ def test_accumulated_attention_is_the_softmax_weights_summed(bits):
     before = rng.random(length).astype(np.float32)  # sums it adds to
     sums = before.copy()
     out = np.empty((n, group, dim), np.float32)
-    assert lib.llmopt_attention_scored(ctypes.byref(kv), q.ctypes.data, n, group,
+    assert kernels().llmopt_attention_scored(ctypes.byref(kv), q.ctypes.data, n, group,
                                        keys.ctypes.data, values.ctypes.data, first_len, dim,
                                        scale, None, out.ctypes.data, sums.ctypes.data) == 0
     want = before.astype(np.float64)

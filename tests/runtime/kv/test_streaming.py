@@ -8,52 +8,39 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from lane_artifacts import (
+    A8,
+    BLOCK,
+    RTN,
+    RUNTIME,
+    compile_artifacts,
+    kv_codes,
+    needs_native,
+)
 from runtime_fakes import greedy_params, random_prompt
 
-from llmopt.compiler.pipeline import compile_recipe
 from llmopt.compiler.recipe import Recipe
 from llmopt.runtime import LLM
 from llmopt.runtime.kv.paging import cdiv
 from llmopt.runtime.kv.streaming import StreamingConfig
-from llmopt.runtime.native.library import kernels
 
-lib = kernels()
-HAS_NATIVE = lib is not None and bool(lib.llmopt_native_supported())
-KERNELS = ["onnxruntime", pytest.param("native", marks=pytest.mark.skipif(
-    not HAS_NATIVE, reason="no native kernels in this install, or no AVX-512 VNNI"))]
-BLOCK = 4
+KERNELS = ["onnxruntime", pytest.param("native", marks=needs_native)]
 STREAM = StreamingConfig(sinks=4, window=28)  # 32 positions: 8 blocks of 4
-RTN = {"rtn": {"bits": 4, "group_size": 32, "symmetric": True, "include_lm_head": True,
-               "lm_head_bits": 8}}
-A8 = {"nbits_accuracy_level": 4}  # int8 activations: the graphs the native step runs
 ARTIFACTS = {  # name -> (passes, target options)
     "float32": ([RTN], A8),
     "float16": ([{"kv_cache": {"dtype": "float16"}}, RTN], A8),
-    "int8": ([{"kv_cache": {"dtype": "int8", "key_scales": "channel",
-                            "value_scales": "channel"}}, RTN], A8),
-    "int4": ([{"kv_cache": {"dtype": "int4", "key_scales": "channel",
-                            "value_scales": "channel"}}, RTN], A8),
+    "int8": ([kv_codes("int8"), RTN], A8),
+    "int4": ([kv_codes("int4"), RTN], A8),
     "blocks": ([RTN], {**A8, "kv_layout": "blocks"}),
     "recipe": ([RTN], A8),  # with `runtime: streaming:` (RUNTIME below)
 }
-RUNTIME = {"block_size": BLOCK, "max_context": 64, "max_num_seqs": 2}
 
 
 @pytest.fixture(scope="module")
 def artifacts(tiny_checkpoints, word_text, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("streaming")
-    out = {}
-    for name, (passes, target) in ARTIFACTS.items():
-        recipe = Recipe(model=str(tiny_checkpoints["llama"]), passes=passes, target=target,
-                        quality={"measure": False},
-                        calibration={"text": str(word_text), "samples": 2, "seq_len": 32,
-                                     "model_samples": 0},
-                        runtime={**RUNTIME, **({"streaming": {"sinks": STREAM.sinks,
-                                                              "window": STREAM.window}}
-                                               if name == "recipe" else {})})
-        out[name] = root / name
-        compile_recipe(recipe, out[name], log=lambda _: None)
-    return out
+    return compile_artifacts(tiny_checkpoints["llama"], word_text,
+                             tmp_path_factory.mktemp("streaming"), ARTIFACTS,
+                             {"streaming": {"sinks": STREAM.sinks, "window": STREAM.window}})
 
 
 @pytest.mark.parametrize("kv", ["float32", "float16", "int8", "int4"])
