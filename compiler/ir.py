@@ -186,7 +186,8 @@ class ModelIR:
             store.defer(linear, q)
         key = "embed_tokens" if linear == "lm_head" and self.arch.tie_word_embeddings else (
             f"{linear}.weight")
-        self.weights.set_lazy(key, lambda: store[linear].dequantize(), store.shape(linear))
+        self.weights.set_lazy(key, lambda: store[linear].dequantize(), store.shape(linear),
+                              blocks=lambda rows: store[linear].row_blocks(rows))
 
     def lm_head(self) -> torch.Tensor:
         if self.arch.tie_word_embeddings:

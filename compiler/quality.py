@@ -138,7 +138,10 @@ class QualityProbe:
         rows that are not token ids: KL and top-1 compare its rows, and perplexity, which
         needs the text's next token, is not measured."""
         length = len(self.windows[0])
-        ref, new = ReferenceModel(before, length), ReferenceModel(after, length)
+        # A model too large to sample is read in its stored form, a block of rows at a time:
+        # a float32 copy of each layer would cost more than the probe's forward.
+        stream = parameter_count(before) > SAMPLING_MAX_PARAMETERS
+        ref, new = (ReferenceModel(m, length, stream_linears=stream) for m in (before, after))
         nll_before = nll_after = kl = agree = 0.0
         count = 0
         rows_are_ids = True
@@ -179,8 +182,7 @@ class QualityProbe:
         ids = [torch.tensor([window]) for window in self.windows]
         hidden = []
         for model in (ref, new):
-            with model.holding(["embed_tokens"]):
-                embed_rows = model.weight("embed_tokens").shape[0]
+            with model.holding_embedding():
                 hidden.append([model.embed(i) for i in ids])
         progress = _Progress(self.log, ref.arch.num_layers, "layers")
         for layer in range(ref.arch.num_layers):
@@ -191,7 +193,7 @@ class QualityProbe:
         size = max(1, LOGITS_BUDGET_BYTES // per_window)
         for start in range(0, len(ids), size):
             with ref.holding_head():
-                rows_are_ids = embed_rows == _head(ref).shape[0]
+                rows_are_ids = _rows(ref, "embed_tokens") == _rows(ref, ref.head_name())
                 logps = [torch.log_softmax(ref.logits(h)[0, :-1], dim=-1)
                          for h in hidden[0][start:start + size]]
             with new.holding_head():
@@ -201,8 +203,8 @@ class QualityProbe:
                 self.windows[start:start + size], logps, logqs, strict=True)]
 
 
-def _head(model: ReferenceModel) -> torch.Tensor:
-    return model.weight("embed_tokens" if model.arch.tie_word_embeddings else "lm_head.weight")
+def _rows(model: ReferenceModel, name: str) -> int:
+    return model.ir.weights.shape(name)[0]
 
 
 def parameter_count(ir: ModelIR) -> int:

@@ -12,7 +12,8 @@ fractional zero (-min/scale), which MatMulNBits accepts as a float zero point.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 import ml_dtypes
 import numpy as np
@@ -47,6 +48,14 @@ class QuantizedLinear:
             return self.codebook[self.codes.long()] * scales
         zeros = expand_groups(self.zeros, self.group_size, self.codes.shape[1])
         return (self.codes.float() - zeros) * scales
+
+    def row_blocks(self, rows: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """The dequantized weight in blocks of `rows` rows: never whole in float32."""
+        for start in range(0, self.codes.shape[0], rows):
+            stop = start + rows
+            part = replace(self, codes=self.codes[start:stop], scales=self.scales[start:stop],
+                           zeros=self.zeros[start:stop])
+            yield start, part.dequantize()
 
     def integer_zeros(self) -> bool:
         return bool(torch.equal(self.zeros, self.zeros.round()))

@@ -24,6 +24,7 @@ from llmopt.compiler.kv_cache_format import (
     kv_sides,
     rotate_heads,
 )
+from llmopt.compiler.weight_store import rows_per_block
 
 
 @dataclass
@@ -47,11 +48,22 @@ class KVCache:
         return k, v
 
 
-class ReferenceModel:
-    """Runs ModelIR in float32 torch."""
+# The linears `linear` computes; `stream_linears` reads these a block of rows at a time.
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-    def __init__(self, ir: ModelIR, max_position: int | None = None):
+
+class ReferenceModel:
+    """Runs ModelIR in float32 torch.
+
+    With `stream_linears`, the linears, the embedding and the LM head are never held: each is
+    read a block of rows at a time as it is applied (`WeightStore.row_blocks`), so a forward
+    over a few tokens reads each weight once in its stored form (bf16, integer codes)
+    instead of writing and reading back a float32 copy of it."""
+
+    def __init__(self, ir: ModelIR, max_position: int | None = None,
+                 stream_linears: bool = False):
         self.ir = ir
+        self.stream_linears = stream_linears
         self.arch = ir.arch
         # Called with (layer index, linear name, input) before every decoder linear.
         self.observer: Callable[[int, str, torch.Tensor], None] | None = None
@@ -75,14 +87,22 @@ class ReferenceModel:
             self._held = previous
 
     def holding_layer(self, index: int):
-        """`holding` every weight of decoder layer `index`."""
+        """`holding` every weight of decoder layer `index` (but the streamed linears)."""
         prefix = f"layers.{index}."
-        return self.holding([n for n in self.ir.weights if n.startswith(prefix)])
+        streamed = {f"{prefix}{name}.weight" for name in LINEARS} if self.stream_linears else set()
+        return self.holding([n for n in self.ir.weights
+                             if n.startswith(prefix) and n not in streamed])
 
     def holding_head(self):
         """`holding` the final norm and the LM head (the tied embedding when tied)."""
-        head = "embed_tokens" if self.arch.tie_word_embeddings else "lm_head.weight"
-        return self.holding(["final_norm", head])
+        return self.holding(["final_norm"] + ([] if self.stream_linears else [self.head_name()]))
+
+    def holding_embedding(self):
+        """`holding` the embedding table (nothing when streamed: `embed` reads its rows)."""
+        return self.holding([] if self.stream_linears else ["embed_tokens"])
+
+    def head_name(self) -> str:
+        return "embed_tokens" if self.arch.tie_word_embeddings else "lm_head.weight"
 
     def weight(self, name: str) -> torch.Tensor:
         held = self._held.get(name)
@@ -97,7 +117,11 @@ class ReferenceModel:
                    stop: int | None = None) -> list[torch.Tensor]:
         """Each of `hidden` ([batch, seq, hidden] entering layer `start`) through layers
         start..stop, layer-major: each layer's weights are read once for all of them, and
-        each tensor is computed exactly as a per-tensor forward would."""
+        each tensor is computed exactly as a per-tensor forward would (streamed: as one
+        batch, so each linear is streamed once; `hidden` then share a shape)."""
+        if self.stream_linears and len(hidden) > 1:
+            batch = self.run_layers([torch.cat(hidden)], positions, start, stop)[0]
+            return list(batch.split([h.shape[0] for h in hidden]))
         for index in range(start, self.arch.num_layers if stop is None else stop):
             with self.holding_layer(index):
                 hidden = [self.layer_forward(index, h, positions, None) for h in hidden]
@@ -118,15 +142,21 @@ class ReferenceModel:
         return self.logits(hidden)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = F.embedding(input_ids, self.weight("embed_tokens"))
+        if self._streamed("embed_tokens"):
+            hidden = self._streamed_rows("embed_tokens", input_ids)
+        else:
+            hidden = F.embedding(input_ids, self.weight("embed_tokens"))
         if self.arch.embedding_scale is not None:
             hidden = hidden * torch.tensor(self.arch.embedding_scale, dtype=hidden.dtype)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = rms_norm(hidden, self.weight("final_norm"), self.arch.norm_eps)
-        head = "embed_tokens" if self.arch.tie_word_embeddings else "lm_head.weight"
-        logits = hidden @ self.weight(head).T
+        head = self.head_name()
+        if self._streamed(head):
+            logits = self._streamed_linear(head, hidden)
+        else:
+            logits = hidden @ self.weight(head).T
         if self.arch.final_softcap:
             logits = torch.tanh(logits / self.arch.final_softcap) * self.arch.final_softcap
         return logits
@@ -223,7 +253,29 @@ class ReferenceModel:
         if self.observer is not None:
             self.observer(index, name, x)
         w = self._layer_weights(index)
-        return F.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))
+        key, bias = f"layers.{index}.{name}.weight", w.get(f"{name}.bias")
+        if not self._streamed(key):
+            return F.linear(x, w[f"{name}.weight"], bias)
+        out = self._streamed_linear(key, x)
+        return out if bias is None else out + bias
+
+    def _streamed(self, name: str) -> bool:
+        return self.stream_linears and name not in self._held
+
+    def _streamed_linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """x @ Wᵀ with W read a block of rows at a time."""
+        blocks = self.ir.weights.row_blocks(name, rows_per_block(x.shape[-1]))
+        return torch.cat([F.linear(x, block) for _, block in blocks], dim=-1)
+
+    def _streamed_rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight `name`, gathered block by block."""
+        out = None
+        for start, block in self.ir.weights.row_blocks(name, rows_per_block(self.arch.hidden_size)):
+            if out is None:
+                out = torch.zeros(*ids.shape, block.shape[1])
+            inside = (ids >= start) & (ids < start + block.shape[0])
+            out[inside] = block[ids[inside] - start]
+        return out
 
     def _layer_weights(self, index: int) -> _LayerWeights:
         return _LayerWeights(self, f"layers.{index}.")

@@ -56,6 +56,21 @@ def index_safetensors(files: list[Path]) -> dict[str, SourceTensor]:
     return tensors
 
 
+RowBlock = tuple[int, torch.Tensor]  # (first row, float32 rows): `row_blocks` yields them
+# Rows per block in a streamed read: a block of float32 rows this size stays in cache while a
+# matmul reads it, so the weight is read from memory once in its stored form.
+ROW_BLOCK_BYTES = 2 << 20
+
+
+def rows_per_block(columns: int) -> int:
+    return max(1, ROW_BLOCK_BYTES // (4 * columns))
+
+
+def slice_rows(tensor: torch.Tensor, rows: int) -> Iterator[RowBlock]:
+    for start in range(0, tensor.shape[0], rows):
+        yield start, tensor[start:start + rows]
+
+
 class TensorSource(ABC):
     """A checkpoint's tensors by IR name, read (in float32) on each access: `tensors` maps
     each name to an entry with its `shape`; a subclass reads one."""
@@ -77,6 +92,10 @@ class TensorSource(ABC):
     def read(self, name: str) -> torch.Tensor:
         """The tensor `name`, in float32 (counted in `reads`)."""
 
+    def row_blocks(self, name: str, rows: int) -> Iterator[RowBlock]:
+        """The tensor `name` in float32 blocks of `rows` rows; this default reads it whole."""
+        yield from slice_rows(self.read(name), rows)
+
 
 class SafetensorsSource(TensorSource):
     """IR name -> a tensor of safetensors files, read in float32 on each access."""
@@ -93,13 +112,27 @@ class SafetensorsSource(TensorSource):
         tensor = tensor.to(torch.float32).contiguous()
         return tensor + entry.offset if entry.offset else tensor
 
+    def row_blocks(self, name: str, rows: int) -> Iterator[RowBlock]:
+        """Blocks read from the file one at a time: never the whole tensor in float32."""
+        from safetensors import safe_open
+
+        entry = self.tensors[name]
+        with safe_open(str(entry.file), framework="pt") as f:
+            stored = f.get_slice(entry.key)
+            for start in range(0, entry.shape[0], rows):
+                block = stored[start:start + rows].to(torch.float32)
+                yield start, block + entry.offset if entry.offset else block
+        self.reads += 1
+
 
 @dataclass
 class _Thunk:
-    """A weight computed on access (never cached), with its shape known up front."""
+    """A weight computed on access (never cached), with its shape known up front, and
+    optionally a block of rows at a time."""
 
     compute: Callable[[], torch.Tensor]
     shape: tuple[int, ...]
+    blocks: Callable[[int], Iterator[RowBlock]] | None = None
 
 
 class WeightStore(MutableMapping[str, torch.Tensor]):
@@ -120,14 +153,28 @@ class WeightStore(MutableMapping[str, torch.Tensor]):
             return self.source.read(name)
         raise KeyError(name)
 
+    def row_blocks(self, name: str, rows: int) -> Iterator[RowBlock]:
+        """The weight `name` (2-D) in float32 blocks of `rows` rows, in order: a reader that
+        streams them holds one block where `self[name]` would hold the whole float tensor."""
+        value = self.overlay.get(name)
+        if isinstance(value, _Thunk) and value.blocks is not None:
+            yield from value.blocks(rows)
+        elif value is not None:
+            yield from slice_rows(value.compute() if isinstance(value, _Thunk) else value, rows)
+        elif self.source is not None and name in self.source and name not in self.deleted:
+            yield from self.source.row_blocks(name, rows)
+        else:
+            raise KeyError(name)
+
     def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
         self.overlay[name] = tensor
         self.deleted.discard(name)
 
-    def set_lazy(self, name: str, compute: Callable[[], torch.Tensor],
-                 shape: tuple[int, ...]) -> None:
-        """`name` is computed by `compute()` on each access."""
-        self.overlay[name] = _Thunk(compute, tuple(shape))
+    def set_lazy(self, name: str, compute: Callable[[], torch.Tensor], shape: tuple[int, ...],
+                 blocks: Callable[[int], Iterator[RowBlock]] | None = None) -> None:
+        """`name` is computed by `compute()` on each access (`blocks(rows)`: the same, a
+        block of rows at a time)."""
+        self.overlay[name] = _Thunk(compute, tuple(shape), blocks)
         self.deleted.discard(name)
 
     def __delitem__(self, name: str) -> None:

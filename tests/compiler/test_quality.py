@@ -3,6 +3,8 @@ reads, else the input model's own seeded samples; never nothing unless told."""
 
 from __future__ import annotations
 
+import pytest
+
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.model_samples import sample
 from llmopt.compiler.pass_manager import PassContext, apply_passes
@@ -104,3 +106,20 @@ def test_parameter_count_matches_the_weights(tiny_checkpoints):
         linears = sum(t.numel() for n, t in ir.weights.items()
                       if n.endswith("proj.weight") or n in ("embed_tokens", "lm_head.weight"))
         assert parameter_count(ir) == linears
+
+
+def test_a_model_too_large_to_sample_is_streamed_with_the_same_result(tiny_checkpoints,
+                                                                      monkeypatch):
+    from llmopt.compiler import quality as quality_module
+
+    before = load_checkpoint(str(tiny_checkpoints["llama"]))
+    recipe = Recipe(model="m", passes=RTN, quality={"measure": False})
+    after, _ = apply_passes(before, recipe.passes, PassContext(recipe, lambda _: None))
+    probe = QualityProbe.from_passages(before, 2)
+    held = probe.compare(before, after)
+    monkeypatch.setattr(quality_module, "SAMPLING_MAX_PARAMETERS",
+                        quality_module.parameter_count(before) - 1)
+    streamed = probe.compare(before, after)
+    assert streamed["tokens"] == held["tokens"] and streamed["kl"] > 0
+    for key in ("kl", "top1_agreement", "ppl_before", "ppl_after"):
+        assert streamed[key] == pytest.approx(held[key], rel=1e-3), key

@@ -50,3 +50,29 @@ def test_greedy_matches_transformers_generate(ir, hf_model):
         decode_logits = torch.cat(hf_out.logits)
         full = model.forward(hf_out.sequences[:, :-1])[0, length - 1 :]
         torch.testing.assert_close(full, decode_logits, rtol=0, atol=1e-4)
+
+
+def test_streamed_linears_give_the_held_forward_and_hold_no_linear(ir, monkeypatch):
+    """Streamed rows (float source, integer codes, a quantized head) give the same logits,
+    and no linear, embedding or head is ever read whole."""
+    from llmopt.compiler.quant_format import group_quantize
+    from llmopt.compiler.weight_store import WeightStore
+
+    quantized = ir.copy()
+    for name in ("layers.0.q_proj", "layers.0.down_proj"):
+        quantized.set_quantized(name, group_quantize(ir.weights[f"{name}.weight"], 4, 16,
+                                                     symmetric=False))
+    ids = random_ids(2, 20, seed=3)
+    expected = ReferenceModel(quantized).forward(ids)
+    read_whole: list[str] = []
+    original = WeightStore.__getitem__
+
+    def recording(store, name):
+        read_whole.append(name)
+        return original(store, name)
+
+    monkeypatch.setattr(WeightStore, "__getitem__", recording)
+    streamed = ReferenceModel(quantized, stream_linears=True).forward(ids)
+    torch.testing.assert_close(streamed, expected, rtol=0, atol=1e-4)
+    held = [n for n in read_whole if n in quantized.weights]  # `get` asks for absent biases
+    assert held and all(len(quantized.weights.shape(n)) == 1 for n in held), held

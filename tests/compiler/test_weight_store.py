@@ -118,3 +118,17 @@ def test_streamed_weights_are_the_bytes_onnx_would_write(tmp_path):
     save_with_external_data(build(tmp_path / "b" / "m.onnx.data"), tmp_path / "b" / "m.onnx")
     for file in ("m.onnx", "m.onnx.data"):
         assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes()
+
+
+def test_row_blocks_are_the_weight_a_block_at_a_time(tiny_checkpoints):
+    """From the safetensors source, a quantized thunk and a plain overlay tensor alike."""
+    ir = load_checkpoint(str(tiny_checkpoints["llama"]))
+    q = group_quantize(ir.weights["layers.0.q_proj.weight"], 4, 32, symmetric=False)
+    ir.set_quantized("layers.0.q_proj", q)
+    ir.weights["layers.0.k_proj.weight"] = torch.randn(ir.weights.shape("layers.0.k_proj.weight"))
+    for name in ("layers.0.q_proj.weight", "layers.0.k_proj.weight", "layers.0.up_proj.weight",
+                 "embed_tokens"):
+        blocks = list(ir.weights.row_blocks(name, 5))
+        assert [start for start, _ in blocks] == list(range(0, ir.weights.shape(name)[0], 5))
+        assert all(block.shape[0] <= 5 for _, block in blocks)
+        assert torch.equal(torch.cat([block for _, block in blocks]), ir.weights[name]), name
