@@ -39,9 +39,9 @@ if TYPE_CHECKING:
 
 PROGRESS_EVERY_S = 10.0  # a measurement takes minutes on a real model: say how far it got
 # The built-in passages' probe: a fixed token budget, so its compute stays a small share
-# of a compile at every size (its two reads of the model cost about what one weight pass
-# costs to read it).
-PASSAGE_WINDOW, PASSAGE_WINDOWS = 128, 1
+# of a compile at every size (a forward's cost per parameter grows with its tokens, a
+# weight pass's does not; its two streamed reads cost less than one pass's).
+PASSAGE_WINDOW, PASSAGE_WINDOWS = 64, 1
 # Logits held at once while comparing (each window's log-probabilities wait for the other
 # model's): bounds the probe's memory at large vocabularies.
 LOGITS_BUDGET_BYTES = 512 << 20
