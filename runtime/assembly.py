@@ -102,7 +102,7 @@ def engine_config(manifest: Manifest, options: EngineOptions) -> EngineConfig:
     if streaming is not None:
         check_streaming(manifest, streaming, max_context, block_size)
         if isinstance(streaming, H2OConfig):
-            check_h2o(manifest, options.kernels, cdiv(max_context, block_size) * block_size)
+            check_h2o(manifest, options.kernels)
         step_tokens = min(step_tokens, streaming.max_step_tokens(block_size))
     return EngineConfig(
         block_size=block_size,
@@ -131,14 +131,14 @@ def streaming_config(manifest: Manifest, options: EngineOptions
     return StreamingConfig(sinks=recipe.sinks, window=recipe.window, drop=recipe.drop)
 
 
-def check_h2o(manifest: Manifest, kernels: str, lane_tokens: int) -> None:
+def check_h2o(manifest: Manifest, kernels: str) -> None:
     """H2O needs the native step, which returns attention weights: one line where it
     cannot run the target (before any work)."""
     graph = manifest.graphs["target"]
     if kernels == "onnxruntime":
         raise ValueError("h2o needs the native step's attention weights; ONNX Runtime's fused "
                          "GroupQueryAttention does not return them (kernels: onnxruntime)")
-    reason = unavailable_reason(graph, manifest.kv_cache, lane_tokens)
+    reason = unavailable_reason(graph, manifest.kv_cache)
     if reason is not None:
         raise ValueError(f"h2o needs the native step's attention weights (ONNX Runtime's "
                          f"fused GroupQueryAttention does not return them), and it cannot "
