@@ -18,7 +18,7 @@ from llmopt.runtime.kv.sliding import SlidingBlocks
 from llmopt.runtime.kv.streaming import StreamingConfig, StreamingKV
 from llmopt.runtime.manifest import KVCacheSpec, Manifest
 from llmopt.runtime.native.library import unavailable_reason
-from llmopt.runtime.native.plan import NativePlan, Tensor, read_plan
+from llmopt.runtime.native.plan import NativePlan, Tensor, read_plan, rotary_tables
 from llmopt.runtime.speculative.speculator import build_speculator
 from llmopt.runtime.tokenizer import Tokenizer
 
@@ -159,11 +159,16 @@ def check_streaming(manifest: Manifest, streaming: StreamingConfig | H2OConfig,
         raise ValueError(f"streaming supports lanes of keys and values only; this artifact's "
                          f"hold {sorted(names)}")
     plan = read_plan(manifest.graphs["target"].native)
-    if not isinstance(plan, NativePlan):
-        raise ValueError("streaming needs the rotary tables of the target's native plan, "
-                         "which this artifact does not have")
-    if any(layer.kv is not None and layer.kv.bits in (8, 4) and layer.kv.key_scale is None
-           for layer in plan.layers):
+    if rotary_tables(plan) is None:
+        raise ValueError("streaming needs the target's rotary tables (and how its lanes "
+                         "hold keys), which this artifact's manifest does not name")
+    codes = any(t.dtype in ("int8", "uint8") for layer in kv_cache.layers for t in layer.tensors)
+    if codes and not isinstance(plan, NativePlan):
+        raise ValueError("streaming needs the static key scales of KV codes to turn kept "
+                         "keys, which only a native plan names; this artifact has none")
+    if isinstance(plan, NativePlan) and any(
+            layer.kv is not None and layer.kv.bits in (8, 4) and layer.kv.key_scale is None
+            for layer in plan.layers):
         raise ValueError("streaming needs the static key scales of KV codes to turn kept "
                          "keys; this artifact's native plan has none")
 
@@ -173,10 +178,11 @@ def eviction_kv(path: Path, manifest: Manifest, policy: StreamingConfig | H2OCon
     """The per-request eviction state, with the target's rotary tables and key formats."""
     spec = manifest.graphs["target"]
     plan = read_plan(spec.native)
-    assert isinstance(plan, NativePlan), "check_streaming let a graph without a plan through"
+    tables = rotary_tables(plan)
+    assert tables is not None, "check_streaming let a graph without rotary tables through"
     data = np.memmap(path / spec.data_file, np.uint8, mode="r") if spec.data_file else None
     formats = {}
-    for index, layer in enumerate(plan.layers):
+    for index, layer in enumerate(plan.layers if isinstance(plan, NativePlan) else ()):
         kv = layer.kv
         if kv is None:
             continue
@@ -184,12 +190,12 @@ def eviction_kv(path: Path, manifest: Manifest, policy: StreamingConfig | H2OCon
                  else _tensor_array(kv.key_scale, data).reshape(-1, 1, plan.head_dim))
         rotation = None if kv.rotation is None else _tensor_array(kv.rotation, data)
         formats[index] = KeyFormat(kv.bits, scale, rotation)
-    mover = LaneMover(_tensor_array(plan.rope_cos, data), _tensor_array(plan.rope_sin, data),
-                      formats)
+    mover = LaneMover(*(_tensor_array(table, data) for table in tables), formats)
     block_size = manager.block_size
     if isinstance(policy, StreamingConfig):
         return StreamingKV(policy, block_size, mover)
     assert manager.lane_blocks is not None, "check_streaming let a blocks layout through"
+    assert isinstance(plan, NativePlan), "check_h2o let a graph without a plan through"
     kv_heads = manifest.kv_cache.layers[0].tensors[0].slot_shape[0]
     return H2OKV(policy, block_size, mover, layers=len(plan.layers), lanes=manager.num_lanes,
                  kv_heads=kv_heads, lane_tokens=manager.lane_blocks * block_size)
