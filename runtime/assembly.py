@@ -132,17 +132,17 @@ def streaming_config(manifest: Manifest, options: EngineOptions
 
 
 def check_h2o(manifest: Manifest, kernels: str) -> None:
-    """H2O needs the native step, which returns attention weights: one line where it
-    cannot run the target (before any work)."""
-    graph = manifest.graphs["target"]
-    if kernels == "onnxruntime":
-        raise ValueError("h2o needs the native step's attention weights; ONNX Runtime's fused "
-                         "GroupQueryAttention does not return them (kernels: onnxruntime)")
-    reason = unavailable_reason(graph, manifest.kv_cache)
+    """H2O needs attention weights: the native step's, or those a graph compiled for H2O
+    (`runtime: {h2o: ...}`) returns beside its fused attention on ONNX Runtime. One line
+    where neither runs the target (before any work)."""
+    if manifest.runtime.h2o is not None:  # its graph returns them (compiler/attention_sums)
+        return
+    reason = ("kernels: onnxruntime" if kernels == "onnxruntime"
+              else unavailable_reason(manifest.graphs["target"], manifest.kv_cache))
     if reason is not None:
-        raise ValueError(f"h2o needs the native step's attention weights (ONNX Runtime's "
-                         f"fused GroupQueryAttention does not return them), and it cannot "
-                         f"run here: {reason}")
+        raise ValueError(f"h2o needs attention weights: the native step's, which cannot run "
+                         f"here ({reason}), or a graph compiled with `runtime: {{h2o: ...}}` "
+                         f"(ONNX Runtime's fused GroupQueryAttention returns none)")
 
 
 def check_streaming(manifest: Manifest, streaming: StreamingConfig | H2OConfig,
@@ -195,9 +195,9 @@ def eviction_kv(path: Path, manifest: Manifest, policy: StreamingConfig | H2OCon
     if isinstance(policy, StreamingConfig):
         return StreamingKV(policy, block_size, mover)
     assert manager.lane_blocks is not None, "check_streaming let a blocks layout through"
-    assert isinstance(plan, NativePlan), "check_h2o let a graph without a plan through"
     kv_heads = manifest.kv_cache.layers[0].tensors[0].slot_shape[0]
-    return H2OKV(policy, block_size, mover, layers=len(plan.layers), lanes=manager.num_lanes,
+    return H2OKV(policy, block_size, mover, layers=len(manifest.kv_cache.layers),
+                 lanes=manager.num_lanes,
                  kv_heads=kv_heads, lane_tokens=manager.lane_blocks * block_size)
 
 
