@@ -313,3 +313,21 @@ def test_onnx_runtime_runs_h2o_past_the_context(artifacts):
     params = greedy_params(20)
     assert (off.generate(random_prompt(9), params)[0].token_ids
             == plain.generate(random_prompt(9), params)[0].token_ids)
+
+
+@needs_native
+def test_onnx_runtime_sums_see_the_sliding_window(tiny_checkpoints, word_text, tmp_path):
+    """The tiny Mistral (a window of 12 on every layer), requests past the window: ONNX
+    Runtime's sums (its branch masks the window) equal the native step's (each query reads
+    its window only) within float rounding: either reading keys outside would differ."""
+    artifact = compile_artifacts(tiny_checkpoints["mistral"], word_text, tmp_path,
+                                 {"recipe": ([RTN], A8)},
+                                 {"h2o": {"budget": H2O.budget, "recent": H2O.recent,
+                                          "sinks": H2O.sinks}})["recipe"]
+    prompts = [random_prompt(20, seed=3), random_prompt(15, seed=4)]
+    got, want = (_sums_after(LLM(artifact, kernels=k, max_num_batched_tokens=8), prompts, 5)
+                 for k in ("onnxruntime", "native"))
+    for ort_sums, native_sums in zip(got, want, strict=True):
+        assert ort_sums.shape[-1] > 12
+        np.testing.assert_allclose(ort_sums, native_sums, rtol=0,
+                                   atol=1e-6 * np.abs(native_sums).max())
