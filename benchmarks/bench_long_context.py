@@ -13,13 +13,16 @@ SmolLM2-135M-Instruct (context 8192), int4 weights, float32 KV lanes, the native
    question; the log-probability of the code's tokens and whether greedy decoding
    says it, at several distances, full attention against both at the smallest budget.
 3. What H2O costs per decode step beside sinks + window at the largest budget: greedy
-   decoding past the budget (evictions included), the two interleaved `--cost-rounds`
-   times; mean ms per step over the steps past the budget.
+   decoding past the budget (evictions included), H2O at each of `--drops` (its default
+   drop, a sixteenth of the budget; 1: the paper's one entry a step), the runs
+   interleaved `--cost-rounds` times; mean ms per step over the steps past the budget.
 4. A `--gen`-token greedy generation in a lane of the largest budget (memory per
    sequence: its lane's KV bytes; decode tok/s around 2k, 8k, 16k and at the end),
    beside full attention decoding its last 256 tokens up to 8k in a lane of 8k.
 
     python benchmarks/bench_long_context.py --artifact /tmp/smollm2-int4-8k
+    python benchmarks/bench_long_context.py --skip ppl,probe,gen --drops default,1 \
+        --cost-rounds 3 --threads 1
 """
 
 from __future__ import annotations
@@ -58,14 +61,20 @@ def read_text(name: str) -> str:
     return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in TEXTS[name])
 
 
+THREADS: int | None = None  # every engine's (--threads; None: the machine's cores)
+
+
 def streaming_llm(artifact: Path, budget: int, chunk: int) -> LLM:
     return LLM(artifact, max_num_seqs=1, max_context=budget, max_num_batched_tokens=chunk,
-               streaming=StreamingConfig(sinks=SINKS, window=budget - SINKS))
+               streaming=StreamingConfig(sinks=SINKS, window=budget - SINKS),
+               num_threads=THREADS)
 
 
-def h2o_llm(artifact: Path, budget: int, chunk: int, sinks: int = 0) -> LLM:
+def h2o_llm(artifact: Path, budget: int, chunk: int, sinks: int = 0,
+            drop: int | None = None) -> LLM:
     return LLM(artifact, max_num_seqs=1, max_context=budget, max_num_batched_tokens=chunk,
-               streaming=H2OConfig(budget=budget, sinks=sinks))
+               streaming=H2OConfig(budget=budget, sinks=sinks, drop=drop),
+               num_threads=THREADS)
 
 
 def evicting_llms(artifact: Path, budgets: list[int], chunk: int, kinds: set[str],
@@ -172,14 +181,18 @@ def step_times(llm: LLM, prompt: list[int], gen: int) -> list[float]:
     return times[-gen + 1:]
 
 
-def decode_cost(artifact: Path, budget: int, rounds: int) -> dict[str, Any]:
-    """Mean ms per decode step past the budget, sinks + window against H2O, interleaved."""
+def decode_cost(artifact: Path, budget: int, rounds: int, drops: list[int | None]
+                ) -> dict[str, Any]:
+    """Mean ms per decode step past the budget, sinks + window against H2O at each drop
+    (None: its default), interleaved."""
     text = LLM(artifact, max_num_seqs=1, max_context=budget).tokenizer.encode(
         read_text("licences"))
     prompt, gen = text[:budget // 2], budget
-    llms = {"sinks+window": streaming_llm(artifact, budget, 512),
-            "h2o": h2o_llm(artifact, budget, 512)}
-    past = {label: [] for label in llms}
+    llms = {"sinks+window": streaming_llm(artifact, budget, 512)}
+    for drop in drops:
+        llms["h2o" if drop is None else f"h2o drop {drop}"] = h2o_llm(artifact, budget, 512,
+                                                                      drop=drop)
+    past: dict[str, list[float]] = {label: [] for label in llms}
     for i in range(rounds):
         for label in (list(llms) if i % 2 == 0 else list(reversed(llms))):
             times = step_times(llms[label], prompt, gen)
@@ -187,8 +200,9 @@ def decode_cost(artifact: Path, budget: int, rounds: int) -> dict[str, Any]:
     result = {label: {"steps": len(t), "ms_per_step": round(1e3 * float(np.mean(t)), 3),
                       "median_ms": round(1e3 * float(np.median(t)), 3),
                       "max_ms": round(1e3 * float(np.max(t)), 1)} for label, t in past.items()}
-    result["h2o_over_streaming"] = round(result["h2o"]["ms_per_step"]
-                                         / result["sinks+window"]["ms_per_step"], 3)
+    for label in list(llms)[1:]:
+        result[f"{label} over streaming"] = round(result[label]["ms_per_step"]
+                                                  / result["sinks+window"]["ms_per_step"], 3)
     print(f"  decode cost at {budget}: {result}", flush=True)
     return {"budget": budget, "rounds": rounds, **result}
 
@@ -221,6 +235,11 @@ def main() -> None:
     parser.add_argument("--distances", default="512,1536,4096,7168")
     parser.add_argument("--gen", type=int, default=20000)
     parser.add_argument("--cost-rounds", type=int, default=2)
+    parser.add_argument("--drops", default="default",
+                        help="H2O drops the cost step times: comma list of 'default' (a "
+                             "sixteenth of the budget) and entry counts (1: the paper's)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="every engine's threads (default: the machine's cores)")
     parser.add_argument("--ppl-runs", default="full,sinks+window,h2o",
                         help="which perplexity runs: comma list of full,sinks+window,h2o")
     parser.add_argument("--h2o-sinks", type=int, default=0,
@@ -229,6 +248,8 @@ def main() -> None:
                         help="comma list of parts to skip: ppl,probe,cost,gen (or gen-stream)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_long_context.json")
     args = parser.parse_args()
+    global THREADS
+    THREADS = args.threads
     compile_artifact(args.artifact, REPO_ROOT / "recipes" / "smollm2-135m-int4.yaml",
                      ["runtime.max_context=8192", "runtime.max_num_seqs=1"])
     budgets = [int(b) for b in args.budgets.split(",")]
@@ -246,7 +267,9 @@ def main() -> None:
                                          min(budgets), args.chunk)
     if "cost" not in skip:
         print("decode cost:", flush=True)
-        payload["decode_cost"] = decode_cost(args.artifact, max(budgets), args.cost_rounds)
+        drops = [None if d == "default" else int(d) for d in args.drops.split(",")]
+        payload["decode_cost"] = decode_cost(args.artifact, max(budgets), args.cost_rounds,
+                                             drops)
     if "gen" not in skip:
         print("generation:", flush=True)
         payload["generation"] = generation(args.artifact, args.gen, max(budgets), skip)

@@ -18,8 +18,7 @@ WEIGHT_PASSES = ("rtn", "gptq", "awq", "gguf_weights")
 def kernel_forecast(recipe: Recipe, artifact: Path) -> list[str]:
     """Log lines: the kernels `llmopt generate/serve/bench` will pick here, and why."""
     manifest = Manifest.model_validate(json.loads((artifact / MANIFEST_FILE).read_text()))
-    lane_tokens = manifest.runtime.max_context
-    reason = unavailable_reason(manifest.graphs["target"], manifest.kv_cache, lane_tokens)
+    reason = unavailable_reason(manifest.graphs["target"], manifest.kv_cache)
     if reason is None:
         return ["kernels on this machine: native (llmopt's decoder step)"]
     lines = ["kernels on this machine: onnxruntime, not the native step: " + reason]

@@ -19,6 +19,7 @@ import onnx
 import torch
 from onnx import TensorProto
 
+from llmopt.compiler.attention_sums import emit_attention_sums
 from llmopt.compiler.ir import ArchSpec, LayerSpec, ModelIR
 from llmopt.compiler.kv_cache_format import (
     KVSide,
@@ -84,6 +85,9 @@ class LoweringOptions:
     # blocks and attends over the copy; "lanes" gives each sequence a contiguous lane that
     # ONNX Runtime's GroupQueryAttention reads and appends to in place.
     kv_layout: str = "blocks"
+    # Lanes: also return each layer's step attention weights summed per KV head (H2O on
+    # ONNX Runtime, whose fused attention returns none: compiler/attention_sums.py).
+    attention_sums: bool = False
 
 
 def lowering_options(recipe: Recipe, arch: ArchSpec) -> LoweringOptions:
@@ -96,6 +100,7 @@ def lowering_options(recipe: Recipe, arch: ArchSpec) -> LoweringOptions:
         quantized_matmul=None if recipe.target.quantized_matmul == "auto"
         else recipe.target.quantized_matmul,
         kv_layout=kv_layout_for(recipe.target.kv_layout, recipe.target.operator_set, arch),
+        attention_sums=recipe.runtime.h2o is not None,
     )
 
 
@@ -443,12 +448,14 @@ class _DecoderLowering:
                 q = self._head_norm(q, heads, dim, p + "q_norm")
                 k = self._head_norm(k, kv_heads, dim, p + "k_norm")
             qkv_inputs = [q, k, v]
+        rotated = None  # the queries as the node's scores see them, where emitted
         if rounded:
             positions = self._lane_positions()
             q = self.ops.rotary(q, heads, dim, table, positions)
             k = self.ops.rotary(k, kv_heads, dim, table, positions)
             if spec.kv_rotate_keys:  # the lane stores rotated keys; q·k is unchanged
                 q, k = emit_rotate_heads(g, q, heads, dim), emit_rotate_heads(g, k, kv_heads, dim)
+            rotated = q
             if coded:
                 k, v = (emit_round_trip(g, x, side, scale)
                         for x, side, scale in zip((k, v), kv_sides(spec), scales, strict=True))
@@ -474,7 +481,27 @@ class _DecoderLowering:
         g.op_into("GroupQueryAttention", inputs,
                   [out, C.present_name(index, "key"), C.present_name(index, "value")],
                   domain=MS_DOMAIN, **attrs)
+        if self.options.attention_sums:
+            self._attention_sums(index, rotated or self._rotated_queries(index, qkv_inputs),
+                                 scales[0] if scales else None)
         return g.op("Cast", [out], to=TensorProto.FLOAT) if half else out
+
+    def _rotated_queries(self, index: int, qkv_inputs: list[str]) -> str:
+        """The queries rotary turns inside a node that rotates them itself (do_rotary)."""
+        g, spec = self.g, self.arch.layers[index]
+        q = qkv_inputs[0]
+        if qkv_inputs[1] == "":  # packed q/k/v: the queries lead
+            q = g.op("Slice", [q, g.const([0]), g.const([spec.num_heads * spec.head_dim]),
+                               g.const([-1])])
+        return self.ops.rotary(q, spec.num_heads, spec.head_dim, f"rope.{spec.rope}",
+                               self._lane_positions())
+
+    def _attention_sums(self, index: int, queries: str, key_scale: str | None) -> None:
+        """H2O's step attention weights per KV head beside the fused node (see
+        compiler/attention_sums.py); the native step computes its own."""
+        emit_attention_sums(self.g, queries, C.present_name(index, "key"),
+                            self._lane_positions(), self.arch.layers[index], index,
+                            self.arch.attn_scale, self.arch.attn_softcap, key_scale)
 
     def _record_lane_attention(self, index: int, scales: list[str] | None, half: bool) -> None:
         """A layer's attention shape and lanes, as `_lane_attention` emitted them."""

@@ -5,8 +5,8 @@ The runtime's native decoder step (one C call per step, see runtime/native/kerne
 computes what a lanes graph computes, for the models it knows: a llama-style decoder (RMS
 norms, fused QKV and gate/up projections, SiLU, GroupQueryAttention with rotary, no softcap;
 biases added to projections, as Qwen2's q/k/v, and RMS norms of each query and key head
-before rotary, as Qwen3's, are taken; a sliding window, as Mistral's, is recorded: the
-runtime runs the step only where a lane holds no more tokens than the window) whose
+before rotary, as Qwen3's, are taken; a sliding window every layer shares, as Mistral's,
+is recorded, and each query reads only its window of its lane) whose
 projections are MatMulNBits at accuracy level 4 with 4- or 8-bit codes in blocks of 32, 64
 or 128 (or MatMulBnb4's NF4/FP4 code books), and KV lanes of float32 or, per layer, the
 KV-cache pass's float16 or int8/int4 codes with static per-channel scales.
@@ -127,20 +127,36 @@ class PlanRecorder:
 
     def resolve(self, model: onnx.ModelProto) -> NativePlan | Unsupported:
         """The plan, each named weight located among the saved graph's initializers."""
+        reason = self._reason()
+        if reason is not None:
+            return self._unsupported(model, reason)
+        return _Locator(model).plan(self, self.attention[0])
+
+    def _reason(self) -> str | None:
+        """Why the native step cannot run the graph, or None."""
         if self.reason is not None:
-            return Unsupported(self.reason)
+            return self.reason
         shapes = set(self.attention.values())
         if len(shapes) != 1:
-            return Unsupported("layers with different attention shapes or sliding windows")
+            return "layers with different attention shapes or sliding windows"
         shape = shapes.pop()
         if shape.head_dim > 256 or shape.head_dim % _VECTOR or self.arch.hidden_size % _VECTOR:
-            return Unsupported(f"hidden size {self.arch.hidden_size} or head_dim "
-                               f"{shape.head_dim} is not a multiple of {_VECTOR} (head_dim "
-                               "up to 256)")
+            return (f"hidden size {self.arch.hidden_size} or head_dim {shape.head_dim} is not "
+                    f"a multiple of {_VECTOR} (head_dim up to 256)")
         if (shape.heads // shape.kv_heads) * shape.head_dim > 8 * 256:
-            return Unsupported(f"{shape.heads // shape.kv_heads} query heads of "
-                               f"{shape.head_dim} share a KV head")
-        return _Locator(model).plan(self, shape)
+            return (f"{shape.heads // shape.kv_heads} query heads of {shape.head_dim} share a "
+                    "KV head")
+        return None
+
+    def _unsupported(self, model: onnx.ModelProto, reason: str) -> Unsupported:
+        """`reason`, with the rotary tables of a lanes graph whose layers share one (the
+        runtime turns evicted lanes' keys with them: `kv.compaction`); none where keys are
+        stored rotated, whose rotation only a plan names."""
+        ropes = {shape.rope for shape in self.attention.values()}
+        if len(ropes) != 1 or any(lanes.rotation for lanes in self.lanes.values()):
+            return Unsupported(reason)
+        locator, rope = _Locator(model), ropes.pop()
+        return Unsupported(reason, locator.tensor(f"{rope}.cos"), locator.tensor(f"{rope}.sin"))
 
 
 class _Locator:

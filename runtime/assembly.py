@@ -18,7 +18,7 @@ from llmopt.runtime.kv.sliding import SlidingBlocks
 from llmopt.runtime.kv.streaming import StreamingConfig, StreamingKV
 from llmopt.runtime.manifest import KVCacheSpec, Manifest
 from llmopt.runtime.native.library import unavailable_reason
-from llmopt.runtime.native.plan import NativePlan, Tensor, read_plan
+from llmopt.runtime.native.plan import NativePlan, Tensor, read_plan, rotary_tables
 from llmopt.runtime.speculative.speculator import build_speculator
 from llmopt.runtime.tokenizer import Tokenizer
 
@@ -102,7 +102,7 @@ def engine_config(manifest: Manifest, options: EngineOptions) -> EngineConfig:
     if streaming is not None:
         check_streaming(manifest, streaming, max_context, block_size)
         if isinstance(streaming, H2OConfig):
-            check_h2o(manifest, options.kernels, cdiv(max_context, block_size) * block_size)
+            check_h2o(manifest, options.kernels)
         step_tokens = min(step_tokens, streaming.max_step_tokens(block_size))
     return EngineConfig(
         block_size=block_size,
@@ -131,18 +131,18 @@ def streaming_config(manifest: Manifest, options: EngineOptions
     return StreamingConfig(sinks=recipe.sinks, window=recipe.window, drop=recipe.drop)
 
 
-def check_h2o(manifest: Manifest, kernels: str, lane_tokens: int) -> None:
-    """H2O needs the native step, which returns attention weights: one line where it
-    cannot run the target (before any work)."""
-    graph = manifest.graphs["target"]
-    if kernels == "onnxruntime":
-        raise ValueError("h2o needs the native step's attention weights; ONNX Runtime's fused "
-                         "GroupQueryAttention does not return them (kernels: onnxruntime)")
-    reason = unavailable_reason(graph, manifest.kv_cache, lane_tokens)
+def check_h2o(manifest: Manifest, kernels: str) -> None:
+    """H2O needs attention weights: the native step's, or those a graph compiled for H2O
+    (`runtime: {h2o: ...}`) returns beside its fused attention on ONNX Runtime. One line
+    where neither runs the target (before any work)."""
+    if manifest.runtime.h2o is not None:  # its graph returns them (compiler/attention_sums)
+        return
+    reason = ("kernels: onnxruntime" if kernels == "onnxruntime"
+              else unavailable_reason(manifest.graphs["target"], manifest.kv_cache))
     if reason is not None:
-        raise ValueError(f"h2o needs the native step's attention weights (ONNX Runtime's "
-                         f"fused GroupQueryAttention does not return them), and it cannot "
-                         f"run here: {reason}")
+        raise ValueError(f"h2o needs attention weights: the native step's, which cannot run "
+                         f"here ({reason}), or a graph compiled with `runtime: {{h2o: ...}}` "
+                         f"(ONNX Runtime's fused GroupQueryAttention returns none)")
 
 
 def check_streaming(manifest: Manifest, streaming: StreamingConfig | H2OConfig,
@@ -159,11 +159,16 @@ def check_streaming(manifest: Manifest, streaming: StreamingConfig | H2OConfig,
         raise ValueError(f"streaming supports lanes of keys and values only; this artifact's "
                          f"hold {sorted(names)}")
     plan = read_plan(manifest.graphs["target"].native)
-    if not isinstance(plan, NativePlan):
-        raise ValueError("streaming needs the rotary tables of the target's native plan, "
-                         "which this artifact does not have")
-    if any(layer.kv is not None and layer.kv.bits in (8, 4) and layer.kv.key_scale is None
-           for layer in plan.layers):
+    if rotary_tables(plan) is None:
+        raise ValueError("streaming needs the target's rotary tables (and how its lanes "
+                         "hold keys), which this artifact's manifest does not name")
+    codes = any(t.dtype in ("int8", "uint8") for layer in kv_cache.layers for t in layer.tensors)
+    if codes and not isinstance(plan, NativePlan):
+        raise ValueError("streaming needs the static key scales of KV codes to turn kept "
+                         "keys, which only a native plan names; this artifact has none")
+    if isinstance(plan, NativePlan) and any(
+            layer.kv is not None and layer.kv.bits in (8, 4) and layer.kv.key_scale is None
+            for layer in plan.layers):
         raise ValueError("streaming needs the static key scales of KV codes to turn kept "
                          "keys; this artifact's native plan has none")
 
@@ -173,10 +178,11 @@ def eviction_kv(path: Path, manifest: Manifest, policy: StreamingConfig | H2OCon
     """The per-request eviction state, with the target's rotary tables and key formats."""
     spec = manifest.graphs["target"]
     plan = read_plan(spec.native)
-    assert isinstance(plan, NativePlan), "check_streaming let a graph without a plan through"
+    tables = rotary_tables(plan)
+    assert tables is not None, "check_streaming let a graph without rotary tables through"
     data = np.memmap(path / spec.data_file, np.uint8, mode="r") if spec.data_file else None
     formats = {}
-    for index, layer in enumerate(plan.layers):
+    for index, layer in enumerate(plan.layers if isinstance(plan, NativePlan) else ()):
         kv = layer.kv
         if kv is None:
             continue
@@ -184,14 +190,14 @@ def eviction_kv(path: Path, manifest: Manifest, policy: StreamingConfig | H2OCon
                  else _tensor_array(kv.key_scale, data).reshape(-1, 1, plan.head_dim))
         rotation = None if kv.rotation is None else _tensor_array(kv.rotation, data)
         formats[index] = KeyFormat(kv.bits, scale, rotation)
-    mover = LaneMover(_tensor_array(plan.rope_cos, data), _tensor_array(plan.rope_sin, data),
-                      formats)
+    mover = LaneMover(*(_tensor_array(table, data) for table in tables), formats)
     block_size = manager.block_size
     if isinstance(policy, StreamingConfig):
         return StreamingKV(policy, block_size, mover)
     assert manager.lane_blocks is not None, "check_streaming let a blocks layout through"
     kv_heads = manifest.kv_cache.layers[0].tensors[0].slot_shape[0]
-    return H2OKV(policy, block_size, mover, layers=len(plan.layers), lanes=manager.num_lanes,
+    return H2OKV(policy, block_size, mover, layers=len(manifest.kv_cache.layers),
+                 lanes=manager.num_lanes,
                  kv_heads=kv_heads, lane_tokens=manager.lane_blocks * block_size)
 
 

@@ -123,6 +123,13 @@ def present_name(layer: int, tensor: str) -> str:
     return f"present.{layer}.{tensor}"
 
 
+def attention_sums_name(layer: int) -> str:
+    """Lanes layout, graphs compiled for H2O: output [B, kv_heads, total_sequence_length],
+    each row's step attention weights summed over its tokens and each KV head's query
+    group (compiler/attention_sums.py)."""
+    return f"attention_sums.{layer}"
+
+
 def present_of(past: str) -> str:
     """The lanes layout's present output bound to the same memory as input `past`."""
     return "present." + past.removeprefix("past.")

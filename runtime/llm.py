@@ -38,8 +38,8 @@ class LLM:
     `window` positions, so generation runs past the context in fixed memory (lanes; no
     speculation, no prefix caching; see `kv.streaming`); `streaming=H2OConfig(budget)`
     keeps heavy hitters by accumulated attention and a recent window instead (the native
-    step; `kv.h2o`); None takes the recipe's `runtime: streaming:` or `h2o:`, False turns
-    it off.
+    step, or ONNX Runtime on an artifact compiled with `runtime: h2o`; `kv.h2o`); None
+    takes the recipe's `runtime: streaming:` or `h2o:`, False turns it off.
     """
 
     def __init__(

@@ -45,8 +45,7 @@ def graph_executor(artifact: Path, graph: GraphSpec, kv_cache: KVCacheSpec, *, k
                    num_local_blocks: int | None = None) -> Executor:
     """The executor `kernels` puts a graph of the artifact on, over new pools: the native
     step (see `runs_native`) or ONNX Runtime's executor for its KV layout."""
-    lane_tokens = lane_blocks * block_size if lane_blocks is not None else None
-    native = runs_native(kernels, graph, kv_cache, lane_tokens)
+    native = runs_native(kernels, graph, kv_cache)
     pools = make_pools(kv_cache, num_blocks=num_blocks, block_size=block_size,
                        lane_blocks=lane_blocks, num_local_blocks=num_local_blocks)
     if native:
@@ -66,13 +65,12 @@ def kernels_name(executor: Executor) -> str:
     return "native" if isinstance(executor, NativeLaneExecutor) else "onnxruntime"
 
 
-def runs_native(kernels: str, graph: GraphSpec, kv_cache: KVCacheSpec,
-                lane_tokens: int | None = None) -> bool:
-    """Whether `kernels` puts this graph on the native step (its lanes `lane_tokens` long);
+def runs_native(kernels: str, graph: GraphSpec, kv_cache: KVCacheSpec) -> bool:
+    """Whether `kernels` puts this graph on the native step;
     `native` where it cannot run is a one-line error that says why."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels: {kernels!r} is not one of {', '.join(KERNELS)}")
     if kernels == "native":
-        require_native(graph, kv_cache, lane_tokens)
+        require_native(graph, kv_cache)
     return kernels == "native" or (
-        kernels == "auto" and unavailable_reason(graph, kv_cache, lane_tokens) is None)
+        kernels == "auto" and unavailable_reason(graph, kv_cache) is None)

@@ -47,6 +47,22 @@ class LaneExecutor:
         logits = next(o for o in self.session.get_outputs() if o.name == contract.LOGITS)
         self.vocab_size = logits.shape[1]
         self._bindings: OrderedDict[tuple[int, int], tuple[ort.IOBinding, list]] = OrderedDict()
+        self._sums: np.ndarray | None = None  # accumulate_attention's
+
+    def accumulate_attention(self, sums: np.ndarray) -> None:
+        """Every step adds each token's attention weights to `sums` [layers, lanes, kv_heads,
+        lane_tokens] float32 (H2O's accumulated attention: `kv.h2o`), from the graph's
+        `attention_sums` outputs, which a graph compiled for H2O has."""
+        outputs = {o.name for o in self.session.get_outputs()}
+        layers = self.pools.num_layers
+        if any(contract.attention_sums_name(i) not in outputs for i in range(layers)):
+            raise ValueError("h2o on ONNX Runtime needs a graph that returns its attention "
+                             "weights: compile the artifact with `runtime: {h2o: ...}` (or "
+                             "run the native step)")
+        if (sums.dtype != np.float32 or sums.shape[:2] != (layers, self.pools.num_lanes)
+                or sums.shape[3] != self.pools.lane_tokens):
+            raise ValueError(f"attention sums {sums.shape} {sums.dtype} do not match the lanes")
+        self._sums = sums
 
     @property
     def lane_blocks(self) -> int:
@@ -62,13 +78,23 @@ class LaneExecutor:
         """One graph call over the lanes min(lanes) .. max(lanes)."""
         lo = min(lanes)
         binding = self._binding(lo, max(lanes) + 1)
-        for name, array in lane_inputs(batch, [lane - lo for lane in lanes],
-                                       max(lanes) + 1 - lo).items():
+        inputs = lane_inputs(batch, [lane - lo for lane in lanes], max(lanes) + 1 - lo)
+        for name, array in inputs.items():
             binding.bind_cpu_input(name, array)
         # ONNX Runtime writes the logits straight into this array: no copy after the run.
         logits = np.empty((max(1, batch.logits_indices.size), self.vocab_size), np.float32)
         binding.bind_ortvalue_output(contract.LOGITS, ort.OrtValue.ortvalue_from_numpy(logits))
+        step_sums = None
+        if self._sums is not None:  # each layer's [rows, kv_heads, total length], added below
+            total = int(inputs[contract.TOTAL_SEQUENCE_LENGTH])
+            step_sums = np.empty((self._sums.shape[0], max(lanes) + 1 - lo,
+                                  self._sums.shape[2], total), np.float32)
+            for i, layer in enumerate(step_sums):
+                binding.bind_ortvalue_output(contract.attention_sums_name(i),
+                                             ort.OrtValue.ortvalue_from_numpy(layer))
         self.session.run_with_iobinding(binding)
+        if step_sums is not None:  # idle rows add exact zeros
+            self._sums[:, lo:max(lanes) + 1, :, :step_sums.shape[3]] += step_sums
         return logits[: batch.logits_indices.size]
 
     def _binding(self, lo: int, hi: int) -> ort.IOBinding:

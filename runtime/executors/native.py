@@ -33,6 +33,7 @@ class NativeLaneExecutor:
         assert isinstance(plan, NativePlan), "runs_native accepted a graph without a plan"
         self.weights = NativeWeights(plan, artifact / graph.data_file, threads, max_position)
         self.vocab_size = plan.vocab
+        self.window = plan.window
         layers = pools.num_layers
         self._keys = (ctypes.c_void_p * layers)(
             *(pools[f"past.{i}.key"].ctypes.data for i in range(layers)))
@@ -67,6 +68,8 @@ class NativeLaneExecutor:
         positions = step.positions
         if positions.size and positions.max() >= self.weights.model.max_position:
             raise ValueError(f"position {positions.max()} is past the rotary table")
+        if step.masks is not None and self.window is not None:
+            check_tree_window(batch, positions, self.window)
         rows = step.logits_rows
         logits = np.empty((rows.size, self.vocab_size), np.float32)
         threads = self.weights.model.num_threads = self.governor.choose(step.tokens.size)
@@ -82,3 +85,13 @@ class NativeLaneExecutor:
         if status:
             raise MemoryError("the native step could not allocate its scratch memory")
         return logits
+
+
+def check_tree_window(batch: StepBatch, positions: np.ndarray, window: int) -> None:
+    """A draft tree's token sees its context by position and its ancestors by the tree
+    mask: exact while no token lies a window or more past its sequence's context."""
+    contexts = np.repeat(np.asarray(batch.context_lens), [len(seq) for seq in batch.token_ids])
+    depth = int((positions - contexts).max())
+    if depth >= window:
+        raise ValueError(f"a draft tree {depth + 1} tokens deep does not fit the sliding "
+                         f"window of {window} (draft fewer tokens a step)")

@@ -1,15 +1,17 @@
 """H2O (heavy-hitter oracle): a per-request KV budget of heavy hitters plus a recent window.
 
 Every query's attention weights add up, per layer and KV head, into each lane row's
-accumulated attention (the native step computes them: `llmopt_forward_scored`, summed
-over the query heads of each KV head's group). When a step would overrun the budget, each
-layer and KV head evicts the rows of lowest accumulated attention outside the first
-`sinks` and the last `recent` positions, `drop` at a time (as streaming's drop: the
-cost of a compaction spread over many tokens), and its kept rows move down in order, keys
-turned to their new cache positions (`kv.compaction`), their sums with them. This is the
-H2O paper's rule (Zhang et al., 2023: keep the largest accumulated attention and the most
-recent entries, per head) with RoPE on cache positions as StreamingLLM does. Until the
-first eviction nothing differs from full attention.
+accumulated attention, summed over the query heads of each KV head's group: the native
+step computes them as it attends (`llmopt_forward_scored`); on ONNX Runtime a graph
+compiled for H2O returns them beside its fused attention (compiler/attention_sums.py).
+When a step would overrun the budget, each layer and KV head evicts the rows of lowest
+accumulated attention outside the first `sinks` and the last `recent` positions, `drop`
+at a time (as streaming's drop: the cost of a compaction spread over many tokens), and
+its kept rows move down in order, keys turned to their new cache positions
+(`kv.compaction`), their sums with them. This is the H2O paper's rule (Zhang et al.,
+2023: keep the largest accumulated attention and the most recent entries, per head) with
+RoPE on cache positions as StreamingLLM does. Until the first eviction nothing differs
+from full attention.
 """
 
 from __future__ import annotations

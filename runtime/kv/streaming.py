@@ -10,7 +10,9 @@ attention.
 
 Supported: the lanes layout with float32 or float16 keys and values, or int8/int4 codes
 of static per-channel scales (kept keys decoded, turned and rounded back with the same
-scales: `kv.compaction`); the rotary tables come from the graph's native plan.
+scales: `kv.compaction`); the rotary tables are the graph's, which its manifest names
+in the native plan or, where the native step cannot run it (float activations, float
+weights), beside the reason (float32/float16 lanes then: only a plan names code scales).
 """
 
 from __future__ import annotations

@@ -17,15 +17,17 @@ static void round_to_half(float *x, int64_t n) {
             _mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
 }
 
-/* row[0 .. len) = softmax(row[0 .. len)) in place, and row[len .. width) = 0. */
-static void softmax_row(float *row, int len, int width) {
+/* row[first .. len) = softmax(row[first .. len)) in place, and every other row up to width
+   0. The vectors start at `first`: a token whose window starts there computes what it
+   would with its rows starting at 0, bit for bit. */
+static void softmax_row(float *row, int first, int len, int width) {
     __m512 peak = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
-    for (int j = 0; j < len; j += 16) {
+    for (int j = first; j < len; j += 16) {
         __mmask16 m = len - j >= 16 ? 0xFFFF : (__mmask16)((1u << (len - j)) - 1);
         peak = _mm512_max_ps(peak, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, row + j));
     }
     __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
-    for (int j = 0; j < len; j += 16) {
+    for (int j = first; j < len; j += 16) {
         __mmask16 m = len - j >= 16 ? 0xFFFF : (__mmask16)((1u << (len - j)) - 1);
         __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + j), top);
         __m512 e = _mm512_maskz_mov_ps(m, exp512(x));
@@ -33,25 +35,28 @@ static void softmax_row(float *row, int len, int width) {
         _mm512_mask_storeu_ps(row + j, m, e);
     }
     __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-    for (int j = 0; j < len; j += 16) {
+    for (int j = first; j < len; j += 16) {
         __mmask16 m = len - j >= 16 ? 0xFFFF : (__mmask16)((1u << (len - j)) - 1);
         _mm512_mask_storeu_ps(row + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), inv));
     }
+    memset(row, 0, sizeof(float) * first);
     memset(row + len, 0, sizeof(float) * (width - len));
 }
 
-/* softmax_row over the rows 0 .. len - 1 a tree mask shows (bit j of mask: row len - 1 - j;
-   rows 64 or more back always show), computed on them packed side by side, as the same
-   token in a chain sees them: the same numbers in the same order, so the same result bit
-   for bit. Hidden rows get exact zeros. packed: len floats of scratch. */
-static void softmax_shown(float *row, int len, int width, uint64_t mask, float *packed) {
+/* softmax_row over the rows first .. len - 1 a tree mask shows (bit j of mask: row len - 1
+   - j; rows 64 or more back always show), computed on them packed side by side, as the
+   same token in a chain sees them: the same numbers in the same order, so the same result
+   bit for bit. Hidden rows get exact zeros. packed: len floats of scratch. */
+static void softmax_shown(float *row, int first, int len, int width, uint64_t mask,
+                          float *packed) {
     int n = 0;
-    for (int c = 0; c < len; c++)
+    for (int c = first; c < len; c++)
         if (len - 1 - c >= 64 || (mask >> (len - 1 - c) & 1)) packed[n++] = row[c];
-    softmax_row(packed, n, n);
+    softmax_row(packed, 0, n, n);
     n = 0;
     for (int c = 0; c < len; c++)
-        row[c] = len - 1 - c >= 64 || (mask >> (len - 1 - c) & 1) ? packed[n++] : 0.f;
+        row[c] = c >= first && (len - 1 - c >= 64 || (mask >> (len - 1 - c) & 1))
+                 ? packed[n++] : 0.f;
     memset(row + len, 0, sizeof(float) * (width - len));
 }
 
@@ -94,28 +99,51 @@ typedef struct {
     float *weight_scales;  /* [RUN_TOKENS * heads] */
 } RunCodes;
 
-/* A run of n query tokens of one lane at consecutive positions (a prefill chunk, or a
-   token and its drafts), the heads of one query group each: token i (queries q + i *
-   q_stride, [group][dim]) attends to the lane's rows 0 .. first_len + i - 1 (rows of the
-   layer's format, codes scaled per channel by kv's scales + scale_at) and writes
-   softmax(scale * q . keys) @ values to out + i * out_stride. The run reads each key and
-   value row once for all its tokens (from memory, then from cache), where token by token
-   it would read them n times; every token's arithmetic is what it would be alone (a
-   key's dot product does not depend on the others, its softmax covers its own rows, and
-   the weighted sum adds exact zeros for rows past them), so a step computes the same
-   whatever else it holds. A key's scale multiplies the queries instead, a value's the
-   weighted sum. masks (NULL: none) hide rows of a draft tree's other branches: bit j of
-   masks[i] clear hides row first_len - 1 + i - j from token i (softmax_shown), so a
-   tree's token computes what it would in a chain of its branch. ahead: the next run's
-   rows, prefetched as the scores are computed. sums (NULL: none): the lane's accumulated
-   attention of this query group, which the run's weights add to (add_weights).
-   scores: [n * group + 1][first_len + n - 1]; rows: [n * group][dim]. */
+/* Where token i of a run sees its window from (rows of the lane; 0: every row), for a
+   token at cache position p: the keys at positions above p - window, as the graph's mask
+   (q - k < window). A chain's rows are its positions; a tree's token (position below its
+   row) sees its context's rows by position, its ancestors lying inside the window (the
+   executor checks trees are shallower than it). positions NULL: token i at first_len - 1
+   + i. Returns the smallest. */
+static int window_starts(const KVLayout *kv, const int32_t *positions, int n, int first_len,
+                         int *starts) {
+    int least = first_len + n;
+    for (int i = 0; i < n; i++) {
+        const int p = positions ? positions[i] : first_len - 1 + i;
+        starts[i] = kv->window > 0 && p >= kv->window ? p - kv->window + 1 : 0;
+        if (starts[i] < least) least = starts[i];
+    }
+    return least;
+}
+
+/* A run of n query tokens of one lane at consecutive rows (a prefill chunk, or a token
+   and its drafts), the heads of one query group each: token i (queries q + i * q_stride,
+   [group][dim]) attends to the lane's rows start_i .. first_len + i - 1 (its window:
+   window_starts, at `positions`; rows of the layer's format, codes scaled per channel by
+   kv's scales + scale_at) and writes softmax(scale * q . keys) @ values to out + i *
+   out_stride. The run reads each key and value row once for all its tokens, from the
+   first token's window on (from memory, then from cache), where token by token it would
+   read them n times; every token's arithmetic is what it would be alone (a key's dot
+   product does not depend on the others, its softmax covers its own rows, from the same
+   row in the same vectors, and the weighted sum adds exact zeros for rows outside them),
+   so a step computes the same whatever else it holds. A key's scale multiplies the
+   queries instead, a value's the weighted sum. masks (NULL: none) hide rows of a draft
+   tree's other branches: bit j of masks[i] clear hides row first_len - 1 + i - j from
+   token i (softmax_shown), so a tree's token computes what it would in a chain of its
+   branch. ahead: the next run's rows, prefetched as the scores are computed. sums (NULL:
+   none): the lane's accumulated attention of this query group, which the run's weights
+   add to (add_weights). scores: [n * group + 1][first_len + n - 1]; rows: [n * group][dim]. */
 static void attend_run(const float *q, int64_t q_stride, int n, int group,
                        const uint8_t *keys, const uint8_t *values, const KVLayout *kv,
-                       int64_t scale_at, int first_len, int dim, float scale,
-                       const uint64_t *masks, float *scores, float *rows,
+                       int64_t scale_at, int first_len, const int32_t *positions, int dim,
+                       float scale, const uint64_t *masks, float *scores, float *rows,
                        RunCodes *codes, float *out, int64_t out_stride, Ahead *ahead,
                        float *sums) {
+    int starts[n];
+    const int base = window_starts(kv, positions, n, first_len, starts);
+    const int64_t skipped = base * row_bytes(kv->bits, dim);
+    keys += skipped, values += skipped, first_len -= base;  /* rows from the window on */
+    if (sums) sums += base;
     const int heads = n * group, longest = first_len + n - 1, strips = dim / 16;
     const int quantized = kv->bits == 8 || kv->bits == 4, half = kv->bits == 16;
     const int integer = kv->bits == 8;
@@ -137,18 +165,19 @@ static void attend_run(const float *q, int64_t q_stride, int n, int group,
         group_scores(rows, heads, keys, kv->bits, longest, dim, scale, scores, ahead);
     }
     for (int h = 0; h < heads && !integer; h++) {  /* int8 lanes: weight_codes, below */
-        const int i = h / group;
+        const int i = h / group, first = starts[i] - base;
         if (masks && ~masks[i])
-            softmax_shown(scores + (int64_t)h * longest, first_len + i, longest, masks[i],
-                          scores + (int64_t)heads * longest);
+            softmax_shown(scores + (int64_t)h * longest, first, first_len + i, longest,
+                          masks[i], scores + (int64_t)heads * longest);
         else
-            softmax_row(scores + (int64_t)h * longest, first_len + i, longest);
+            softmax_row(scores + (int64_t)h * longest, first, first_len + i, longest);
     }
     /* the weighted sums, a few heads at a time so that their sums stay in registers */
     const int at_once = strips <= 24 ? 24 / strips : 1;
     if (integer) {
         for (int h = 0; h < heads; h++)
             codes->weight_scales[h] = weight_codes(scores + (int64_t)h * longest,
+                                                   starts[h / group] - base,
                                                    first_len + h / group, longest,
                                                    masks ? masks[h / group] : ~0ull);
         if (sums) add_weights(scores, codes->weight_scales, n, group, first_len, longest, sums);

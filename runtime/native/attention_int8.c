@@ -96,8 +96,8 @@ static inline __mmask16 rows_shown(int c, int len, uint64_t mask) {
     return shown;
 }
 
-/* A head's scores [width] (of rows 0 .. len - 1; mask: a tree's, as softmax_shown's, or
-   all ones) as its softmax weights in int16 codes, in place (code j in the bytes of the
+/* A head's scores [width] (of rows first .. len - 1; mask: a tree's, as softmax_shown's,
+   or all ones) as its softmax weights in int16 codes, in place (code j in the bytes of the
    row's first half): e_j = exp(s_j - max) over the rows shown, code_j = round(32767 e_j f),
    zero for every other row up to width (and one more zero code past an odd width), f = 1
    unless the e_j sum past 508, then 508 / their sum: a sum of the codes' products with int8
@@ -105,9 +105,9 @@ static inline __mmask16 rows_shown(int c, int len, uint64_t mask) {
    (e = 1) keeps 15 bits. Returns 1 / the codes' sum, the weighted sum's scale: the codes
    are the weights, normalized exactly. A tree's token gets the codes of its chain's
    (shown rows' codes do not depend on hidden rows' scores). */
-static float weight_codes(float *scores, int len, int width, uint64_t mask) {
+static float weight_codes(float *scores, int first, int len, int width, uint64_t mask) {
     __m512 peak = _mm512_set1_ps(-INFINITY);
-    for (int c = 0; c < len; c += 16)
+    for (int c = first; c < len; c += 16)  /* from `first`: as with the rows from 0 there */
         peak = _mm512_max_ps(peak, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY),
                                                         rows_shown(c, len, mask), scores + c));
     const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
@@ -115,7 +115,7 @@ static float weight_codes(float *scores, int len, int width, uint64_t mask) {
     int16_t *codes = (int16_t *)scores;
     __m512 total = _mm512_setzero_ps();
     __m512i sum = _mm512_setzero_si512();
-    for (int c = 0; c < len; c += 16) {  /* codes c.. overwrite scores[c / 2 ..], read already */
+    for (int c = first; c < len; c += 16) {  /* codes c.. overwrite scores[c / 2 ..], read */
         const __mmask16 shown = rows_shown(c, len, mask);
         const __m512 e = _mm512_maskz_mov_ps(
             shown, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(shown, scores + c), top)));
@@ -129,7 +129,7 @@ static float weight_codes(float *scores, int len, int width, uint64_t mask) {
     if (e_sum > 508.f) {  /* a long, flat row: the codes scaled down to fit */
         const __m512 f = _mm512_set1_ps(508.f / e_sum);
         sum = _mm512_setzero_si512();
-        for (int c = 0; c < len; c += 16) {
+        for (int c = first; c < len; c += 16) {
             const __mmask16 rows = rows_before(c, len);
             const __m512i code = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(
                 _mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(rows, codes + c))), f));
@@ -138,6 +138,7 @@ static float weight_codes(float *scores, int len, int width, uint64_t mask) {
         }
         codes_sum = _mm512_reduce_add_epi32(sum);
     }
+    memset(codes, 0, sizeof(int16_t) * first);  /* scores before `first`, unread */
     memset(codes + len, 0, sizeof(int16_t) * (width - len + (width % 2)));
     return 1.f / (float)codes_sum;
 }

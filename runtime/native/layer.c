@@ -60,13 +60,20 @@ static inline void run_item(const int32_t *runs, int kv_heads, int i, int *t, in
     *g = i % kv_heads;
 }
 
-/* One layer's attention after write_kv: every query token attends to its lane's rows 0 ..
-   its own but those its tree mask hides, a lane's consecutive rows together (attend_run).
-   Each thread takes a range of items in order, so item i + 1's rows are the ones to
-   prefetch during item i. */
+/* Where a run at position `position` starts reading its lane (attend_run's window). */
+static inline int64_t window_offset(const KVLayout *kv, int position, int64_t stride) {
+    return kv->window > 0 && position >= kv->window
+           ? (int64_t)(position - kv->window + 1) * stride : 0;
+}
+
+/* One layer's attention after write_kv: every query token attends to its lane's rows in
+   its window up to its own but those its tree mask hides, a lane's consecutive rows
+   together (attend_run). Each thread takes a range of items in order, so item i + 1's rows
+   are the ones to prefetch during item i. */
 static void attend(const Model *m, const KVLayout *kv, int t_rows, const int32_t *lanes,
-                   const int32_t *lane_rows, const uint64_t *masks, const uint8_t *key_pool,
-                   const uint8_t *value_pool, int lane_tokens, Scratch *s) {
+                   const int32_t *positions, const int32_t *lane_rows, const uint64_t *masks,
+                   const uint8_t *key_pool, const uint8_t *value_pool, int lane_tokens,
+                   Scratch *s) {
     const int dim = m->head_dim, heads = m->heads, kv_heads = m->kv_heads;
     const int qkv_width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
     const int64_t stride = row_bytes(kv->bits, dim);
@@ -81,9 +88,11 @@ static void attend(const Model *m, const KVLayout *kv, int t_rows, const int32_t
         if (i + 1 < items) {
             int next_t, next_n, next_g;
             run_item(s->runs, kv_heads, i + 1, &next_t, &next_n, &next_g);
-            const int64_t at = lane_start(lanes[next_t], next_g, kv_heads, lane_tokens, stride);
+            const int64_t from = window_offset(kv, positions[next_t], stride);
+            const int64_t at = lane_start(lanes[next_t], next_g, kv_heads, lane_tokens, stride)
+                               + from;
             ahead = (Ahead){(const char *)key_pool + at, (const char *)value_pool + at,
-                            (lane_rows[next_t] + next_n) * stride, 0};
+                            (lane_rows[next_t] + next_n) * stride - from, 0};
         }
 #ifdef _OPENMP
         int id = omp_get_thread_num();
@@ -94,7 +103,7 @@ static void attend(const Model *m, const KVLayout *kv, int t_rows, const int32_t
         const int64_t lane = lane_start(lanes[t], g, kv_heads, lane_tokens, stride);
         attend_run(s->qkv + (int64_t)t * qkv_width + g * group * dim, qkv_width, n, group,
                    key_pool + lane, value_pool + lane, kv, (int64_t)g * dim, lane_rows[t] + 1,
-                   dim, m->attn_scale, masks ? masks + t : NULL,
+                   positions + t, dim, m->attn_scale, masks ? masks + t : NULL,
                    run.scores, run.rows, &run.codes,
                    s->attn + (int64_t)t * heads * dim + g * group * dim, (int64_t)heads * dim,
                    &ahead, NULL);
@@ -106,7 +115,8 @@ static void attend(const Model *m, const KVLayout *kv, int t_rows, const int32_t
    lane's consecutive runs, all taken by one thread in token order: no two threads add to
    one row, and each row's sum runs in the same order whatever the threads. */
 static void attend_scored(const Model *m, const KVLayout *kv, int t_rows, const int32_t *lanes,
-                          const int32_t *lane_rows, const uint64_t *masks,
+                          const int32_t *positions, const int32_t *lane_rows,
+                          const uint64_t *masks,
                           const uint8_t *key_pool, const uint8_t *value_pool, int lane_tokens,
                           float *sums, Scratch *s) {
     const int dim = m->head_dim, heads = m->heads, kv_heads = m->kv_heads;
@@ -132,7 +142,7 @@ static void attend_scored(const Model *m, const KVLayout *kv, int t_rows, const 
             Ahead ahead = {0};
             attend_run(s->qkv + (int64_t)t * qkv_width + g * group * dim, qkv_width, n, group,
                        key_pool + at, value_pool + at, kv, (int64_t)g * dim, lane_rows[t] + 1,
-                       dim, m->attn_scale, masks ? masks + t : NULL, run.scores, run.rows,
+                       positions + t, dim, m->attn_scale, masks ? masks + t : NULL, run.scores, run.rows,
                        &run.codes, s->attn + (int64_t)t * heads * dim + g * group * dim,
                        (int64_t)heads * dim, &ahead, lane_sums);
         }
@@ -174,9 +184,9 @@ int llmopt_linear(const QMatrix *w, const float *x, int32_t t_rows, float *y, in
    reference: n query tokens of `group` heads (q [n][group][dim], rotated already) at
    positions first_len - 1 .. first_len + n - 2 of one lane whose first first_len + n - 1
    rows `keys` and `values` hold, in kv's format (its scales: this group's channels); masks
-   as llmopt_forward's (NULL: none). out [n][group][dim]; sums (NULL: none) [first_len + n
-   - 1] has the run's attention weights added (attend_run). Returns 0, or -1 when memory
-   runs out. */
+   as llmopt_forward's (NULL: none); kv's window hides the rows before it. out [n][group]
+   [dim]; sums (NULL: none) [first_len + n - 1] has the run's attention weights added
+   (attend_run). Returns 0, or -1 when memory runs out. */
 int llmopt_attention_scored(const KVLayout *kv, const float *q, int32_t n, int32_t group,
                             const uint8_t *keys, const uint8_t *values, int32_t first_len,
                             int32_t dim, float scale, const uint64_t *masks, float *out,
@@ -189,8 +199,8 @@ int llmopt_attention_scored(const KVLayout *kv, const float *q, int32_t n, int32
     const int ok = scores && rows && codes.codes && codes.scales && codes.weight_scales;
     Ahead ahead = {0};
     if (ok)
-        attend_run(q, (int64_t)group * dim, n, group, keys, values, kv, 0, first_len, dim,
-                   scale, masks, scores, rows, &codes, out, (int64_t)group * dim, &ahead, sums);
+        attend_run(q, (int64_t)group * dim, n, group, keys, values, kv, 0, first_len, NULL,
+                   dim, scale, masks, scores, rows, &codes, out, (int64_t)group * dim, &ahead, sums);
     free(scores); free(rows); free(codes.codes); free(codes.scales); free(codes.weight_scales);
     return ok ? 0 : -1;
 }
@@ -293,11 +303,12 @@ static int layer_rest(const Model *m, int l, const StepTokens *step, int c, int 
     const int hidden = m->hidden;
     float *x = s->x + (int64_t)c * hidden, *h = s->h + (int64_t)c * hidden;
     if (step->sums)
-        attend_scored(m, &m->kv[l], rows, step->lanes + c, step->lane_rows + c,
+        attend_scored(m, &m->kv[l], rows, step->lanes + c, step->positions + c,
+                      step->lane_rows + c,
                       step->masks ? step->masks + c : NULL, step->key_pools[l],
                       step->value_pools[l], step->lane_tokens, step->sums[l], s);
     else
-        attend(m, &m->kv[l], rows, step->lanes + c, step->lane_rows + c,
+        attend(m, &m->kv[l], rows, step->lanes + c, step->positions + c, step->lane_rows + c,
                step->masks ? step->masks + c : NULL, step->key_pools[l], step->value_pools[l],
                step->lane_tokens, s);
     mark(m, clock, PHASE_ATTEND);

@@ -19,6 +19,7 @@ static const FieldLayout layouts[] = {
     FIELD(QRows, block),
     STRUCT(KVLayout), FIELD(KVLayout, bits), FIELD(KVLayout, key_scale),
     FIELD(KVLayout, value_scale), FIELD(KVLayout, rotation), FIELD(KVLayout, hadamard),
+    FIELD(KVLayout, window),
     STRUCT(Knobs), FIELD(Knobs, amx), FIELD(Knobs, amx_min_rows), FIELD(Knobs, layer_rows),
     FIELD(Knobs, split_rows), FIELD(Knobs, phase_seconds),
     STRUCT(Model), FIELD(Model, layers), FIELD(Model, hidden), FIELD(Model, heads),

@@ -33,10 +33,11 @@ class QRows(ctypes.Structure):
 class KVLayout(ctypes.Structure):
     """kernels.c's KVLayout: how one layer's lanes hold keys and values (32: float32; 16:
     float16; 8/4: codes with static per-channel scales), and the rotation of queries and
-    keys, if any (hadamard: it is the Sylvester Hadamard matrix, run as the fast transform)."""
+    keys, if any (hadamard: it is the Sylvester Hadamard matrix, run as the fast transform);
+    a sliding window (0: none)."""
 
     _fields_ = [("bits", c_i32), ("key_scale", c_ptr), ("value_scale", c_ptr),
-                ("rotation", c_ptr), ("hadamard", c_i32)]
+                ("rotation", c_ptr), ("hadamard", c_i32), ("window", c_i32)]
 
 
 class Knobs(ctypes.Structure):
@@ -147,10 +148,9 @@ def c_layouts(lib: ctypes.CDLL) -> dict[tuple[str, str | None], tuple[int, int]]
     return layouts
 
 
-def require_native(graph: GraphSpec, kv_cache: KVCacheSpec, lane_tokens: int | None = None
-                   ) -> None:
+def require_native(graph: GraphSpec, kv_cache: KVCacheSpec) -> None:
     """A one-line error naming why the native step cannot run this graph here, if it cannot."""
-    reason = unavailable_reason(graph, kv_cache, lane_tokens)
+    reason = unavailable_reason(graph, kv_cache)
     if reason is not None:
         raise ValueError(f"kernels: native cannot run {graph.file}: {reason}")
 
@@ -165,10 +165,8 @@ def machine_reason() -> str | None:
     return None
 
 
-def unavailable_reason(graph: GraphSpec, kv_cache: KVCacheSpec,
-                       lane_tokens: int | None = None) -> str | None:
-    """Why the native step cannot run this graph here, with lanes of `lane_tokens` tokens
-    (None: any the graph allows), or None when it can."""
+def unavailable_reason(graph: GraphSpec, kv_cache: KVCacheSpec) -> str | None:
+    """Why the native step cannot run this graph here, or None when it can."""
     machine = machine_reason()
     if machine is not None:
         return machine
@@ -179,12 +177,6 @@ def unavailable_reason(graph: GraphSpec, kv_cache: KVCacheSpec,
         return plan.reason
     if kv_cache.layout != "lanes":
         return "the native step reads KV lanes only"
-    window = plan.window
-    if window is not None and (lane_tokens is None or lane_tokens > window):
-        # within its window a sliding window hides no key: the step attends to every row
-        return (f"sliding windows of {window} tokens, shorter than the "
-                f"{lane_tokens or 'max_context'} a lane holds (max_context <= {window} runs "
-                "natively)")
     for index, (layer, planned) in enumerate(zip(kv_cache.layers, plan.layers, strict=True)):
         dtype = lane_dtype(planned.kv)
         if any(t.dtype != dtype for t in layer.tensors):

@@ -48,6 +48,8 @@ typedef struct {  /* how one layer's lanes hold keys and values */
                                    rotary (the lane stores rotated keys), or NULL */
     int32_t hadamard;           /* 1: rotation is the normalized Sylvester Hadamard matrix
                                    (the kv_cache pass's), applied by the fast transform */
+    int32_t window;             /* a sliding window: a query at position p sees the keys at
+                                   positions above p - window; 0: every key */
 } KVLayout;
 
 /* A model's settings: where a step may run on AMX tiles, how it cuts its rows, whether it

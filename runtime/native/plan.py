@@ -216,12 +216,19 @@ class NativePlan:
 
 @dataclass(frozen=True)
 class Unsupported:
-    """A graph the native step cannot run, and why (ONNX Runtime runs it)."""
+    """A graph the native step cannot run, and why (ONNX Runtime runs it); the rotary
+    tables its layers share, if they share one (what evicting lanes turns keys with)."""
 
     reason: str
+    rope_cos: Tensor | None = None
+    rope_sin: Tensor | None = None
 
     def to_manifest(self) -> Json:
-        return {"unsupported": self.reason}
+        record: Json = {"unsupported": self.reason}
+        if self.rope_cos is not None and self.rope_sin is not None:
+            record["rope"] = {"cos": self.rope_cos.to_manifest(),
+                              "sin": self.rope_sin.to_manifest()}
+        return record
 
 
 def read_plan(native: Json | None) -> NativePlan | Unsupported | None:
@@ -229,5 +236,17 @@ def read_plan(native: Json | None) -> NativePlan | Unsupported | None:
     if native is None:
         return None
     if "unsupported" in native:
-        return Unsupported(native["unsupported"])
+        rope = native.get("rope", {})
+        return Unsupported(native["unsupported"], _tensor(rope.get("cos")),
+                           _tensor(rope.get("sin")))
     return NativePlan.from_manifest(native)
+
+
+def rotary_tables(plan: NativePlan | Unsupported | None) -> tuple[Tensor, Tensor] | None:
+    """The graph's rotary tables (cos, sin [positions, head_dim / 2]) where its manifest
+    names them, whether or not the native step runs it."""
+    if isinstance(plan, NativePlan):
+        return plan.rope_cos, plan.rope_sin
+    if isinstance(plan, Unsupported) and plan.rope_cos is not None and plan.rope_sin is not None:
+        return plan.rope_cos, plan.rope_sin
+    return None

@@ -26,7 +26,7 @@ static void embed_row(const Model *m, int64_t token, float *out) {
 typedef struct {
     uint8_t *wanted;       /* [T] 1: the step returns row t's logits */
     int32_t *moved;        /* [T] row t's place in s->x after the last layer */
-    int32_t *lanes, *lane_rows;  /* [T] the kept rows' (compacted; StepTokens') */
+    int32_t *lanes, *lane_rows, *positions;  /* [T] the kept rows' (compacted; StepTokens') */
     uint64_t *masks;       /* [T], or NULL where the step has none */
 } KeptRows;
 
@@ -54,6 +54,7 @@ static int last_layer_chunk(const Model *m, int l, const StepTokens *step, int c
         }
         kept->lanes[to] = step->lanes[t];
         kept->lane_rows[to] = step->lane_rows[t];
+        kept->positions[to] = step->positions[t];
         if (kept->masks) kept->masks[to] = step->masks[t];
         kept->moved[t] = to;
         n++;
@@ -62,13 +63,14 @@ static int last_layer_chunk(const Model *m, int l, const StepTokens *step, int c
     StepTokens compact = *step;
     compact.lanes = kept->lanes;
     compact.lane_rows = kept->lane_rows;
+    compact.positions = kept->positions;
     compact.masks = kept->masks;
     return status | layer_rest(m, l, &compact, c, n, s, clock);
 }
 
 static void kept_free(KeptRows *kept) {
     free(kept->wanted); free(kept->moved); free(kept->lanes); free(kept->lane_rows);
-    free(kept->masks);
+    free(kept->positions); free(kept->masks);
 }
 
 /* KeptRows for a step of t_rows rows returning logit_rows' logits; 0 when memory runs out. */
@@ -78,8 +80,9 @@ static int kept_alloc(int t_rows, int n_logits, const int32_t *logit_rows, int m
     kept->moved = malloc(sizeof(int32_t) * t_rows);
     kept->lanes = malloc(sizeof(int32_t) * t_rows);
     kept->lane_rows = malloc(sizeof(int32_t) * t_rows);
+    kept->positions = malloc(sizeof(int32_t) * t_rows);
     kept->masks = masks ? malloc(sizeof(uint64_t) * t_rows) : NULL;
-    if (!kept->wanted || !kept->moved || !kept->lanes || !kept->lane_rows
+    if (!kept->wanted || !kept->moved || !kept->lanes || !kept->lane_rows || !kept->positions
             || (masks && !kept->masks))
         return 0;
     for (int r = 0; r < n_logits; r++) kept->wanted[logit_rows[r]] = 1;

@@ -54,7 +54,7 @@ class NativeWeights:
         head_norms = {key: self._per_layer(layers, key)  # Qwen3's, of each q and k head
                       for key in ("q_norm", "k_norm")
                       if any(getattr(layer, key) for layer in layers)}
-        kv = (KVLayout * count)(*(self._kv_layout(layer.kv) for layer in layers))
+        kv = (KVLayout * count)(*(self._kv_layout(layer.kv, plan.window) for layer in layers))
         self._tables = [*per_layer.values(), *norms.values(), *head_norms.values(), kv]
         embed = plan.embed
         cos = self._array(plan.rope_cos)
@@ -104,16 +104,17 @@ class NativeWeights:
         return (ctypes.c_void_p * len(layers))(
             *(None if tensor is None else self._pointer(tensor) for tensor in tensors))
 
-    def _kv_layout(self, kv: LaneKV | None) -> KVLayout:
-        """A layer's lanes: float32 (None), float16, or codes with static scales."""
+    def _kv_layout(self, kv: LaneKV | None, window: int | None) -> KVLayout:
+        """A layer's lanes: float32 (None), float16, or codes with static scales; the
+        sliding window its queries see (None: every key)."""
         if kv is None:
-            return KVLayout(bits=32)
+            return KVLayout(bits=32, window=window or 0)
         pointers = {key: None if tensor is None else self._pointer(tensor)
                     for key, tensor in (("key_scale", kv.key_scale),
                                         ("value_scale", kv.value_scale),
                                         ("rotation", kv.rotation))}
         hadamard = kv.rotation is not None and is_sylvester_hadamard(self._array(kv.rotation))
-        return KVLayout(bits=kv.bits, hadamard=hadamard, **pointers)
+        return KVLayout(bits=kv.bits, hadamard=hadamard, window=window or 0, **pointers)
 
     def _array(self, tensor: Tensor) -> np.ndarray:
         dtype = np.dtype(tensor.dtype)

@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
+from onnx import numpy_helper
 
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.lower import lower
@@ -23,6 +25,7 @@ from llmopt.runtime.native.plan import (
     Tensor,
     Unsupported,
     read_plan,
+    rotary_tables,
 )
 
 A8 = {"nbits_accuracy_level": 4}
@@ -113,10 +116,29 @@ def _tensors(plan: NativePlan) -> list[Tensor]:
 @pytest.mark.parametrize("name,reason", [
     ("float-activations", "float activations"), ("blocks", "not a lanes graph")])
 def test_a_graph_the_native_step_cannot_run_gets_a_reason(name, reason, compiled):
-    """Float activations or gathered-blocks KV: Unsupported, its reason in the manifest."""
+    """Float activations or gathered-blocks KV: Unsupported, its reason in the manifest;
+    a lanes graph's rotary tables beside it (what streaming turns kept keys with), the
+    tables the graph holds."""
     section = _native(compiled[name])
-    assert set(section) == {"unsupported"} and reason in section["unsupported"]
-    assert read_plan(section) == Unsupported(section["unsupported"])
+    plan = read_plan(section)
+    assert isinstance(plan, Unsupported) and reason in plan.reason
+    if name == "blocks":  # no lanes to evict from
+        assert set(section) == {"unsupported"} and rotary_tables(plan) is None
+        return
+    assert set(section) == {"unsupported", "rope"} and plan.to_manifest() == section
+    graph = load_manifest(compiled[name]).graphs["target"]
+    model = onnx.load(compiled[name] / graph.file)
+    want = {t.name: numpy_helper.to_array(t, base_dir=str(compiled[name]))
+            for t in model.graph.initializer if t.name.startswith("rope.")}
+    tables = rotary_tables(plan)
+    assert tables is not None
+    for table, side in zip(tables, ("cos", "sin"), strict=True):
+        if table.values is not None:
+            got = np.asarray(table.values, np.float32)
+        else:
+            data = np.fromfile(compiled[name] / str(graph.data_file), np.uint8)
+            got = data[table.offset:table.offset + table.length].view(np.float32)
+        np.testing.assert_array_equal(got.reshape(table.shape), want[f"rope.global.{side}"])
 
 
 def test_the_lowering_records_the_typed_plan(tiny_checkpoints, tmp_path, compiled):

@@ -30,11 +30,11 @@ def kv_codes(dtype: str) -> dict[str, Any]:
 def compile_artifacts(checkpoint: Path, word_text: Path, root: Path,
                       artifacts: dict[str, tuple[list, dict]],
                       recipe_runtime: dict[str, Any]) -> dict[str, Path]:
-    """Each of `artifacts` (name -> passes, target options) compiled under `root`; the one
-    named "recipe" with `recipe_runtime` added to its runtime section."""
+    """Each of `artifacts` (name -> passes, target options) compiled under `root`; those
+    named "recipe..." with `recipe_runtime` added to their runtime section."""
     out = {}
     for name, (passes, target) in artifacts.items():
-        runtime = {**RUNTIME, **(recipe_runtime if name == "recipe" else {})}
+        runtime = {**RUNTIME, **(recipe_runtime if name.startswith("recipe") else {})}
         recipe = Recipe(model=str(checkpoint), passes=passes, target=target,
                         quality={"measure": False}, runtime=runtime,
                         calibration={"text": str(word_text), "samples": 2, "seq_len": 32,

@@ -30,7 +30,9 @@ H2O = H2OConfig(budget=32, recent=12, sinks=2)  # heavy hitters 18, drops of 4
 ARTIFACTS = {  # name -> (passes, target options)
     "float32": ([RTN], A8),
     "int8": ([kv_codes("int8"), RTN], A8),
-    "recipe": ([RTN], A8),  # with `runtime: h2o:` (RUNTIME below)
+    "recipe": ([RTN], A8),  # with `runtime: h2o:` (RUNTIME below): attention sums too
+    "recipe-int8": ([kv_codes("int8"), RTN], A8),
+    "recipe-int4": ([kv_codes("int4"), RTN], A8),
 }
 
 
@@ -218,10 +220,60 @@ def test_bad_h2o_settings_are_refused_in_one_line(artifacts, config, error):
     assert "\n" not in str(caught.value)
 
 
-def test_onnx_runtime_is_refused_in_one_line(artifacts):
-    with pytest.raises(ValueError, match="GroupQueryAttention does not return them") as caught:
+def test_onnx_runtime_without_attention_sums_is_refused_in_one_line(artifacts):
+    """A graph compiled without `runtime: h2o` returns no attention weights."""
+    with pytest.raises(ValueError, match="GroupQueryAttention returns none") as caught:
         LLM(artifacts["float32"], kernels="onnxruntime", streaming=H2O)
     assert "\n" not in str(caught.value)
+
+
+def _sums_after(llm: LLM, prompts: list[list[int]], steps: int) -> list[np.ndarray]:
+    """Each request's accumulated attention [layers, kv_heads, cached] after `steps` steps
+    (a prefill in chunks of 8, then decoding), none evicted yet."""
+    engine, manager = llm.engine, llm.engine.kv_cache_manager
+    for prompt in prompts:
+        engine.add_request(prompt, greedy_params(40))
+    for _ in range(steps):
+        engine.step()
+    sums = []
+    for request in engine.scheduler.running:
+        assert manager.streaming.num_evicted(request.request_id) == 0
+        lane = manager.lanes[request.request_id]
+        sums.append(np.array(manager.streaming.sums[:, lane, :,
+                                                    :manager.cache_position(request)]))
+    return sums
+
+
+@pytest.mark.parametrize("name", ["recipe", "recipe-int8", "recipe-int4"])
+def test_onnx_runtime_accumulates_each_tokens_weights(artifacts, name):
+    """A graph compiled for H2O returns each step's attention weights per KV head: before
+    any eviction each layer's sums over a lane hold one unit per query token and head of
+    the group (two requests batched, prefills in chunks: padding rows add nothing)."""
+    llm = LLM(artifacts[name], kernels="onnxruntime", max_num_batched_tokens=8)
+    assert llm.kernels_in_use() == "onnxruntime"
+    group = 2  # the tiny llama's query heads per KV head
+    for sums in _sums_after(llm, [random_prompt(13, seed=1), random_prompt(6, seed=2)], 5):
+        np.testing.assert_allclose(sums.sum(axis=-1), sums.shape[-1] * group, rtol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["recipe", "recipe-int8", "recipe-int4"])
+def test_onnx_runtime_accumulates_what_the_native_step_does(artifacts, name):
+    """The same requests on ONNX Runtime and the native step, batched, prefills in chunks:
+    float32 and int4 lanes (decoded to float by both), the same sums within float rounding
+    (3e-7 of the largest, measured); int8 lanes, within the native step's integer attention
+    (its weights in 15-bit codes: up to 0.9 % of the largest sum, measured). And the same
+    rows evicted from each layer and KV head by a drop of 2 (a recent window of 3: the
+    shorter request holds 10 entries)."""
+    prompts = [random_prompt(13, seed=1), random_prompt(6, seed=2)]
+    got, want = (_sums_after(LLM(artifacts[name], kernels=k, max_num_batched_tokens=8),
+                             prompts, 5) for k in ("onnxruntime", "native"))
+    tolerance = 0.02 if name == "recipe-int8" else 1e-6
+    for ort_sums, native_sums in zip(got, want, strict=True):
+        largest = np.abs(native_sums).max()
+        np.testing.assert_allclose(ort_sums, native_sums, rtol=0, atol=tolerance * largest)
+        keep = [kept_rows(s, H2O.sinks, 3, 2) for s in (ort_sums, native_sums)]
+        np.testing.assert_array_equal(*keep)
 
 
 @needs_native
@@ -242,3 +294,40 @@ def test_a_recipe_evicts_heavy_hitters_unless_the_caller_turns_it_off(artifacts)
 def test_a_recipe_with_bad_h2o_fails_validation(tiny_checkpoints, runtime, error):
     with pytest.raises(ValueError, match=error):
         Recipe(model=str(tiny_checkpoints["llama"]), runtime={**RUNTIME, **runtime})
+
+
+def test_onnx_runtime_runs_h2o_past_the_context(artifacts):
+    """The recipe's H2O on ONNX Runtime: 100 tokens past a 64-token lane, never more than
+    the budget held; with H2O off the same graph runs, its sums outputs left unbound."""
+    llm = LLM(artifacts["recipe"], kernels="onnxruntime")
+    engine, manager = llm.engine, llm.engine.kv_cache_manager
+    request_id = engine.add_request(random_prompt(20), greedy_params(100))
+    held, outputs = [], []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+        held += [manager.cache_position(r) for r in engine.scheduler.running]
+    [final] = [o for o in outputs if o.finished and o.request_id == request_id]
+    assert len(final.token_ids) == 100 and max(held) <= H2O.budget
+    off = LLM(artifacts["recipe"], kernels="onnxruntime", streaming=False)
+    plain = LLM(artifacts["float32"], kernels="onnxruntime", speculative=False)
+    params = greedy_params(20)
+    assert (off.generate(random_prompt(9), params)[0].token_ids
+            == plain.generate(random_prompt(9), params)[0].token_ids)
+
+
+@needs_native
+def test_onnx_runtime_sums_see_the_sliding_window(tiny_checkpoints, word_text, tmp_path):
+    """The tiny Mistral (a window of 12 on every layer), requests past the window: ONNX
+    Runtime's sums (its branch masks the window) equal the native step's (each query reads
+    its window only) within float rounding: either reading keys outside would differ."""
+    artifact = compile_artifacts(tiny_checkpoints["mistral"], word_text, tmp_path,
+                                 {"recipe": ([RTN], A8)},
+                                 {"h2o": {"budget": H2O.budget, "recent": H2O.recent,
+                                          "sinks": H2O.sinks}})["recipe"]
+    prompts = [random_prompt(20, seed=3), random_prompt(15, seed=4)]
+    got, want = (_sums_after(LLM(artifact, kernels=k, max_num_batched_tokens=8), prompts, 5)
+                 for k in ("onnxruntime", "native"))
+    for ort_sums, native_sums in zip(got, want, strict=True):
+        assert ort_sums.shape[-1] > 12
+        np.testing.assert_allclose(ort_sums, native_sums, rtol=0,
+                                   atol=1e-6 * np.abs(native_sums).max())
