@@ -18,7 +18,8 @@ layer sees the outputs of the layers below it as quantized (`LayerwiseRunner.adv
 The LM head, when included, gets the clipping search only: tied, it is also the embedding,
 which a scale would change. Its perplexity against RTN's is in benchmarks/README.md.
 
-Recipe: `- awq: {bits: 4, group_size: 128, symmetric: false, grid: 20, clip: true}`;
+Recipe: `- awq: {bits: 4, group_size: 128, symmetric: false, grid: 20, clip: true,
+rounding: gptq, refits: 0}`;
 calibration reads the model's own samples unless the recipe names a `calibration.text`.
 """
 
@@ -61,7 +62,7 @@ class Config(WeightQuantConfig):
     # How the scaled, clipped decoder weights are rounded: to nearest, or by GPTQ's error-
     # feedback walk (act-order, the clipped groups' scales and zeros kept) under the same
     # input Gram, with `refits` rounds of closed-form scale refits (passes/gptq.py).
-    rounding: Literal["rtn", "gptq"] = "rtn"
+    rounding: Literal["rtn", "gptq"] = "gptq"
     refits: int = Field(0, ge=0, le=8)
 
     def needs_calibration_text(self) -> bool:  # reads calibration windows

@@ -123,7 +123,7 @@ def recipe(checkpoint, calibration_text, **options) -> Recipe:
 def test_one_alpha_without_clipping_is_rtn(tiny_checkpoints, calibration_text):
     ir = load_checkpoint(str(tiny_checkpoints["llama"]))
     r = recipe(tiny_checkpoints["llama"], calibration_text, grid=1, clip=False,
-               duo_scaling=False, group_size=32)
+               duo_scaling=False, group_size=32, rounding="rtn")
     out = awq.run(ir, r.passes[0].config, PassContext(r, log=lambda _: None)).ir
     base = rtn.run(ir, rtn.Config(group_size=32), None).ir
     assert set(out.quantized) == set(base.quantized)
