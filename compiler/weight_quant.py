@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import math
 import resource
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -13,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.nf4 import NF4_CODE, codebook_quantize
-from llmopt.compiler.quant_format import QuantizedLinear, group_quantize
+from llmopt.compiler.quant_format import QuantizedLinear, group_quantize, group_view, quant_params
 
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -136,3 +137,49 @@ def intra_op_threads(count: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+CLIP_GRID, MAX_SHRINK = 20, 0.5  # clipping ratios 1, 0.975, ..., 0.525 (AutoAWQ's range)
+
+
+def search_clip(w: torch.Tensor, gram: torch.Tensor, config: WeightQuantConfig,
+                rows: int = 4096) -> torch.Tensor:
+    """Clip ratio [N, G] per weight group minimizing that group's output error d Hgg dᵀ
+    under round-to-nearest (groups independent: the cross-group terms of H are ignored)."""
+    gram = gram.float()
+    size, groups = config.group_size, -(-w.shape[1] // config.group_size)
+    # Padded columns repeat the edge weight; zero rows of their blocks hide them.
+    blocks = torch.zeros(groups, size, size)
+    for g in range(groups):
+        block = gram[g * size:(g + 1) * size, g * size:(g + 1) * size]
+        blocks[g, :len(block), :len(block)] = block
+    chosen = []
+    for w_rows in w.split(rows):
+        best_error = torch.full((len(w_rows), groups), math.inf)
+        best = torch.ones(len(w_rows), groups)
+        for step in range(CLIP_GRID):
+            ratio = torch.full_like(best, 1 - MAX_SHRINK * step / CLIP_GRID)
+            d = group_view(w_rows - fake_quant(w_rows, config, ratio), size).transpose(0, 1)
+            error = ((d @ blocks) * d).sum(-1).T  # [N, G]
+            better = error < best_error
+            best_error, best = torch.where(better, error, best_error), torch.where(
+                better, ratio, best)
+        chosen.append(best)
+    return torch.cat(chosen)
+
+
+def fake_quant(w: torch.Tensor, config: WeightQuantConfig,
+               clip: torch.Tensor | None = None) -> torch.Tensor:
+    """`group_quantize(w, ...).dequantize()`, computed in the group view: the same numbers
+    without materializing codes or expanding scales (the searches call this 800 times a layer)."""
+    if config.format == "nf4":
+        return round_to_nearest(w, config, clip).dequantize()
+    scales, zeros = quant_params(w, config.bits, config.group_size, config.symmetric, clip)
+    scales, zeros = scales[..., None], zeros[..., None]
+    codes = (group_view(w, config.group_size) / scales + zeros).round()
+    return ((codes.clamp(0, 2**config.bits - 1) - zeros) * scales).flatten(1)[:, : w.shape[1]]
+
+
+def output_error(d: torch.Tensor, gram: torch.Tensor) -> float:
+    """Mean over tokens of ||x dᵀ||², with gram = mean xᵀx."""
+    return float(((d @ gram) * d).sum())

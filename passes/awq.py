@@ -6,7 +6,10 @@ divides the op that produces the input by s (the float model is unchanged), so g
 quantization rounds them more finely. For each group of linears that share an input,
 s = mean|x|^α with α grid-searched to minimize the group's output error on calibration
 data; then each group of weights gets its own clipping ratio by the same measure, and
-the weights are rounded (RTN).
+the weights are rounded: to nearest (`rounding: rtn`), or by GPTQ's error-feedback walk
+under the same Gram, the clipped groups' scales and zeros kept (`rounding: gptq`, with
+`refits` rounds of GPTQ's closed-form scale refit). The walk spends what nearest rounding
+wastes: each column's error is pushed onto the columns not yet rounded.
 
 Output errors go through the input's Gram matrix H = XᵀX: ||X(W - Ŵ)ᵀ||² =
 tr((W - Ŵ) H (W - Ŵ)ᵀ), exact on the sampled tokens and cheaper than X itself once
@@ -15,7 +18,8 @@ layer sees the outputs of the layers below it as quantized (`LayerwiseRunner.adv
 The LM head, when included, gets the clipping search only: tied, it is also the embedding,
 which a scale would change. Its perplexity against RTN's is in benchmarks/README.md.
 
-Recipe: `- awq: {bits: 4, group_size: 128, symmetric: false, grid: 20, clip: true}`;
+Recipe: `- awq: {bits: 4, group_size: 128, symmetric: false, grid: 20, clip: true,
+rounding: gptq, refits: 0}`;
 calibration reads the model's own samples unless the recipe names a `calibration.text`.
 """
 
@@ -24,7 +28,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -32,15 +36,19 @@ from pydantic import Field
 from llmopt.compiler.calibration import LayerwiseRunner, calibration_windows
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.pass_manager import PassContext, PassResult
-from llmopt.compiler.quant_format import group_view, quant_params
+from llmopt.compiler.quant_format import QuantizedLinear, group_view, quant_params
 from llmopt.compiler.reference import rms_norm
 from llmopt.compiler.weight_quant import (
     WeightQuantConfig,
+    fake_quant,
     intra_op_threads,
+    output_error,
     quantization_report,
     round_to_nearest,
+    search_clip,
     target_linears,
 )
+from llmopt.passes.gptq import gptq_quantize, static_groups
 from llmopt.passes.rtn import relative_error
 
 
@@ -51,6 +59,11 @@ class Config(WeightQuantConfig):
     # s = mean|x|^α / mean|ŵ|^(1-α), ŵ = |w| over its group's max (AutoAWQ's "duo scaling");
     # off: s = mean|x|^α as in the paper.
     duo_scaling: bool = True
+    # How the scaled, clipped decoder weights are rounded: to nearest, or by GPTQ's error-
+    # feedback walk (act-order, the clipped groups' scales and zeros kept) under the same
+    # input Gram, with `refits` rounds of closed-form scale refits (passes/gptq.py).
+    rounding: Literal["rtn", "gptq"] = "gptq"
+    refits: int = Field(0, ge=0, le=8)
 
     def needs_calibration_text(self) -> bool:  # reads calibration windows
         return True
@@ -74,7 +87,6 @@ SCALE_GROUPS = (
     ScaleGroup("mlp_norm", ("gate_proj", "up_proj")),
     ScaleGroup("up_proj", ("down_proj",)),
 )
-CLIP_GRID, MAX_SHRINK = 20, 0.5  # clipping ratios 1, 0.975, ..., 0.525 (AutoAWQ's range)
 
 
 class TokenSampler:
@@ -226,53 +238,27 @@ def quantize_linear(ir: ModelIR, name: str, gram: torch.Tensor,
     key = "embed_tokens" if name == "lm_head" and ir.arch.tie_word_embeddings else (
         f"{name}.weight")
     w = ir.weights[key]
-    with intra_op_threads(1):  # a grid of small fake-quantizations, as search_scale
-        clip = search_clip(w, gram, config) if config.clip else None
-    q = round_to_nearest(w, config, clip)
+    # The head (the tied embedding too) stays at nearest: GPTQ would bend embedding rows
+    # toward the head's inputs only.
+    q, clip = round_weight(w, gram, config, config.rounding if name != "lm_head" else "rtn")
     ir.set_quantized(name, q)
     return relative_error(w, q.dequantize()), 1.0 if clip is None else float(clip.mean())
 
 
-def search_clip(w: torch.Tensor, gram: torch.Tensor, config: Config,
-                rows: int = 4096) -> torch.Tensor:
-    """Clip ratio [N, G] per weight group minimizing that group's output error d Hgg dᵀ
-    (groups independent: the cross-group terms of H are ignored)."""
-    n, k = w.shape
-    size, groups = config.group_size, -(-w.shape[1] // config.group_size)
-    # Padded columns repeat the edge weight; zero rows of their blocks hide them.
-    blocks = torch.zeros(groups, size, size)
-    for g in range(groups):
-        block = gram[g * size:(g + 1) * size, g * size:(g + 1) * size]
-        blocks[g, :len(block), :len(block)] = block
-    chosen = []
-    for w_rows in w.split(rows):
-        best_error = torch.full((len(w_rows), groups), math.inf)
-        best = torch.ones(len(w_rows), groups)
-        for step in range(CLIP_GRID):
-            ratio = torch.full_like(best, 1 - MAX_SHRINK * step / CLIP_GRID)
-            d = group_view(w_rows - fake_quant(w_rows, config, ratio), size).transpose(0, 1)
-            error = ((d @ blocks) * d).sum(-1).T  # [N, G]
-            better = error < best_error
-            best_error, best = torch.where(better, error, best_error), torch.where(
-                better, ratio, best)
-        chosen.append(best)
-    return torch.cat(chosen)
-
-
-def fake_quant(w: torch.Tensor, config: Config, clip: torch.Tensor | None = None) -> torch.Tensor:
-    """`group_quantize(w, ...).dequantize()`, computed in the group view: the same numbers
-    without materializing codes or expanding scales (the searches call this 800 times a layer)."""
-    if config.format == "nf4":
-        return round_to_nearest(w, config, clip).dequantize()
-    scales, zeros = quant_params(w, config.bits, config.group_size, config.symmetric, clip)
-    scales, zeros = scales[..., None], zeros[..., None]
-    codes = (group_view(w, config.group_size) / scales + zeros).round()
-    return ((codes.clamp(0, 2**config.bits - 1) - zeros) * scales).flatten(1)[:, : w.shape[1]]
-
-
-def output_error(d: torch.Tensor, gram: torch.Tensor) -> float:
-    """Mean over tokens of ||x dᵀ||², with gram = mean xᵀx."""
-    return float(((d @ gram) * d).sum())
+def round_weight(w: torch.Tensor, gram: torch.Tensor, config: Config, rounding: str
+                 ) -> tuple[QuantizedLinear, torch.Tensor | None]:
+    """w's codes after the clipping search (its ratios [N, G], None when off), rounded to
+    nearest or by GPTQ's walk under `gram` with the clipped groups kept."""
+    with intra_op_threads(1):  # a grid of small fake-quantizations, as search_scale
+        clip = search_clip(w, gram, config) if config.clip else None
+        if rounding == "rtn":
+            return round_to_nearest(w, config, clip), clip
+        codebook, static = static_groups(w, config, clip)
+        if codebook is None and static is None:  # unclipped: the plain groups
+            static = quant_params(w, config.bits, config.group_size, config.symmetric)
+        q, _ = gptq_quantize(w, gram, config.bits, config.group_size, config.symmetric,
+                             codebook=codebook, static=static, refits=config.refits)
+    return q, clip
 
 
 def _mean_per_kv_head(v: torch.Tensor, tie: int, head_dim: int) -> torch.Tensor:

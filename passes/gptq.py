@@ -3,7 +3,7 @@ column's rounding error onto the columns not yet quantized through the inverse H
 the layer-wise objective ||X W^T - X Ŵ^T||², H = 2/n Σ x xᵀ over the calibration tokens.
 
 Recipe: `- gptq: {bits: 4, group_size: 64, symmetric: false, act_order: true, damp: 0.01,
-block_size: 128, include_lm_head: false}` with a `calibration:` block.
+block_size: 128, clip: false, refits: 0, include_lm_head: false}` with a `calibration:` block.
 
 Layer by layer, true-sequentially: the groups of linears that share an input —
 [q, k, v] → [o] → [gate, up] → [down] — each take their Hessian from a run of the layer
@@ -12,6 +12,10 @@ quantized outputs. The output stays plain group-wise (`QuantizedLinear`, no g_id
 with act-order, group scales and zeros are fixed from the float weight in its original
 column order ("static groups") before the permuted walk, so a column's group never moves;
 without it, each group's come from its error-updated weights as the walk reaches it.
+`clip` fixes every group's scale and zero from a clipping ratio searched by the group's
+output error under H (AWQ's search) instead. `refits` then alternates a closed-form refit
+of each group's scale for the walk's codes (a least-squares solve per row, zeros kept)
+with a new walk under the refit scales; each row keeps its lowest tr(ΔW H ΔWᵀ).
 The LM head (`include_lm_head`) takes its Hessian from the final norm's outputs.
 Reported per linear: `gptq_loss`, the objective Σ err² / [H⁻¹]_jj GPTQ minimizes.
 """
@@ -29,7 +33,12 @@ from llmopt.compiler.calibration import LayerwiseRunner, calibration_windows, ob
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.nf4 import nearest_codes
 from llmopt.compiler.pass_manager import PassContext, PassResult
-from llmopt.compiler.quant_format import QuantizedLinear, concat_outputs, quant_params
+from llmopt.compiler.quant_format import (
+    QuantizedLinear,
+    concat_outputs,
+    expand_groups,
+    quant_params,
+)
 from llmopt.compiler.reference import rms_norm
 from llmopt.compiler.weight_quant import (
     WeightQuantConfig,
@@ -37,6 +46,7 @@ from llmopt.compiler.weight_quant import (
     intra_op_threads,
     quantization_report,
     round_to_nearest,
+    search_clip,
     target_linears,
 )
 from llmopt.passes.rtn import relative_error
@@ -50,6 +60,12 @@ class Config(WeightQuantConfig):
     act_order: bool = True  # walk columns by descending H_ii (static groups: see above)
     damp: float = Field(0.01, gt=0)  # added to H's diagonal, times its mean
     block_size: int = Field(128, gt=0)  # columns per lazy batch update
+    # Each group's clipping ratio searched by its output error under H before the walk
+    # (AWQ's search): the groups' scales and zeros are then static.
+    clip: bool = False
+    # Rounds of refitting each group's scale in closed form for the walk's codes, each
+    # followed by a walk under the refit scales; every row keeps its best round.
+    refits: int = Field(0, ge=0, le=8)
 
     def needs_calibration_text(self) -> bool:  # reads calibration windows
         return True
@@ -146,10 +162,11 @@ def _quantize_linear(ir: ModelIR, out: ModelIR, name: str, hessian: torch.Tensor
     losses[name] = 0.0
     for start in range(0, n, rows):
         part = w[start:start + rows]
-        static = round_to_nearest(part, config) if config.format == "nf4" else None
+        clip = search_clip(part, hessian, config) if config.clip else None
+        codebook, static = static_groups(part, config, clip)
         q, loss = gptq_quantize(part, hessian, config.bits, config.group_size,
                                 config.symmetric, config.act_order, config.damp,
-                                config.block_size, static)
+                                config.block_size, codebook, static, config.refits)
         losses[name] += loss
         if rows < n:
             error_sq += float((part - q.dequantize()).norm()) ** 2
@@ -160,16 +177,94 @@ def _quantize_linear(ir: ModelIR, out: ModelIR, name: str, hessian: torch.Tensor
                     else error_sq ** 0.5 / float(w.norm()))
 
 
+def static_groups(w: torch.Tensor, config: WeightQuantConfig, clip: torch.Tensor | None
+                  ) -> tuple[QuantizedLinear | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Fixed group parameters for the walk: a code book's rounding (NF4), or the integer
+    scales and zeros of a clipped range; (None, None) lets the walk choose them."""
+    if config.format == "nf4":
+        return round_to_nearest(w, config, clip), None
+    if clip is None:
+        return None, None
+    return None, quant_params(w, config.bits, config.group_size, config.symmetric, clip)
+
+
 @torch.no_grad()
 def gptq_quantize(
     w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int, symmetric: bool,
     act_order: bool = True, damp: float = 0.01, block_size: int = 128,
     codebook: QuantizedLinear | None = None,
+    static: tuple[torch.Tensor, torch.Tensor] | None = None, refits: int = 0,
 ) -> tuple[QuantizedLinear, float]:
     """GPTQ of a float weight [N, K] under H [K, K]; returns the codes and the GPTQ
     objective Σ err² / [H⁻¹]_jj summed over columns (err: each column's rounding error).
     `codebook`: w's code-book (NF4) rounding, whose block absmax stay as static scales
-    while each column takes its nearest code."""
+    while each column takes its nearest code. `static`: integer scales and zeros [N, G]
+    to keep. `refits`: rounds of scale refit and walk (`refit_scales`); the objective is
+    then tr(ΔW H ΔWᵀ) of the rows kept."""
+    q, loss = _walk(w, hessian, bits, group_size, symmetric, act_order, damp, block_size,
+                    codebook, static)
+    if refits == 0 or codebook is not None:
+        return q, loss
+    h = hessian.double()
+    best, best_error = q, row_output_error(w, q, h)
+    for _ in range(refits):
+        for candidate in (refit_scales(w, q, h), None):
+            if candidate is None:  # a walk under the refit scales (zeros unchanged)
+                candidate, _ = _walk(w, hessian, bits, group_size, symmetric, act_order,
+                                     damp, block_size, None, (q.scales, q.zeros))
+            q, error = candidate, row_output_error(w, candidate, h)
+            better = error < best_error
+            best, best_error = _rows_where(better, q, best), torch.where(
+                better, error, best_error)
+    return best, float(best_error.sum())
+
+
+def row_output_error(w: torch.Tensor, q: QuantizedLinear, h: torch.Tensor) -> torch.Tensor:
+    """Each row's output error d H dᵀ [N] (float64), d = w - ŵ."""
+    d = (w.double() - q.dequantize().double())
+    return ((d @ h) * d).sum(1)
+
+
+def _rows_where(mask: torch.Tensor, a: QuantizedLinear, b: QuantizedLinear) -> QuantizedLinear:
+    """Rows of `a` where mask [N] holds, else of `b` (rows are independent codes)."""
+    pick = lambda x, y: torch.where(mask[:, None], x, y)  # noqa: E731
+    return QuantizedLinear(a.bits, a.group_size, pick(a.codes, b.codes),
+                           pick(a.scales, b.scales), pick(a.zeros, b.zeros), a.symmetric)
+
+
+def refit_scales(w: torch.Tensor, q: QuantizedLinear, h: torch.Tensor,
+                 rows: int = 256) -> QuantizedLinear:
+    """q with each row's group scales s re-solved for its fixed codes c and zeros z:
+    the least squares argmin_s (w - ŵ) H (w - ŵ)ᵀ, ŵ_j = s_g(j) (c_j - z_g(j)), one
+    [G, G] system a row. A scale that comes out degenerate keeps its old value."""
+    n, k = w.shape
+    groups, size = q.scales.shape[1], q.group_size
+    member = torch.zeros(k, groups, dtype=torch.float64)
+    member[torch.arange(k), torch.arange(k) // size] = 1
+    u = (q.codes.double() - expand_groups(q.zeros, size, k).double())
+    scales = []
+    for start in range(0, n, rows):
+        u_rows, w_rows = u[start:start + rows], w[start:start + rows].double()
+        # hb[r, :, g] = H[:, group g] · u_r[group g]: H times the group's basis vector
+        hb = torch.stack([u_rows[:, g * size:(g + 1) * size] @ h[g * size:(g + 1) * size]
+                          for g in range(groups)], -1)
+        normal = torch.einsum("rj,rjg,jh->rhg", u_rows, hb, member)
+        rhs = torch.einsum("rj,rjg->rg", w_rows, hb)
+        ridge = 1e-9 * normal.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-30)
+        normal = normal + ridge[:, None, None] * torch.eye(groups, dtype=torch.float64)
+        scales.append(torch.linalg.solve(normal, rhs).float())
+    fitted, old = torch.cat(scales), q.scales
+    keep = ~torch.isfinite(fitted) | (fitted.abs() < 1e-10)
+    return QuantizedLinear(q.bits, size, q.codes, torch.where(keep, old, fitted), q.zeros,
+                           q.symmetric)
+
+
+def _walk(
+    w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int, symmetric: bool,
+    act_order: bool, damp: float, block_size: int, codebook: QuantizedLinear | None,
+    static: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[QuantizedLinear, float]:
+    """One GPTQ column walk (gptq_quantize's contract, without refits)."""
     w = w.float().clone()
     n, k = w.shape
     diagonal = hessian.diagonal().double().clone()
@@ -178,7 +273,8 @@ def gptq_quantize(
     w[:, dead] = 0
     levels = 2**bits - 1
     scales, zeros, perm, block_size = _column_order(w, diagonal, bits, group_size, symmetric,
-                                                    act_order, block_size, codebook)
+                                                    act_order, block_size, codebook, static)
+    dynamic = codebook is None and static is None and not act_order
     w = w[:, perm]
 
     def permuted() -> torch.Tensor:  # one [K, K] copy: the widest are gigabytes in float64
@@ -199,7 +295,7 @@ def gptq_quantize(
             block_err = torch.empty_like(block)
             for i, d in enumerate(u_block.diagonal().tolist()):
                 j, g = b1 + i, group_of[b1 + i]
-                if codebook is None and not act_order and j % group_size == 0:
+                if dynamic and j % group_size == 0:
                     # Dynamic groups: parameters of the error-updated weights of this group.
                     scales[:, g:g + 1], zeros[:, g:g + 1] = quant_params(
                         block[:, i:i + group_size], bits, group_size, symmetric)
@@ -220,13 +316,17 @@ def gptq_quantize(
 
 def _column_order(w: torch.Tensor, diagonal: torch.Tensor, bits: int, group_size: int,
                   symmetric: bool, act_order: bool, block_size: int,
-                  codebook: QuantizedLinear | None
+                  codebook: QuantizedLinear | None,
+                  static: tuple[torch.Tensor, torch.Tensor] | None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The starting scales and zeros, the order columns are quantized in, and the block
-    size: static parameters under act_order or a code book, else filled group by group."""
+    size: static parameters under act_order, a code book or given ones, else filled group
+    by group."""
     n, k = w.shape
-    if codebook is not None:  # static block absmax (double-quantized where asked)
-        scales, zeros = codebook.scales.clone(), codebook.zeros.clone()
+    if codebook is not None or static is not None:
+        # static block absmax (double-quantized where asked), or the caller's parameters
+        given = (codebook.scales, codebook.zeros) if codebook is not None else static
+        scales, zeros = given[0].clone(), given[1].clone()
         perm = torch.argsort(diagonal, descending=True) if act_order else torch.arange(k)
     elif act_order:
         # Static groups: every group's scale and zero from the unpermuted float weight.

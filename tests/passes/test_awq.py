@@ -14,6 +14,7 @@ from llmopt.compiler.quant_format import group_quantize
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
 from llmopt.passes import awq, rtn
+from llmopt.passes.gptq import gptq_quantize
 from llmopt.runtime import LLM
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -87,6 +88,23 @@ def test_clip_search_never_raises_output_error():
     assert clipped < unclipped
 
 
+def test_gptq_rounding_beats_either_method_alone():
+    """AWQ's scales and clipping, then GPTQ's walk under the scaled Gram, leave less output
+    error than AWQ's nearest rounding or GPTQ on the unscaled weight."""
+    x, w = outlier_layer(seed=2)
+    gram = x.T @ x / len(x)
+    config = awq.Config(bits=4, group_size=64)
+    _, s, _ = awq.search_scale([w], x.abs().mean(0), gram, (1, 1), config)
+    scaled, scaled_gram = w * s, gram / (s[:, None] * s[None, :])
+    clip = awq.search_clip(scaled, scaled_gram, config)
+    alone = awq.output_error(scaled - awq.fake_quant(scaled, config, clip), scaled_gram)
+    gptq_alone = awq.output_error(w - gptq_quantize(w, gram, 4, 64, False)[0].dequantize(),
+                                  gram)
+    q, _ = awq.round_weight(scaled, scaled_gram, awq.Config(bits=4, group_size=64), "gptq")
+    combined = awq.output_error(scaled - q.dequantize(), scaled_gram)
+    assert combined < 0.95 * min(alone, gptq_alone)
+
+
 @pytest.fixture(scope="module")
 def calibration_text(tmp_path_factory):
     """Random printable text: the tiny tokenizer gives one token per character."""
@@ -105,7 +123,7 @@ def recipe(checkpoint, calibration_text, **options) -> Recipe:
 def test_one_alpha_without_clipping_is_rtn(tiny_checkpoints, calibration_text):
     ir = load_checkpoint(str(tiny_checkpoints["llama"]))
     r = recipe(tiny_checkpoints["llama"], calibration_text, grid=1, clip=False,
-               duo_scaling=False, group_size=32)
+               duo_scaling=False, group_size=32, rounding="rtn")
     out = awq.run(ir, r.passes[0].config, PassContext(r, log=lambda _: None)).ir
     base = rtn.run(ir, rtn.Config(group_size=32), None).ir
     assert set(out.quantized) == set(base.quantized)
@@ -118,6 +136,7 @@ def test_one_alpha_without_clipping_is_rtn(tiny_checkpoints, calibration_text):
     ("llama", {"group_size": 32, "include_lm_head": False}),
     ("qwen2", {"group_size": 32, "symmetric": True, "include_lm_head": True,
                "duo_scaling": False}),
+    ("llama", {"group_size": 32, "rounding": "gptq", "refits": 1, "include_lm_head": True}),
 ])
 def test_artifact_equals_fake_quant_reference(arch, options, tiny_checkpoints, calibration_text,
                                               tmp_path):

@@ -15,7 +15,13 @@ from llmopt.compiler.pipeline import compile_recipe, run_passes
 from llmopt.compiler.quant_format import group_quantize, quant_params
 from llmopt.compiler.recipe import Recipe
 from llmopt.compiler.reference import ReferenceModel
-from llmopt.passes.gptq import HessianAccumulator, gptq_quantize, group_hessian
+from llmopt.passes.gptq import (
+    HessianAccumulator,
+    gptq_quantize,
+    group_hessian,
+    refit_scales,
+    row_output_error,
+)
 from llmopt.runtime import LLM
 
 
@@ -80,6 +86,41 @@ def test_act_order_keeps_plain_static_groups():
     assert not torch.equal(q.codes, group_quantize(w, 4, group, False).codes)  # it did work
 
 
+def test_given_static_groups_are_kept():
+    x = correlated_inputs(2048, 160, seed=3)
+    w = torch.randn(24, 160, generator=torch.Generator().manual_seed(4))
+    clip = torch.full((24, 3), 0.8)
+    scales, zeros = quant_params(w, 4, 64, False, clip)
+    for act_order in (False, True):
+        q, _ = gptq_quantize(w, hessian_of(x), 4, 64, False, act_order, static=(scales, zeros))
+        assert torch.equal(q.scales, scales) and torch.equal(q.zeros, zeros)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_scale_refit_never_raises_any_rows_error(symmetric):
+    x = correlated_inputs(4096, 160, seed=7)
+    w = torch.randn(48, 160, generator=torch.Generator().manual_seed(8))
+    h = hessian_of(x)
+    for q in (group_quantize(w, 4, 64, symmetric), gptq_quantize(w, h, 4, 64, symmetric)[0]):
+        refit = refit_scales(w, q, h)
+        assert torch.equal(refit.codes, q.codes) and torch.equal(refit.zeros, q.zeros)
+        before, after = row_output_error(w, q, h), row_output_error(w, refit, h)
+        assert (after <= before * (1 + 1e-9)).all()
+        assert after.sum() < 0.97 * before.sum()
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_refits_lower_the_output_error(act_order):
+    x = correlated_inputs(4096, 160, seed=9)
+    w = torch.randn(48, 160, generator=torch.Generator().manual_seed(10))
+    h = hessian_of(x)
+    plain, _ = gptq_quantize(w, h, 4, 64, False, act_order)
+    refit, loss = gptq_quantize(w, h, 4, 64, False, act_order, refits=2)
+    before, after = row_output_error(w, plain, h), row_output_error(w, refit, h)
+    assert (after <= before).all() and after.sum() < 0.9 * before.sum()
+    assert loss == pytest.approx(float(after.sum()))
+
+
 def test_dead_columns():
     x = correlated_inputs(1024, 64, seed=5)
     x[:, [3, 40]] = 0  # inputs that never fire
@@ -109,11 +150,13 @@ def calibration_text(path: Path, chars: int = 3000) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("arch", "include_lm_head"), [("llama", True), ("qwen2", False)])
-def test_artifact_equals_fake_quant_reference(arch, include_lm_head, tiny_checkpoints,
+@pytest.mark.parametrize(("arch", "include_lm_head", "options"), [
+    ("llama", True, {}), ("qwen2", False, {}), ("llama", False, {"clip": True, "refits": 1})])
+def test_artifact_equals_fake_quant_reference(arch, include_lm_head, options, tiny_checkpoints,
                                               tmp_path):
     text = calibration_text(tmp_path / "calib.txt")
-    gptq = {"bits": 4, "group_size": 32, "act_order": True, "include_lm_head": include_lm_head}
+    gptq = {"bits": 4, "group_size": 32, "act_order": True, "include_lm_head": include_lm_head,
+            **options}
     recipe = Recipe(model=str(tiny_checkpoints[arch]), passes=[{"gptq": gptq}],
                     calibration={"text": str(text), "samples": 8, "seq_len": 64},
                     runtime={"block_size": 4, "max_context": 256, "max_num_seqs": 4})
