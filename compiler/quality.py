@@ -41,7 +41,7 @@ PROGRESS_EVERY_S = 10.0  # a measurement takes minutes on a real model: say how 
 # The built-in passages' probe: a fixed token budget, so its compute stays a small share
 # of a compile at every size (a forward's cost per parameter grows with its tokens, a
 # weight pass's does not; its two streamed reads cost less than one pass's).
-PASSAGE_WINDOW, PASSAGE_WINDOWS = 64, 1
+PASSAGE_WINDOW, PASSAGE_WINDOWS = 32, 1
 # Logits held at once while comparing (each window's log-probabilities wait for the other
 # model's): bounds the probe's memory at large vocabularies.
 LOGITS_BUDGET_BYTES = 512 << 20
