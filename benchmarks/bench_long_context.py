@@ -62,19 +62,20 @@ def read_text(name: str) -> str:
 
 
 THREADS: int | None = None  # every engine's (--threads; None: the machine's cores)
+KERNELS = "auto"  # the evicting engines' kernels (--kernels)
 
 
 def streaming_llm(artifact: Path, budget: int, chunk: int) -> LLM:
     return LLM(artifact, max_num_seqs=1, max_context=budget, max_num_batched_tokens=chunk,
                streaming=StreamingConfig(sinks=SINKS, window=budget - SINKS),
-               num_threads=THREADS)
+               num_threads=THREADS, kernels=KERNELS)
 
 
 def h2o_llm(artifact: Path, budget: int, chunk: int, sinks: int = 0,
             drop: int | None = None) -> LLM:
     return LLM(artifact, max_num_seqs=1, max_context=budget, max_num_batched_tokens=chunk,
                streaming=H2OConfig(budget=budget, sinks=sinks, drop=drop),
-               num_threads=THREADS)
+               num_threads=THREADS, kernels=KERNELS)
 
 
 def evicting_llms(artifact: Path, budgets: list[int], chunk: int, kinds: set[str],
@@ -240,6 +241,9 @@ def main() -> None:
                              "sixteenth of the budget) and entry counts (1: the paper's)")
     parser.add_argument("--threads", type=int, default=None,
                         help="every engine's threads (default: the machine's cores)")
+    parser.add_argument("--kernels", choices=("auto", "native", "onnxruntime"), default="auto",
+                        help="the evicting engines' kernels; onnxruntime compiles the artifact "
+                             "with runtime.h2o, whose graph returns the attention sums")
     parser.add_argument("--ppl-runs", default="full,sinks+window,h2o",
                         help="which perplexity runs: comma list of full,sinks+window,h2o")
     parser.add_argument("--h2o-sinks", type=int, default=0,
@@ -248,11 +252,12 @@ def main() -> None:
                         help="comma list of parts to skip: ppl,probe,cost,gen (or gen-stream)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bench_long_context.json")
     args = parser.parse_args()
-    global THREADS
-    THREADS = args.threads
-    compile_artifact(args.artifact, REPO_ROOT / "recipes" / "smollm2-135m-int4.yaml",
-                     ["runtime.max_context=8192", "runtime.max_num_seqs=1"])
+    global THREADS, KERNELS
+    THREADS, KERNELS = args.threads, args.kernels
     budgets = [int(b) for b in args.budgets.split(",")]
+    h2o_graph = [f"runtime.h2o.budget={max(budgets)}"] if KERNELS == "onnxruntime" else []
+    compile_artifact(args.artifact, REPO_ROOT / "recipes" / "smollm2-135m-int4.yaml",
+                     ["runtime.max_context=8192", "runtime.max_num_seqs=1", *h2o_graph])
     skip = set(args.skip.split(",")) - {""}
     payload: dict[str, Any] = {"machine": machine_info(), "artifact": str(args.artifact),
                                "sinks": SINKS, "chunk": args.chunk}
