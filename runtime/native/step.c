@@ -98,7 +98,7 @@ static int kept_alloc(int t_rows, int n_logits, const int32_t *logit_rows, int m
    [lane_tokens], which every token's attention weights add to (summed over the query
    group's heads; H2O); then every row runs every layer. Returns 0, or -1 when memory runs
    out. */
-int llmopt_forward_scored(const Model *m, int32_t t_rows, const int64_t *tokens,
+static int forward_scored(const Model *m, int32_t t_rows, const int64_t *tokens,
                           const int32_t *lanes, const int32_t *positions,
                           const int32_t *lane_rows, const uint64_t *masks,
                           uint8_t *const *key_pools, uint8_t *const *value_pools,
@@ -147,6 +147,28 @@ int llmopt_forward_scored(const Model *m, int32_t t_rows, const int64_t *tokens,
     scratch_free(&s);
     kept_free(&kept);
     return status ? -1 : 0;
+}
+
+/* MXCSR's flush-to-zero and denormals-are-zero bits. A peaked softmax sends the weights of
+   most keys below FLT_MIN, and x86 computes on such subnormals through microcode assists,
+   tens of times slower than on normal floats; flushed, they are the zeros they stand for. */
+#define FLUSH_SUBNORMALS 0x8040u
+
+int llmopt_forward_scored(const Model *m, int32_t t_rows, const int64_t *tokens,
+                          const int32_t *lanes, const int32_t *positions,
+                          const int32_t *lane_rows, const uint64_t *masks,
+                          uint8_t *const *key_pools, uint8_t *const *value_pools,
+                          int32_t lane_tokens, int32_t n_logits, const int32_t *logit_rows,
+                          float *logits, float *const *sums) {
+    /* flushed on every thread of the step's team (theirs stay so), the caller's restored */
+    const unsigned int caller = _mm_getcsr();
+    #pragma omp parallel num_threads(m->num_threads) if (m->num_threads > 1)
+    _mm_setcsr(_mm_getcsr() | FLUSH_SUBNORMALS);
+    const int status = forward_scored(m, t_rows, tokens, lanes, positions, lane_rows, masks,
+                                      key_pools, value_pools, lane_tokens, n_logits,
+                                      logit_rows, logits, sums);
+    _mm_setcsr(caller);
+    return status;
 }
 
 int llmopt_forward(const Model *m, int32_t t_rows, const int64_t *tokens,
