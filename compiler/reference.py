@@ -223,19 +223,22 @@ class ReferenceModel:
         self, spec: LayerSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q_pos: torch.Tensor,
     ) -> torch.Tensor:
-        groups = spec.num_heads // spec.num_kv_heads
+        # The query heads sharing a KV head are stacked as rows of one matmul against it:
+        # repeating the keys and values per query head would copy the whole cache a step.
+        batch, heads, length, dim = q.shape
+        groups = heads // spec.num_kv_heads
+        q = q.reshape(batch, spec.num_kv_heads, groups * length, dim)
         k_pos = torch.arange(k.shape[2])
-        scores = self._scores(q, k.repeat_interleave(groups, dim=1))
+        scores = self._scores(q, k)
         key_side = kv_sides(spec)[0]
         if key_side.per_block:  # keys of earlier blocks through their block's scales
             block = spec.kv_block_size
             earlier = (k_pos[None, :] // block) < (q_pos[:, None] // block)
-            read = block_read(k, key_side, block).repeat_interleave(groups, dim=1)
-            scores = torch.where(earlier, self._scores(q, read), scores)
-        v = v.repeat_interleave(groups, dim=1)
-        allowed = attention_mask(q_pos, k_pos, spec.sliding_window)
+            read = block_read(k, key_side, block)
+            scores = torch.where(earlier.repeat(groups, 1), self._scores(q, read), scores)
+        allowed = attention_mask(q_pos, k_pos, spec.sliding_window).repeat(groups, 1)
         scores = scores.masked_fill(~allowed, float("-inf"))
-        return torch.softmax(scores, dim=-1) @ v
+        return (torch.softmax(scores, dim=-1) @ v).reshape(batch, heads, length, dim)
 
     def _scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         scores = (q @ k.transpose(-1, -2)) * self.arch.attn_scale
