@@ -41,19 +41,24 @@ class LayerwiseRunner:
             self.hidden = [self.model.embed(batch) for batch in windows.split(batch_size)]
         self.layer = 0
 
-    @torch.no_grad()
-    def run_layer(self, observer: Observer | None = None) -> list[torch.Tensor]:
+    def run_layer(self, observer: Observer | None = None) -> None:
         """Run the current layer over the calibration set with its current weights (read
-        once for the whole set), calling `observer` on every linear's input; returns the
-        layer's outputs."""
-        with observing(self.model, observer), self.model.holding_layer(self.layer):
-            return [self.model.layer_forward(self.layer, h, self.positions, None)
-                    for h in self.hidden]
+        once for the whole set), calling `observer` on every linear's input."""
+        self._forward(observer, keep_outputs=False)
 
     def advance(self) -> None:
         """Move to the next layer, feeding it this layer's (rewritten) outputs."""
-        self.hidden = self.run_layer()
+        self._forward(None, keep_outputs=True)
         self.layer += 1
+
+    @torch.no_grad()
+    def _forward(self, observer: Observer | None, keep_outputs: bool) -> None:
+        # Each batch's output replaces its input as it is computed: the set is held once.
+        with observing(self.model, observer), self.model.holding_layer(self.layer):
+            for i, hidden in enumerate(self.hidden):
+                output = self.model.layer_forward(self.layer, hidden, self.positions, None)
+                if keep_outputs:
+                    self.hidden[i] = output
 
 
 @contextmanager

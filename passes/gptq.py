@@ -278,7 +278,7 @@ def _walk(
     w = w[:, perm]
 
     def permuted() -> torch.Tensor:  # one [K, K] copy: the widest are gigabytes in float64
-        h = hessian.double().index_select(0, perm).index_select(1, perm)
+        h = hessian.double()[perm[:, None], perm[None, :]]  # one gather, no intermediate
         h.diagonal().copy_(diagonal[perm])
         return h
 
