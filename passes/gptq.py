@@ -42,12 +42,12 @@ from llmopt.compiler.quant_format import (
 from llmopt.compiler.reference import rms_norm
 from llmopt.compiler.weight_quant import (
     WeightQuantConfig,
-    float_weight,
     intra_op_threads,
     quantization_report,
     round_to_nearest,
     search_clip,
     target_linears,
+    weight_name,
 )
 from llmopt.passes.rtn import relative_error
 
@@ -154,14 +154,15 @@ ROW_SLICE_BYTES = 512 << 20
 
 def _quantize_linear(ir: ModelIR, out: ModelIR, name: str, hessian: torch.Tensor,
                      config: Config, errors: dict, losses: dict) -> None:
-    w, config = float_weight(ir, name).float(), config.for_linear(name)
-    n, k = w.shape
+    stored, config = weight_name(ir, name), config.for_linear(name)
+    n, k = ir.weights.shape(stored)
     # a code book's double quantization spans rows: it takes the matrix whole
     rows = n if config.format == "nf4" else max(1, ROW_SLICE_BYTES // (4 * k))
-    parts, error_sq = [], 0.0
+    parts, error_sq, norm_sq = [], 0.0, 0.0
     losses[name] = 0.0
-    for start in range(0, n, rows):
-        part = w[start:start + rows]
+    # Slices are read from the store one at a time: a head is never whole in float32.
+    for _, block in ir.weights.row_blocks(stored, rows):
+        part = block.float()
         clip = search_clip(part, hessian, config) if config.clip else None
         codebook, static = static_groups(part, config, clip)
         q, loss = gptq_quantize(part, hessian, config.bits, config.group_size,
@@ -170,11 +171,14 @@ def _quantize_linear(ir: ModelIR, out: ModelIR, name: str, hessian: torch.Tensor
         losses[name] += loss
         if rows < n:
             error_sq += float((part - q.dequantize()).norm()) ** 2
+            norm_sq += float(part.norm()) ** 2
+        else:
+            errors[name] = relative_error(part, q.dequantize())
         parts.append(q)
     q = parts[0] if len(parts) == 1 else concat_outputs(parts)
     out.set_quantized(name, q)
-    errors[name] = (relative_error(w, q.dequantize()) if rows >= n
-                    else error_sq ** 0.5 / float(w.norm()))
+    if rows < n:
+        errors[name] = (error_sq / norm_sq) ** 0.5
 
 
 def static_groups(w: torch.Tensor, config: WeightQuantConfig, clip: torch.Tensor | None

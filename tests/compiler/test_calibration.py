@@ -47,8 +47,14 @@ def lazy(path) -> tuple[ModelIR, ReadCounter]:
     ir, counter = load_checkpoint(str(path)), ReadCounter()
     source = ir.weights.source
     assert source is not None, "the loader reads safetensors lazily"
-    read = source.read
+    read, row_blocks = source.read, source.row_blocks
     source.read = lambda name: counter.read(name, read(name))
+
+    def counted_blocks(name: str, rows: int):  # one pass over a tensor's rows: one read
+        counter.reads[name] += 1
+        yield from row_blocks(name, rows)
+
+    source.row_blocks = counted_blocks
     return ir, counter
 
 
