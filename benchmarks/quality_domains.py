@@ -50,10 +50,10 @@ from llmopt.compiler import calibration_mix
 from llmopt.compiler.calibration_mix import model_share
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.loader import load_checkpoint
-from llmopt.compiler.model_samples import SampleMemo
+from llmopt.compiler.model_samples import SampleMemo, fingerprint, memoized_samples
 from llmopt.compiler.pass_manager import PassContext, apply_passes
 from llmopt.compiler.pass_registry import PASSES
-from llmopt.compiler.recipe import Recipe
+from llmopt.compiler.recipe import CalibrationConfig, Recipe
 from llmopt.compiler.reference import ReferenceModel, rms_norm
 from llmopt.compiler.sample_budget import parameter_count
 from llmopt.runtime.texts import windows_of
@@ -81,6 +81,8 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
     "rtn": [{"rtn": {"bits": 4, "group_size": 64}}],
     "awq": [{"awq": {"bits": 4, "group_size": 64}}],
     "gptq": [{"gptq": {"bits": 4, "group_size": 64, "act_order": True}}],
+    "rotate-gptq": [{"rotate": {}}, {"gptq": {"bits": 4, "group_size": 64, "act_order": True}}],
+    "rotate-awq": [{"rotate": {}}, {"awq": {"bits": 4, "group_size": 64}}],
     "kv-int4": [{"kv_cache": {"dtype": "int4"}}],
     "kv-int8": [{"kv_cache": {"dtype": "int8"}}],
     "kv-fp8": [{"kv_cache": {"dtype": "fp8_e4m3"}}],
@@ -207,9 +209,24 @@ def run_config(ir: ModelIR, passes: list[dict[str, Any]], calibration: dict[str,
     recipe = Recipe(model=MODEL, passes=passes, quality={"measure": False},
                     **({"calibration": calibration} if calibration else {}))
     started = time.perf_counter()
-    out, reports = apply_passes(ir, recipe.passes, PassContext(recipe, print))
+    context, steps, model, reports = PassContext(recipe, print), list(recipe.passes), ir, []
+    if steps and steps[0].name == "rotate":
+        model, reports = apply_passes(ir, steps[:1], context)
+        share_samples(ir, model, recipe.calibration)
+        steps = steps[1:]
+    out, later = apply_passes(model, steps, context)
     seconds = time.perf_counter() - started
+    reports += later
     return out, reports, seconds, calibration_used(recipe, ir)
+
+
+def share_samples(source: ModelIR, rotated: ModelIR, calibration: CalibrationConfig) -> None:
+    """Let a rotated model calibrate on the samples its source draws: it is the same
+    function (a compile samples the rotated model itself; a rounding may flip a token)."""
+    drawn = memoized_samples(source, calibration.samples, calibration.seq_len,
+                             calibration_mix.SAMPLE_SEED)
+    SampleMemo.key = (fingerprint(rotated), calibration.seq_len, calibration_mix.SAMPLE_SEED)
+    SampleMemo.samples = drawn
 
 
 def calibration_used(recipe: Recipe, ir: ModelIR) -> str | None:
@@ -244,7 +261,7 @@ def main() -> None:
     parser.add_argument("--calibration-json", default=None,
                         help="the recipe's calibration block as JSON (overrides --calibration)")
     parser.add_argument("--options", default=None,
-                        help="JSON merged into the (single) pass's options")
+                        help="JSON merged into the last pass's options")
     parser.add_argument("--label", default=None, help="the row's name (default: the config's)")
     parser.add_argument("--split", choices=SPLIT_WINDOWS, default="eval")
     parser.add_argument("--texts", default=",".join(TEXTS))
@@ -271,8 +288,8 @@ def main() -> None:
     for name, calibration in ((n, c) for c in calibrations for n in args.configs.split(",")):
         passes = [dict(p) for p in CONFIGS[name]]
         if args.options:
-            ((pass_name, options),) = passes[0].items()
-            passes[0] = {pass_name: {**options, **json.loads(args.options)}}
+            ((pass_name, options),) = passes[-1].items()
+            passes[-1] = {pass_name: {**options, **json.loads(args.options)}}
         out, reports, seconds, used = run_config(ir, passes, calibration)
         scorer = Int8Activations if args.int8_activations else ReferenceModel
         model = None if not passes else scorer(out, SEQ_LEN)

@@ -18,7 +18,7 @@ OOM killer. It follows the compiler's working set:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -198,6 +198,8 @@ def calibrates(config: Any) -> bool:
 def _output_bytes(recipe: Recipe, shape: Shape) -> int:
     """The artifact's weights: packed codes where a weight pass quantizes, float elsewhere."""
     float_bytes = 4 if recipe.target.weight_dtype == "float32" else 2
+    if any(step.name == "rotate" for step in recipe.passes):  # it unties the head
+        shape = replace(shape, tied=False)
     weight_pass = next((step.config for step in recipe.passes
                         if getattr(step.config, "bits", None)), None)
     decoder = shape.layers * shape.layer_params

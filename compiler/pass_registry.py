@@ -51,6 +51,8 @@ PASSES: dict[str, PassEntry] = {
     # Structural rewrites: they change shapes that quantization and the draft then see.
     "gqa_regroup": PassEntry("llmopt.passes.gqa_regroup",
                              before=("quantized_weights", "kv_cache", "draft"), calibrates=True),
+    # An exact change of basis that int4 weights lose less in (before the weight pass).
+    "rotate": PassEntry("llmopt.passes.rotate", before=("quantized_weights", "kv_cache", "draft")),
     # KV cache storage dtype (float16, bfloat16, fp8, int8, int4), per layer.
     "kv_cache": PassEntry("llmopt.passes.kv_cache", provides=("kv_cache",), calibrates=True),
     # Speculative decoding: pair a draft with the final target (it measures against it),

@@ -21,7 +21,6 @@ calibrates on the samples the unrotated model draws (it is the same function).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -31,15 +30,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import quality_domains as qd  # noqa: E402
 
-from llmopt.compiler import calibration_mix  # noqa: E402
-from llmopt.compiler.ir import ModelIR  # noqa: E402
 from llmopt.compiler.kv_cache_format import hadamard  # noqa: E402
 from llmopt.compiler.loader import load_checkpoint  # noqa: E402
-from llmopt.compiler.model_samples import SampleMemo, fingerprint, memoized_samples  # noqa: E402
+from llmopt.compiler.model_samples import SampleMemo  # noqa: E402
+from llmopt.compiler.recipe import CalibrationConfig  # noqa: E402
 from llmopt.compiler.reference import ReferenceModel  # noqa: E402
-
-READERS = {"attn_norm": ("q_proj", "k_proj", "v_proj"), "mlp_norm": ("gate_proj", "up_proj")}
-WRITERS = ("o_proj", "down_proj")
+from llmopt.passes.rotate import random_orthogonal, rotate_model  # noqa: E402
 
 
 def orthogonal(size: int, kind: str, seed: int) -> torch.Tensor:
@@ -48,58 +44,13 @@ def orthogonal(size: int, kind: str, seed: int) -> torch.Tensor:
     if kind == "fold":
         return torch.eye(size, dtype=torch.float64)
     if kind == "random":
-        q, r = torch.linalg.qr(torch.randn(size, size, generator=generator, dtype=torch.float64))
-        return q * torch.sign(torch.diagonal(r))
+        return random_orthogonal(size, seed).double()
     if kind == "hadamard":
         block = size & -size
         h = torch.from_numpy(hadamard(block)).double()
         signs = torch.randint(0, 2, (size,), generator=generator).double() * 2 - 1
         return signs[:, None] * torch.block_diag(*[h] * (size // block))
     raise SystemExit(f"unknown rotation {kind!r}")
-
-
-def rotate(ir: ModelIR, kind: str, heads: bool, seed: int = 0) -> ModelIR:
-    """`ir` with its residual stream turned by an orthogonal matrix (float outputs equal)."""
-    out, arch, w = ir.copy(), ir.arch, ir.weights
-    q = orthogonal(arch.hidden_size, kind, seed)
-    embed = w["embed_tokens"].double()
-    head = embed if arch.tie_word_embeddings else w["lm_head.weight"].double()
-    out.weights["lm_head.weight"] = (head * w["final_norm"].double() @ q).float()
-    out.weights["final_norm"] = torch.ones(arch.hidden_size)
-    out.weights["embed_tokens"] = (embed @ q).float()
-    for i in range(arch.num_layers):
-        p = f"layers.{i}."
-        for norm, readers in READERS.items():
-            for name in readers:
-                key = p + name + ".weight"
-                out.weights[key] = (w[key].double() * w[p + norm].double() @ q).float()
-            out.weights[p + norm] = torch.ones(arch.hidden_size)
-        for name in WRITERS:
-            for suffix in (".weight", ".bias"):
-                if p + name + suffix in w:
-                    out.weights[p + name + suffix] = (q.T @ w[p + name + suffix].double()).float()
-        if heads:
-            _rotate_values(out, i)
-    out.arch = dataclasses.replace(arch, tie_word_embeddings=False)
-    return out
-
-
-def _rotate_values(ir: ModelIR, index: int) -> None:
-    """Each head's values turned by a Hadamard matrix, o_proj's inputs turned back."""
-    spec, hidden, p = ir.arch.layers[index], ir.arch.hidden_size, f"layers.{index}."
-    h = torch.from_numpy(hadamard(spec.head_dim)).double()
-    v = ir.weights[p + "v_proj.weight"].double().reshape(spec.num_kv_heads, spec.head_dim, -1)
-    ir.weights[p + "v_proj.weight"] = torch.einsum("ij,hjn->hin", h, v).reshape(-1, hidden).float()
-    o = ir.weights[p + "o_proj.weight"].double().reshape(hidden, spec.num_heads, spec.head_dim)
-    ir.weights[p + "o_proj.weight"] = torch.einsum("nhj,ij->nhi", o, h).reshape(hidden, -1).float()
-
-
-def share_samples(source: ModelIR, rotated: ModelIR, calibration: dict | None) -> None:
-    """Let `rotated` calibrate on the samples `source` draws (the memo keyed to it)."""
-    samples = calibration.get("samples", 128) if calibration else 128
-    drawn = memoized_samples(source, samples, qd.SEQ_LEN, calibration_mix.SAMPLE_SEED)
-    SampleMemo.key = (fingerprint(rotated), qd.SEQ_LEN, calibration_mix.SAMPLE_SEED)
-    SampleMemo.samples = drawn
 
 
 def main() -> None:
@@ -120,11 +71,13 @@ def main() -> None:
     SampleMemo.directory = args.cache
     for config in args.configs.split(","):
         kind, _, pass_name = config.partition(":")
-        model = ir if kind == "none" else rotate(ir, kind.split("-")[0], "noheads" not in kind)
+        model = ir if kind == "none" else rotate_model(
+            ir, orthogonal(ir.arch.hidden_size, kind.split("-")[0], 0).float(),
+            "noheads" not in kind)
         if pass_name != "float":
             passes = [dict(p) for p in qd.CONFIGS[pass_name]]
             if model is not ir and any(qd.PASSES[name].calibrates for p in passes for name in p):
-                share_samples(ir, model, calibration)
+                qd.share_samples(ir, model, CalibrationConfig(**(calibration or {})))
             model, *_ = qd.run_config(model, passes, calibration)
         scores = {t: qd.score(base, hidden[t], ReferenceModel(model, qd.SEQ_LEN), w)
                   for t, w in texts.items()}

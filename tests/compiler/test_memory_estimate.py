@@ -55,6 +55,16 @@ def test_streaming_bounds_the_weights_by_the_largest_tensor_and_one_layer(tmp_pa
     assert 7 * GIB < small.output_bytes < 8.5 * GIB
 
 
+def test_rotate_counts_the_head_it_unties(tmp_path):
+    tied = _config_only(tmp_path / "tied", dict(LLAMA_8B, tie_word_embeddings=True))
+    ref = resolve_checkpoint(str(tied))
+    rtn = {"rtn": {"bits": 4}}
+    plain, rotated = (estimate_compile(Recipe(model="m", passes=passes), ref, read_shape(ref))
+                      for passes in ([rtn], [{"rotate": {}}, rtn]))
+    # One more float32 [vocab, hidden] table: the head the rotation makes its own.
+    assert rotated.output_bytes - plain.output_bytes == 4 * 128256 * 4096
+
+
 def test_a_pre_quantized_checkpoint_streams_too(tmp_path):
     """A GPTQ 8B directory is read a module at a time, as an unquantized one is, and its
     codes are lowered as they are: an int4-sized artifact without a weight pass."""
