@@ -18,7 +18,7 @@ OOM killer. It follows the compiler's working set:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,10 +67,20 @@ class CompileEstimate:
     peak_bytes: int
     output_bytes: int
     parts: dict[str, int]  # what the peak is made of, for the refusal message
+    # Parts held in turn, not together: the peak counts the larger of these sums.
+    phases: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def summary(self) -> str:
-        return ", ".join(f"{name} {size / GIB:.1f}" for name, size in self.parts.items()
-                         if size >= 0.05 * GIB)
+        alone = [n for n in self.parts if not any(n in ph for ph in self.phases.values())]
+        line = ", ".join(self._part(n) for n in alone if self.parts[n] >= 0.05 * GIB)
+        if self.phases:
+            line += ", then the larger of " + " and ".join(
+                f"{phase} ({' + '.join(self._part(n) for n in names)})"
+                for phase, names in self.phases.items())
+        return line
+
+    def _part(self, name: str) -> str:
+        return f"{name} {self.parts[name] / GIB:.1f}"
 
 
 def read_shape(ref: CheckpointRef) -> Shape | None:
@@ -131,13 +141,21 @@ def estimate_compile(recipe: Recipe, ref: CheckpointRef, shape: Shape) -> Compil
     """Peak memory and artifact size of compiling `recipe` on a model of `shape`."""
     largest = max(shape.vocab * shape.hidden, shape.intermediate * shape.hidden)
     parts = {"process": PROCESS_BYTES}
-    if streams_weights(ref):
-        parts["largest tensor"] = 4 * largest * STREAMED_TENSOR_COPIES
-        parts["one layer"] = 4 * shape.layer_params * LAYER_COPIES
-    else:
+    output = _output_bytes(recipe, shape)
+    if not streams_weights(ref):  # the whole model stays resident through every phase
         parts["whole model in float32"] = int(EAGER_BYTES_PER_PARAM * shape.params)
+        parts |= _calibration_parts(recipe, shape)
+        return CompileEstimate(sum(parts.values()), output, parts)
+    parts["largest tensor"] = 4 * largest * STREAMED_TENSOR_COPIES
+    parts["one layer"] = 4 * shape.layer_params * LAYER_COPIES
     parts |= _calibration_parts(recipe, shape)
-    return CompileEstimate(sum(parts.values()), _output_bytes(recipe, shape), parts)
+    # A streamed compile holds the largest tensor (the head, the lowering's embedding) and the
+    # calibration set's layer work at different times, each beside one layer.
+    phases = {"weights": ("largest tensor", "one layer")}
+    if "calibration" in parts:
+        phases["calibration"] = ("one layer", "calibration")
+    peak = PROCESS_BYTES + max(sum(parts[n] for n in names) for names in phases.values())
+    return CompileEstimate(peak, output, parts, phases)
 
 
 def _calibration_parts(recipe: Recipe, shape: Shape) -> dict[str, int]:

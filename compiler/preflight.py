@@ -71,10 +71,19 @@ def _advice(recipe: Recipe, ref: CheckpointRef, estimate: CompileEstimate,
     if "whole model in float32" in estimate.parts:
         return ("give a safetensors directory (read a layer at a time) instead of "
                 f"{ref.gguf_file or 'this checkpoint'}")
-    if estimate.parts.get("calibration", 0) > excess:
+    if _calibration_sets_the_peak(estimate) and estimate.parts["calibration"] > excess:
         return (f"lower calibration.samples (now {recipe.calibration.samples}) or "
                 f"calibration.seq_len (now {recipe.calibration.seq_len})")
     return "free memory or use a machine with more"
+
+
+def _calibration_sets_the_peak(estimate: CompileEstimate) -> bool:
+    """Whether shrinking the calibration set lowers the peak (its phase is the largest)."""
+    if "calibration" not in estimate.parts:
+        return False
+    sums = {phase: sum(estimate.parts[n] for n in names)
+            for phase, names in estimate.phases.items()}
+    return not sums or max(sums, key=sums.get) == "calibration"
 
 
 def _existing_parent(path: Path) -> Path:

@@ -55,6 +55,22 @@ def test_streaming_bounds_the_weights_by_the_largest_tensor_and_one_layer(tmp_pa
     assert 7 * GIB < small.output_bytes < 8.5 * GIB
 
 
+def test_the_head_and_the_calibration_are_not_counted_together(tmp_path):
+    """A streamed GPTQ reads the 8B head and calibrates the layers at different times: its
+    peak is the larger phase (measured: 7.3 GiB at 128 x 512), not their sum (15.7 GiB)."""
+    ref = resolve_checkpoint(str(_config_only(tmp_path / "m", LLAMA_8B)))
+    text = tmp_path / "calib.txt"
+    text.write_text("text")
+    recipe = Recipe(model="m", passes=[{"gptq": {"bits": 4}}],
+                    calibration={"text": str(text), "samples": 128, "seq_len": 512})
+    estimate = estimate_compile(recipe, ref, read_shape(ref))
+    parts = estimate.parts
+    assert estimate.peak_bytes == parts["process"] + max(
+        parts["largest tensor"] + parts["one layer"], parts["one layer"] + parts["calibration"])
+    assert 7.3 * GIB < estimate.peak_bytes < sum(parts.values()) - 5 * GIB
+    assert "then the larger of weights (largest tensor" in estimate.summary()
+
+
 def test_rotate_counts_the_head_it_unties(tmp_path):
     tied = _config_only(tmp_path / "tied", dict(LLAMA_8B, tie_word_embeddings=True))
     ref = resolve_checkpoint(str(tied))
