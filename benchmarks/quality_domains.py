@@ -186,7 +186,7 @@ class Int8Activations(ReferenceModel):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if "lm_head" not in self.ir.quantized:
             return super().logits(hidden)
-        head = "embed_tokens" if self.arch.tie_word_embeddings else "lm_head.weight"
+        head = self.head_name()
         x = rms_norm(hidden, self.weight("final_norm"), self.arch.norm_eps)
         logits = self.rounded("lm_head", x) @ self.weight(head).T
         if self.arch.final_softcap:

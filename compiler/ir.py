@@ -184,15 +184,18 @@ class ModelIR:
             store[linear] = q
         else:
             store.defer(linear, q)
-        key = "embed_tokens" if linear == "lm_head" and self.arch.tie_word_embeddings else (
-            f"{linear}.weight")
-        self.weights.set_lazy(key, lambda: store[linear].dequantize(), store.shape(linear),
+        self.weights.set_lazy(self.weight_name(linear), lambda: store[linear].dequantize(),
+                              store.shape(linear),
                               blocks=lambda rows: store[linear].row_blocks(rows))
 
+    def weight_name(self, linear: str) -> str:
+        """Where a linear's float weight is stored (the LM head may be the tied embedding)."""
+        if linear == "lm_head" and self.arch.tie_word_embeddings:
+            return "embed_tokens"
+        return f"{linear}.weight"
+
     def lm_head(self) -> torch.Tensor:
-        if self.arch.tie_word_embeddings:
-            return self.weights["embed_tokens"]
-        return self.weights["lm_head.weight"]
+        return self.weights[self.weight_name("lm_head")]
 
     def num_parameters(self) -> int:
         return self.weights.numel()

@@ -102,7 +102,7 @@ class ReferenceModel:
         return self.holding([] if self.stream_linears else ["embed_tokens"])
 
     def head_name(self) -> str:
-        return "embed_tokens" if self.arch.tie_word_embeddings else "lm_head.weight"
+        return self.ir.weight_name("lm_head")
 
     def weight(self, name: str) -> torch.Tensor:
         held = self._held.get(name)

@@ -99,14 +99,7 @@ def target_linears(ir: ModelIR, config: WeightQuantConfig) -> list[str]:
 
 def float_weight(ir: ModelIR, linear: str):
     """The float weight [out, in] of a linear (the LM head may be the tied embedding)."""
-    return ir.weights[weight_name(ir, linear)]
-
-
-def weight_name(ir: ModelIR, linear: str) -> str:
-    """Where a linear's float weight is stored (the LM head may be the tied embedding)."""
-    if linear == "lm_head":
-        return "embed_tokens" if ir.arch.tie_word_embeddings else "lm_head.weight"
-    return f"{linear}.weight"
+    return ir.weights[ir.weight_name(linear)]
 
 
 def quantization_report(before: ModelIR, after: ModelIR, errors: dict[str, float],

@@ -235,9 +235,7 @@ def fold_scale(ir: ModelIR, prev: str, names: list[str], s: torch.Tensor,
 def quantize_linear(ir: ModelIR, name: str, gram: torch.Tensor,
                     config: Config) -> tuple[float, float]:
     """Round `name` with the searched clipping; (relative weight error, mean clip ratio)."""
-    key = "embed_tokens" if name == "lm_head" and ir.arch.tie_word_embeddings else (
-        f"{name}.weight")
-    w = ir.weights[key]
+    w = ir.weights[ir.weight_name(name)]
     # The head (the tied embedding too) stays at nearest: GPTQ would bend embedding rows
     # toward the head's inputs only.
     q, clip = round_weight(w, gram, config, config.rounding if name != "lm_head" else "rtn")

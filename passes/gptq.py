@@ -47,7 +47,6 @@ from llmopt.compiler.weight_quant import (
     round_to_nearest,
     search_clip,
     target_linears,
-    weight_name,
 )
 from llmopt.passes.rtn import relative_error
 
@@ -154,7 +153,7 @@ ROW_SLICE_BYTES = 512 << 20
 
 def _quantize_linear(ir: ModelIR, out: ModelIR, name: str, hessian: torch.Tensor,
                      config: Config, errors: dict, losses: dict) -> None:
-    stored, config = weight_name(ir, name), config.for_linear(name)
+    stored, config = ir.weight_name(name), config.for_linear(name)
     n, k = ir.weights.shape(stored)
     # a code book's double quantization spans rows: it takes the matrix whole
     rows = n if config.format == "nf4" else max(1, ROW_SLICE_BYTES // (4 * k))

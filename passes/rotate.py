@@ -100,7 +100,7 @@ def random_orthogonal(size: int, seed: int) -> torch.Tensor:
 def _rotate_ends(ir: ModelIR, out: ModelIR, q: torch.Tensor) -> None:
     """The embedding E Q and the head diag(final norm) Q, the final norm ones."""
     w, hidden = ir.weights, ir.arch.hidden_size
-    head = "embed_tokens" if ir.arch.tie_word_embeddings else "lm_head.weight"
+    head = ir.weight_name("lm_head")
     final_norm = w["final_norm"]
     _set_rows_times(out.weights, "embed_tokens", w, "embed_tokens", q)
     _set_rows_times(out.weights, "lm_head.weight", w, head, final_norm[:, None] * q)

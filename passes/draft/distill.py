@@ -90,10 +90,8 @@ def _trainable_copy(draft: ModelIR, patterns: tuple[str, ...]
         if any(fnmatch.fnmatch(name, p) for p in patterns):
             out.weights[name] = tensor.detach().clone().requires_grad_(True)
             params.append(out.weights[name])
-    tied = out.arch.tie_word_embeddings
     for linear in list(out.quantized):
-        weight = "embed_tokens" if linear == "lm_head" and tied else f"{linear}.weight"
-        if out.weights[weight].requires_grad:
+        if out.weights[out.weight_name(linear)].requires_grad:
             del out.quantized[linear]
     if not params:
         raise ValueError(f"no draft weight matches the trainable patterns {list(patterns)}")
