@@ -102,8 +102,8 @@ def _rotate_ends(ir: ModelIR, out: ModelIR, q: torch.Tensor) -> None:
     w, hidden = ir.weights, ir.arch.hidden_size
     head = ir.weight_name("lm_head")
     final_norm = w["final_norm"]
-    _set_rows_times(out.weights, "embed_tokens", w, "embed_tokens", q)
-    _set_rows_times(out.weights, "lm_head.weight", w, head, final_norm[:, None] * q)
+    _set_rotated_rows(out.weights, "embed_tokens", w, "embed_tokens", q)
+    _set_rotated_rows(out.weights, "lm_head.weight", w, head, q, final_norm)
     out.weights["final_norm"] = torch.ones(hidden)
 
 
@@ -111,9 +111,10 @@ def _rotate_layer(ir: ModelIR, out: ModelIR, index: int, q: torch.Tensor) -> Non
     """Layer `index`'s readers W diag(norm) Q, writers Qᵀ W, its norms ones."""
     w, p = ir.weights, f"layers.{index}."
     for norm, readers in READERS.items():
-        folded = w[p + norm][:, None] * q
+        weight = w[p + norm]
         for name in readers:
-            _set_rows_times(out.weights, p + name + ".weight", w, p + name + ".weight", folded)
+            key = p + name + ".weight"
+            _set_rotated_rows(out.weights, key, w, key, q, weight)
         out.weights[p + norm] = torch.ones(ir.arch.hidden_size)
     for name in WRITERS:
         for suffix in (".weight", ".bias"):
@@ -135,16 +136,20 @@ def _rotate_values(out: ModelIR, index: int) -> None:
     store.set_lazy(key, _per_head(before, key, h, spec.head_dim, rows=False), before.shape(key))
 
 
-def _set_rows_times(store: WeightStore, name: str, source: WeightStore, source_name: str,
-                    right: torch.Tensor) -> None:
-    """`name` = source[source_name] @ right, computed when read (and by row blocks)."""
+def _set_rotated_rows(store: WeightStore, name: str, source: WeightStore, source_name: str,
+                      q: torch.Tensor, norm: torch.Tensor | None = None) -> None:
+    """`name` = source[source_name] diag(norm) q, computed when read (and by row blocks);
+    only the norm's vector is held, never a folded [hidden, hidden] matrix per layer."""
+
+    def turned(rows: torch.Tensor) -> torch.Tensor:
+        return (rows if norm is None else rows * norm) @ q
 
     def compute() -> torch.Tensor:
-        return source[source_name] @ right
+        return turned(source[source_name])
 
     def blocks(rows: int) -> Iterator[RowBlock]:
         for start, block in source.row_blocks(source_name, rows):
-            yield start, block @ right
+            yield start, turned(block)
 
     store.set_lazy(name, compute, source.shape(source_name), blocks=blocks)
 
