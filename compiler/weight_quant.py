@@ -6,7 +6,7 @@ import contextlib
 import fnmatch
 import math
 import resource
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -14,7 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.nf4 import NF4_CODE, codebook_quantize
-from llmopt.compiler.quant_format import QuantizedLinear, group_quantize, group_view, quant_params
+from llmopt.compiler.quant_format import (
+    QuantizedLinear,
+    concat_outputs,
+    group_quantize,
+    group_view,
+    quant_params,
+)
 
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -95,6 +101,32 @@ def target_linears(ir: ModelIR, config: WeightQuantConfig) -> list[str]:
     if already:
         raise ValueError(f"{already[0]} is already quantized; one weight-quantization pass only")
     return chosen
+
+
+# A linear larger than this in float32 (an embedding-sized head) is quantized in slices of
+# rows: rows are independent under a shared Hessian or Gram, and a slice bounds the copies.
+ROW_SLICE_BYTES = 512 << 20
+
+
+def quantize_row_slices(ir: ModelIR, linear: str, config: WeightQuantConfig,
+                        quantize: Callable[[torch.Tensor], QuantizedLinear],
+                        ) -> tuple[QuantizedLinear, float]:
+    """`quantize` applied to a linear's float weight a slice of rows at a time, each slice
+    read from the store alone (a head is never whole in float32; a code book's double
+    quantization spans rows, so it takes the matrix whole): the codes and their relative
+    error ||w - ŵ|| / ||w||."""
+    stored = ir.weight_name(linear)
+    n, k = ir.weights.shape(stored)
+    rows = n if config.format == "nf4" else max(1, ROW_SLICE_BYTES // (4 * k))
+    parts, error_sq, norm_sq = [], 0.0, 0.0
+    for _, block in ir.weights.row_blocks(stored, rows):
+        part = block.float()
+        q = quantize(part)
+        error_sq += float((part - q.dequantize()).norm()) ** 2
+        norm_sq += float(part.norm()) ** 2
+        parts.append(q)
+    q = parts[0] if len(parts) == 1 else concat_outputs(parts)
+    return q, (error_sq / norm_sq) ** 0.5
 
 
 def float_weight(ir: ModelIR, linear: str):

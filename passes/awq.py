@@ -44,12 +44,12 @@ from llmopt.compiler.weight_quant import (
     intra_op_threads,
     output_error,
     quantization_report,
+    quantize_row_slices,
     round_to_nearest,
     search_clip,
     target_linears,
 )
 from llmopt.passes.gptq import gptq_quantize, static_groups
-from llmopt.passes.rtn import relative_error
 
 
 class Config(WeightQuantConfig):
@@ -234,13 +234,21 @@ def fold_scale(ir: ModelIR, prev: str, names: list[str], s: torch.Tensor,
 
 def quantize_linear(ir: ModelIR, name: str, gram: torch.Tensor,
                     config: Config) -> tuple[float, float]:
-    """Round `name` with the searched clipping; (relative weight error, mean clip ratio)."""
-    w = ir.weights[ir.weight_name(name)]
+    """Round `name` with the searched clipping, a slice of rows at a time; (relative weight
+    error, mean clip ratio)."""
     # The head (the tied embedding too) stays at nearest: GPTQ would bend embedding rows
     # toward the head's inputs only.
-    q, clip = round_weight(w, gram, config, config.rounding if name != "lm_head" else "rtn")
+    rounding = config.rounding if name != "lm_head" else "rtn"
+    clips = []
+
+    def quantize(part: torch.Tensor) -> QuantizedLinear:
+        q, clip = round_weight(part, gram, config, rounding)
+        clips.append(clip)
+        return q
+
+    q, error = quantize_row_slices(ir, name, config, quantize)
     ir.set_quantized(name, q)
-    return relative_error(w, q.dequantize()), 1.0 if clip is None else float(clip.mean())
+    return error, 1.0 if clips[0] is None else float(torch.cat(clips).mean())
 
 
 def round_weight(w: torch.Tensor, gram: torch.Tensor, config: Config, rounding: str

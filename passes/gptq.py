@@ -35,7 +35,6 @@ from llmopt.compiler.nf4 import nearest_codes
 from llmopt.compiler.pass_manager import PassContext, PassResult
 from llmopt.compiler.quant_format import (
     QuantizedLinear,
-    concat_outputs,
     expand_groups,
     quant_params,
 )
@@ -44,11 +43,11 @@ from llmopt.compiler.weight_quant import (
     WeightQuantConfig,
     intra_op_threads,
     quantization_report,
+    quantize_row_slices,
     round_to_nearest,
     search_clip,
     target_linears,
 )
-from llmopt.passes.rtn import relative_error
 
 # Linears sharing one input, in the order a decoder layer computes them.
 SEQUENTIAL_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
@@ -146,38 +145,22 @@ class _InputSeen(Exception):
     """Stops a calibration forward once the group's input has been accumulated."""
 
 
-# A linear larger than this in float32 (an embedding-sized head) is quantized in slices of
-# rows: rows are independent under the shared Hessian, and a slice bounds the working copies.
-ROW_SLICE_BYTES = 512 << 20
-
-
 def _quantize_linear(ir: ModelIR, out: ModelIR, name: str, hessian: torch.Tensor,
                      config: Config, errors: dict, losses: dict) -> None:
-    stored, config = ir.weight_name(name), config.for_linear(name)
-    n, k = ir.weights.shape(stored)
-    # a code book's double quantization spans rows: it takes the matrix whole
-    rows = n if config.format == "nf4" else max(1, ROW_SLICE_BYTES // (4 * k))
-    parts, error_sq, norm_sq = [], 0.0, 0.0
+    config = config.for_linear(name)
     losses[name] = 0.0
-    # Slices are read from the store one at a time: a head is never whole in float32.
-    for _, block in ir.weights.row_blocks(stored, rows):
-        part = block.float()
+
+    def quantize(part: torch.Tensor) -> QuantizedLinear:
         clip = search_clip(part, hessian, config) if config.clip else None
         codebook, static = static_groups(part, config, clip)
         q, loss = gptq_quantize(part, hessian, config.bits, config.group_size,
                                 config.symmetric, config.act_order, config.damp,
                                 config.block_size, codebook, static, config.refits)
         losses[name] += loss
-        if rows < n:
-            error_sq += float((part - q.dequantize()).norm()) ** 2
-            norm_sq += float(part.norm()) ** 2
-        else:
-            errors[name] = relative_error(part, q.dequantize())
-        parts.append(q)
-    q = parts[0] if len(parts) == 1 else concat_outputs(parts)
+        return q
+
+    q, errors[name] = quantize_row_slices(ir, name, config, quantize)
     out.set_quantized(name, q)
-    if rows < n:
-        errors[name] = (error_sq / norm_sq) ** 0.5
 
 
 def static_groups(w: torch.Tensor, config: WeightQuantConfig, clip: torch.Tensor | None

@@ -177,19 +177,26 @@ def test_artifact_equals_fake_quant_reference(arch, include_lm_head, options, ti
     np.testing.assert_allclose(got, expected.numpy(), atol=1e-4)
 
 
-def test_a_head_quantized_in_row_slices_equals_the_whole(tiny_checkpoints, tmp_path,
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_head_quantized_in_row_slices_equals_the_whole(method, tiny_checkpoints, tmp_path,
                                                          monkeypatch):
-    """Rows are independent under the shared Hessian: slicing a large head changes nothing."""
-    from llmopt.passes import gptq
+    """Rows are independent under the shared Hessian (GPTQ) or Gram (AWQ's clip search and
+    nearest rounding): slicing a large head changes nothing."""
+    from llmopt.compiler import weight_quant
 
     text = calibration_text(tmp_path / "calib.txt")
     recipe = Recipe(model=str(tiny_checkpoints["llama"]),
-                    passes=[{"gptq": {"bits": 4, "group_size": 32, "include_lm_head": True}}],
+                    passes=[{method: {"bits": 4, "group_size": 32, "include_lm_head": True}}],
                     calibration={"text": str(text), "samples": 4, "seq_len": 32,
                                  "model_samples": 0}, quality={"measure": False})
     whole, _ = run_passes(load_checkpoint(recipe.model), recipe, log=lambda _: None)
-    monkeypatch.setattr(gptq, "ROW_SLICE_BYTES", 4 * 64 * 100)  # 100-row slices of 256
+    monkeypatch.setattr(weight_quant, "ROW_SLICE_BYTES", 4 * 64 * 100)  # 100-row slices of 256
+    joined = []  # the slice counts the pass joined: the head's 3 (decoder linears are smaller)
+    concat = weight_quant.concat_outputs
+    monkeypatch.setattr(weight_quant, "concat_outputs",
+                        lambda parts: joined.append(len(parts)) or concat(parts))
     sliced, _ = run_passes(load_checkpoint(recipe.model), recipe, log=lambda _: None)
+    assert 3 in joined
     a, b = whole.quantized["lm_head"], sliced.quantized["lm_head"]
     for field in ("codes", "scales", "zeros"):
         assert torch.equal(getattr(a, field), getattr(b, field)), field
