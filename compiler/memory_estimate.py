@@ -35,9 +35,6 @@ LAYER_COPIES = 3  # a layer's float32 weights, their fused groups, their packed 
 # The passes whose working set calibration_bytes models by name; other calibrating passes
 # (gqa_regroup's fit, static KV scales) hold what a KV calibration holds.
 CALIBRATION_METHODS = {"gptq": "gptq", "awq": "awq"}
-# Passes that quantize the head whole, beside the calibration set and its statistics: their
-# phases overlap, so their estimate is the sum of the parts.
-WHOLE_HEAD_PASSES = ("awq",)
 
 
 @dataclass(frozen=True)
@@ -152,8 +149,6 @@ def estimate_compile(recipe: Recipe, ref: CheckpointRef, shape: Shape) -> Compil
     parts["largest tensor"] = 4 * largest * STREAMED_TENSOR_COPIES
     parts["one layer"] = 4 * shape.layer_params * LAYER_COPIES
     parts |= _calibration_parts(recipe, shape)
-    if any(step.name in WHOLE_HEAD_PASSES for step in recipe.passes):
-        return CompileEstimate(sum(parts.values()), output, parts)
     # A streamed compile holds the largest tensor (the head, the lowering's embedding) and the
     # calibration set's layer work at different times, each beside one layer.
     phases = {"weights": ("largest tensor", "one layer")}
