@@ -2,9 +2,9 @@
 
 Recipe: `- rotate: {seed: 0, value_heads: true}`, listed before the weight pass (QuaRot,
 SpinQuant). The model computes the same function in float; what changes is the basis the
-linears see. A residual stream whose few outlier channels set every group's scale is spread
-evenly over all channels by a random rotation, so int4 groups lose less, and GPTQ's error
-feedback has no outlier column to work around.
+linears see: a random rotation spreads the residual stream's few outlier channels over all
+of them. GPTQ loses much less after it; AWQ about the same; RTN more, as the folded norms
+then set its group scales (benchmarks/README.md, `quality_domains.py`).
 
 What it rewrites (row-vector form, x Q is the rotated stream):
 - each RMSNorm's weight is folded into the linears reading its output (the norm becomes
