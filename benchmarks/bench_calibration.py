@@ -2,9 +2,10 @@
 calibrating pass (gptq, awq, or kv_cache static scales) on a checkpoint, against
 `memory_estimate.calibration_bytes`'s estimate of what the pass adds (peak minus the RSS before it).
 
-Table columns: checkpoint | pass | calibration | layers run/depth | s per layer (median of
-the pass's own per-layer lines) | projected s for the whole depth (per-layer rate x depth,
-plus what runs once: windows, the LM head) | peak RSS | RSS before the pass | estimate.
+Table columns: checkpoint | pass and `calibration.precision` | calibration | layers
+run/depth | s per layer (median of the pass's own per-layer lines) | projected s for the
+whole depth (per-layer rate x depth, plus what runs once: windows, the LM head) | peak RSS |
+RSS before the pass | estimate.
 
     python benchmarks/bench_calibration.py CKPT --pass gptq --samples 128 --seq-len 512 \\
         --text /work/shared/data/wikitext2-test.raw.txt [--layers N] [--json out.json]
@@ -66,6 +67,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--text", required=True)
     parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--precision", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="calibration.precision: the calibration forward's linears")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     started = time.perf_counter()
@@ -82,7 +85,8 @@ def main() -> None:
     samples_share = "auto" if can_sample(full_parameters) else 0
     recipe = Recipe(model=args.checkpoint, passes=[{args.name: options}],
                     calibration={"text": args.text, "samples": args.samples,
-                                 "seq_len": args.seq_len, "model_samples": samples_share},
+                                 "seq_len": args.seq_len, "model_samples": samples_share,
+                                 "precision": args.precision},
                     quality={"measure": False})
     layer_lines: list[tuple[float, str]] = []
 
@@ -102,7 +106,8 @@ def main() -> None:
     estimate = calibration_bytes(shape, args.samples, args.seq_len, args.name)
     result = {
         "checkpoint": args.checkpoint, "pass": args.name, "samples": args.samples,
-        "seq_len": args.seq_len, "layers_calibrated": layers, "depth": depth,
+        "seq_len": args.seq_len, "precision": args.precision, "layers_calibrated": layers,
+        "depth": depth,
         "load_s": round(loaded, 1), "pass_s": round(seconds, 1),
         "s_per_layer": round(statistics.median(layer_s), 1) if layer_s else None,
         "once_s": round(rest_s, 1),
@@ -113,7 +118,8 @@ def main() -> None:
         "estimate_gib": round(estimate / 2**30, 2),
         "machine": machine_info(),
     }
-    print(f"| {Path(args.checkpoint).name} | {args.name} | {args.samples} x {args.seq_len} | "
+    print(f"| {Path(args.checkpoint).name} | {args.name} {args.precision} | "
+          f"{args.samples} x {args.seq_len} | "
           f"{layers}/{depth} | {result['s_per_layer']} s | {result['projected_full_s']} s | "
           f"{result['peak_rss_gib']} GiB | {result['rss_before_pass_gib']} GiB | "
           f"{result['estimate_gib']} GiB |")

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
 from llmopt.compiler import calibration_mix
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.recipe import CalibrationConfig
-from llmopt.compiler.reference import ReferenceModel
+from llmopt.compiler.reference import LINEARS, ReferenceModel
+
+if TYPE_CHECKING:
+    from llmopt.compiler.pass_manager import PassContext
 
 Observer = Callable[[int, str, torch.Tensor], None]
 
@@ -31,11 +35,47 @@ def calibration_windows(ir: ModelIR, config: CalibrationConfig,
     return calibration_mix.calibration_windows(ir, config, log)
 
 
-class LayerwiseRunner:
-    """Holds the calibration set's hidden states at the input of the current layer."""
+def matmul_dtype(ir: ModelIR, config: CalibrationConfig) -> torch.dtype:
+    """The calibration forward's linear dtype: `calibration.precision`, where `auto` is
+    bfloat16 when every decoder linear is still the checkpoint's own bfloat16 weight (its
+    values then lose nothing held in bfloat16), float32 otherwise."""
+    if config.precision != "auto":
+        return getattr(torch, config.precision)
+    source_dtype = getattr(ir.weights, "source_dtype", lambda name: None)
+    linears = [f"layers.{layer}.{name}.weight" for layer in range(ir.arch.num_layers)
+               for name in LINEARS]
+    stored = {source_dtype(name) for name in linears if name in ir.weights}
+    return torch.bfloat16 if stored == {"BF16"} else torch.float32
 
-    def __init__(self, ir: ModelIR, windows: torch.Tensor, batch_size: int = 8):
+
+def calibration_precision(ir: ModelIR, context: PassContext) -> torch.dtype:
+    """`matmul_dtype` for a calibrating pass, logged."""
+    dtype = matmul_dtype(ir, context.recipe.calibration)
+    context.log(f"      calibration linears in {str(dtype).removeprefix('torch.')} "
+                f"(calibration.precision: {context.recipe.calibration.precision})")
+    return dtype
+
+
+def symmetric_gram(x: torch.Tensor, block: int = 2048) -> torch.Tensor:
+    """XᵀX [K, K] for x [T, K], computing the blocks on and below the diagonal and mirroring
+    the rest: the same products as `x.T @ x` in a little over half the work."""
+    k = x.shape[1]
+    out = torch.empty(k, k, dtype=x.dtype)
+    for start in range(0, k, block):
+        stop = start + block
+        out[start:, start:stop] = x[:, start:].T @ x[:, start:stop]
+        out[start:stop, stop:] = out[stop:, start:stop].T
+    return out
+
+
+class LayerwiseRunner:
+    """Holds the calibration set's hidden states at the input of the current layer; runs
+    the layer's linears in `precision` (`matmul_dtype`)."""
+
+    def __init__(self, ir: ModelIR, windows: torch.Tensor, batch_size: int = 8,
+                 precision: torch.dtype = torch.float32):
         self.model = ReferenceModel(ir, windows.shape[1])
+        self.model.matmul_dtype = precision
         self.positions = torch.arange(windows.shape[1])
         with torch.no_grad(), self.model.holding(["embed_tokens"]):
             self.hidden = [self.model.embed(batch) for batch in windows.split(batch_size)]

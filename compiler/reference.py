@@ -8,7 +8,7 @@ reads each layer once and never has the whole model in float32 at a time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -74,24 +74,35 @@ class ReferenceModel:
         positions = max_position or self.arch.max_position
         self.rope_tables = {name: r.tables(positions) for name, r in self.arch.ropes.items()}
         self._held: dict[str, torch.Tensor] = {}  # weights read once for a scope (holding)
+        # The decoder linears' matmul dtype inside `holding_layer` (calibration's precision):
+        # their weights are held in it and their inputs cast to it; the products sum in
+        # float32 and come back float32, through the dtype's rounding.
+        self.matmul_dtype = torch.float32
 
     @contextmanager
-    def holding(self, names: Iterable[str]) -> Iterator[None]:
-        """Read the weights `names` once and use them inside the block; released after."""
+    def holding(self, names: Iterable[str], lowered: Collection[str] = ()) -> Iterator[None]:
+        """Read the weights `names` once and use them inside the block; released after.
+        Those in `lowered` are held in `matmul_dtype`."""
         previous = self._held
-        self._held = {**previous, **{n: self.ir.weights[n] for n in names
+        self._held = {**previous, **{n: self._read(n, n in lowered) for n in names
                                      if n in self.ir.weights}}
         try:
             yield
         finally:
             self._held = previous
 
+    def _read(self, name: str, lowered: bool) -> torch.Tensor:
+        weight = self.ir.weights[name]
+        return weight.to(self.matmul_dtype) if lowered else weight
+
     def holding_layer(self, index: int):
-        """`holding` every weight of decoder layer `index` (but the streamed linears)."""
+        """`holding` every weight of decoder layer `index` (but the streamed linears), the
+        linears in `matmul_dtype`."""
         prefix = f"layers.{index}."
-        streamed = {f"{prefix}{name}.weight" for name in LINEARS} if self.stream_linears else set()
+        linears = {f"{prefix}{name}.weight" for name in LINEARS}
+        streamed = linears if self.stream_linears else set()
         return self.holding([n for n in self.ir.weights
-                             if n.startswith(prefix) and n not in streamed])
+                             if n.startswith(prefix) and n not in streamed], linears)
 
     def holding_head(self):
         """`holding` the final norm and the LM head (the tied embedding when tied)."""
@@ -258,7 +269,11 @@ class ReferenceModel:
         w = self._layer_weights(index)
         key, bias = f"layers.{index}.{name}.weight", w.get(f"{name}.bias")
         if not self._streamed(key):
-            return F.linear(x, w[f"{name}.weight"], bias)
+            weight = w[f"{name}.weight"]
+            if weight.dtype != x.dtype:  # held lowered (matmul_dtype)
+                out = F.linear(x.to(weight.dtype), weight).float()
+                return out if bias is None else out + bias
+            return F.linear(x, weight, bias)
         out = self._streamed_linear(key, x)
         return out if bias is None else out + bias
 

@@ -162,11 +162,18 @@ def intra_op_threads(count: int) -> Iterator[None]:
     column loops are many small ops: on shared cores torch's thread pool costs more in
     fork/join (and collapses under contention) than it saves."""
     previous = torch.get_num_threads()
+    _REPLACED_THREADS.append(previous)
     torch.set_num_threads(count)
     try:
         yield
     finally:
+        _REPLACED_THREADS.pop()
         torch.set_num_threads(previous)
+
+
+_REPLACED_THREADS: list[int] = []  # the counts intra_op_threads replaced, outermost first
+# Multiply-adds from which one product is worth every thread inside a search held to one.
+LARGE_PRODUCT = 1 << 30
 
 
 CLIP_GRID, MAX_SHRINK = 20, 0.5  # clipping ratios 1, 0.975, ..., 0.525 (AutoAWQ's range)
@@ -212,4 +219,6 @@ def fake_quant(w: torch.Tensor, config: WeightQuantConfig,
 
 def output_error(d: torch.Tensor, gram: torch.Tensor) -> float:
     """Mean over tokens of ||x dᵀ||², with gram = mean xᵀx."""
-    return float(((d @ gram) * d).sum())
+    large = d.numel() * gram.shape[1] >= LARGE_PRODUCT and _REPLACED_THREADS
+    with intra_op_threads(_REPLACED_THREADS[0]) if large else contextlib.nullcontext():
+        return float(((d @ gram) * d).sum())

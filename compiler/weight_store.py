@@ -41,6 +41,7 @@ class SourceTensor:
     key: str  # the tensor's name in the file
     shape: tuple[int, ...]
     offset: float = 0.0  # added after conversion (Gemma's `1 + w` norm weights)
+    dtype: str = "F32"  # as safetensors names it: "BF16", "F16", "F32"
 
 
 def index_safetensors(files: list[Path]) -> dict[str, SourceTensor]:
@@ -52,7 +53,9 @@ def index_safetensors(files: list[Path]) -> dict[str, SourceTensor]:
         with safe_open(str(file), framework="pt") as f:
             keys = f.keys()  # a safe_open handle is not iterable
             for key in keys:
-                tensors[key] = SourceTensor(file, key, tuple(f.get_slice(key).get_shape()))
+                stored = f.get_slice(key)
+                tensors[key] = SourceTensor(file, key, tuple(stored.get_shape()),
+                                            dtype=stored.get_dtype())
     return tensors
 
 
@@ -87,6 +90,11 @@ class TensorSource(ABC):
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.tensors[name].shape
+
+    def stored_dtype(self, name: str) -> str:
+        """The tensor's dtype in the checkpoint, as safetensors names it ("F32" where the
+        source converts to float32 from another encoding)."""
+        return getattr(self.tensors[name], "dtype", "F32")
 
     @abstractmethod
     def read(self, name: str) -> torch.Tensor:
@@ -211,6 +219,13 @@ class WeightStore(MutableMapping[str, torch.Tensor]):
         if name in self:
             return self.source.shape(name)
         raise KeyError(name)
+
+    def source_dtype(self, name: str) -> str | None:
+        """The checkpoint's dtype of `name` as safetensors names it, or None where the weight
+        is not the checkpoint's (a pass rewrote it, or it never came from one)."""
+        if name in self.overlay or self.source is None or name not in self:
+            return None
+        return self.source.stored_dtype(name)
 
     def numel(self) -> int:
         """Parameters over every weight, from shapes alone."""

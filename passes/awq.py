@@ -33,7 +33,12 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from llmopt.compiler.calibration import LayerwiseRunner, calibration_windows
+from llmopt.compiler.calibration import (
+    LayerwiseRunner,
+    calibration_precision,
+    calibration_windows,
+    symmetric_gram,
+)
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.pass_manager import PassContext, PassResult
 from llmopt.compiler.quant_format import QuantizedLinear, group_view, quant_params
@@ -111,7 +116,7 @@ class InputStats:
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1])
         rows = self.sampler(x)
-        abs_sum, gram = x.abs().sum(0, dtype=torch.float64), rows.T @ rows
+        abs_sum, gram = x.abs().sum(0, dtype=torch.float64), symmetric_gram(rows)
         if self.gram is None:
             self.abs_sum, self.gram = abs_sum, gram.double()
         else:  # float32 products into the float64 sum, in place
@@ -132,7 +137,7 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     windows = calibration_windows(ir, context.recipe.calibration, context.log)
     sampler = TokenSampler(min(1.0, config.search_tokens / windows.numel()))
     out = ir.copy()
-    runner = LayerwiseRunner(out, windows)
+    runner = LayerwiseRunner(out, windows, precision=calibration_precision(ir, context))
     errors, scales, clips = {}, {}, {}
     for layer in range(ir.arch.num_layers):
         layer_started = time.perf_counter()

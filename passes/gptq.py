@@ -29,7 +29,13 @@ from collections.abc import Callable
 import torch
 from pydantic import Field
 
-from llmopt.compiler.calibration import LayerwiseRunner, calibration_windows, observing
+from llmopt.compiler.calibration import (
+    LayerwiseRunner,
+    calibration_precision,
+    calibration_windows,
+    observing,
+    symmetric_gram,
+)
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.nf4 import nearest_codes
 from llmopt.compiler.pass_manager import PassContext, PassResult
@@ -78,7 +84,7 @@ class HessianAccumulator:
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
-        products = x.T @ x  # float32 products, float64 running sum (added in place)
+        products = symmetric_gram(x)  # float32 products, float64 running sum (in place)
         if self.sum is None:
             self.sum = products.double()
         else:
@@ -94,7 +100,8 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     targets = set(target_linears(ir, config))
     windows = calibration_windows(ir, context.recipe.calibration, context.log)
     out = ir.copy()
-    runner = LayerwiseRunner(out, windows)  # reads out.weights: sees each quantized linear
+    # Reads out.weights: each layer sees the quantized linears below it.
+    runner = LayerwiseRunner(out, windows, precision=calibration_precision(ir, context))
     errors: dict[str, float] = {}
     losses: dict[str, float] = {}
     for layer in range(ir.arch.num_layers):
@@ -261,7 +268,11 @@ def _walk(
     scales, zeros, perm, block_size = _column_order(w, diagonal, bits, group_size, symmetric,
                                                     act_order, block_size, codebook, static)
     dynamic = codebook is None and static is None and not act_order
-    w = w[:, perm]
+    # The walk runs on Wᵀ [K, N]: each column of w, each code column and each error-feeding
+    # update is then a contiguous row, where column views of w stride through all of memory.
+    w_t = w.T[perm]  # a gather: one copy
+    del w
+    scales_t, zeros_t = scales.T.contiguous(), zeros.T.contiguous()  # [G, N]
 
     def permuted() -> torch.Tensor:  # one [K, K] copy: the widest are gigabytes in float64
         h = hessian.double()[perm[:, None], perm[None, :]]  # one gather, no intermediate
@@ -270,30 +281,32 @@ def _walk(
 
     u = _inverse_hessian_factor(permuted, damp).float()
     group_of = (perm // group_size).tolist()  # original group of each permuted column
-    codes = torch.zeros(n, k)
+    codes_t = torch.zeros(k, n)
     loss = 0.0
     # About ten small ops a column: intra-op threads cost more in fork/join than they save,
     # and collapse when the cores are shared.
     with intra_op_threads(1):
         for b1 in range(0, k, block_size):
             b2 = min(b1 + block_size, k)
-            block, u_block = w[:, b1:b2].clone(), u[b1:b2, b1:b2]
+            block, u_block = w_t[b1:b2].clone(), u[b1:b2, b1:b2]
             block_err = torch.empty_like(block)
             for i, d in enumerate(u_block.diagonal().tolist()):
                 j, g = b1 + i, group_of[b1 + i]
                 if dynamic and j % group_size == 0:
                     # Dynamic groups: parameters of the error-updated weights of this group.
-                    scales[:, g:g + 1], zeros[:, g:g + 1] = quant_params(
-                        block[:, i:i + group_size], bits, group_size, symmetric)
-                col = block[:, i]
-                codes[:, j], rounded = _round_column(col, scales[:, g], zeros[:, g], levels,
-                                                     codebook)
+                    group_scales, group_zeros = quant_params(
+                        block[i:i + group_size].T, bits, group_size, symmetric)
+                    scales_t[g], zeros_t[g] = group_scales[:, 0], group_zeros[:, 0]
+                col = block[i]
+                codes_t[j], rounded = _round_column(col, scales_t[g], zeros_t[g], levels,
+                                                    codebook)
                 err = (col - rounded).div_(d)
-                block[:, i:].addr_(err, u_block[i, i:], alpha=-1)  # feed the error forward
-                block_err[:, i] = err
+                block[i:].addr_(u_block[i, i:], err, alpha=-1)  # feed the error forward
+                block_err[i] = err
             loss += float(block_err.double().pow(2).sum())
-            w[:, b2:].addmm_(block_err, u[b1:b2, b2:], alpha=-1)  # lazy update after the block
-    codes = codes[:, torch.argsort(perm)].to(torch.uint8)
+            w_t[b2:].addmm_(u[b1:b2, b2:].T, block_err, alpha=-1)  # lazy update after the block
+    scales, zeros = scales_t.T.contiguous(), zeros_t.T.contiguous()
+    codes = codes_t[torch.argsort(perm)].T.contiguous().to(torch.uint8)
     if codebook is not None:
         return QuantizedLinear(4, group_size, codes, scales, zeros, True,
                                codebook=codebook.codebook), loss

@@ -10,11 +10,11 @@ from collections import Counter
 import pytest
 import torch
 
-from llmopt.compiler.calibration import LayerwiseRunner
+from llmopt.compiler.calibration import LayerwiseRunner, matmul_dtype, symmetric_gram
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.loader import load_checkpoint
 from llmopt.compiler.pass_manager import PassContext, apply_passes
-from llmopt.compiler.recipe import Recipe
+from llmopt.compiler.recipe import CalibrationConfig, Recipe
 
 LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -133,3 +133,52 @@ def test_the_runner_reads_a_layer_once_per_pass_over_the_set(tiny_checkpoints):
     runner.advance()
     assert counter.reads["layers.0.q_proj.weight"] == 2
     assert counter.reads["layers.1.q_proj.weight"] == 0
+
+
+def bf16_copy(path, tmp_path):
+    """The checkpoint at `path` with every tensor stored in bfloat16."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "bf16"
+    shutil.copytree(path, copy)
+    for file in copy.glob("*.safetensors"):
+        tensors = load_file(str(file))
+        save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(file),
+                  metadata={"format": "pt"})
+    return copy
+
+
+def test_auto_precision_follows_the_checkpoints_linears(tiny_checkpoints, tmp_path):
+    auto, exact = CalibrationConfig(), CalibrationConfig(precision="float32")
+    float_ir = load_checkpoint(str(tiny_checkpoints["llama"]))
+    bf16_ir = load_checkpoint(str(bf16_copy(tiny_checkpoints["llama"], tmp_path)))
+    assert matmul_dtype(float_ir, auto) == torch.float32
+    assert matmul_dtype(bf16_ir, auto) == torch.bfloat16
+    assert matmul_dtype(bf16_ir, exact) == torch.float32
+    rewritten = bf16_ir.copy()  # a pass's float32 result is no longer the checkpoint's
+    rewritten.weights["layers.0.q_proj.weight"] = rewritten.weights["layers.0.q_proj.weight"] * 2
+    assert matmul_dtype(rewritten, auto) == torch.float32
+
+
+def test_bfloat16_linears_keep_float32_states_close_to_float32(tiny_checkpoints, tmp_path):
+    ir = load_checkpoint(str(bf16_copy(tiny_checkpoints["llama"], tmp_path)))
+    windows = torch.randint(0, ir.arch.vocab_size, (4, 32))
+    states = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        runner = LayerwiseRunner(ir, windows, precision=dtype)
+        for _ in range(ir.arch.num_layers):
+            runner.advance()
+        states[dtype] = torch.cat(runner.hidden)
+    assert states[torch.bfloat16].dtype == torch.float32
+    error = (states[torch.bfloat16] - states[torch.float32]).norm() / states[torch.float32].norm()
+    # Inputs round at 2⁻⁹ per linear; random tiny layers amplify it over the depth.
+    assert 0 < error < 5e-2
+
+
+@pytest.mark.parametrize("columns", [5, 300, 4100])
+def test_symmetric_gram_is_the_full_product(columns):
+    x = torch.randn(64, columns)
+    gram = symmetric_gram(x, block=256)
+    torch.testing.assert_close(gram, x.T @ x, rtol=1e-5, atol=1e-4)

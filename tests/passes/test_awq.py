@@ -151,3 +151,26 @@ def test_artifact_equals_fake_quant_reference(arch, options, tiny_checkpoints, c
     expected = logp[torch.arange(59), ids[0, 1:]].numpy()
     got = LLM(tmp_path / "awq", max_num_batched_tokens=16).score(ids[0].tolist())
     np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+def test_a_large_output_error_takes_every_thread_inside_a_one_thread_search(monkeypatch):
+    from llmopt.compiler import weight_quant
+
+    d, gram = torch.randn(64, 256), torch.randn(256, 256)
+    expected = weight_quant.output_error(d, gram)
+    seen = []
+    product = torch.Tensor.__matmul__
+    monkeypatch.setattr(torch.Tensor, "__matmul__",
+                        lambda a, b: seen.append(torch.get_num_threads()) or product(a, b))
+    monkeypatch.setattr(weight_quant, "LARGE_PRODUCT", d.numel() * 256)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # the process's count, which the searches lower to one
+    try:
+        with weight_quant.intra_op_threads(1):
+            assert weight_quant.output_error(d, gram) == expected
+            assert torch.get_num_threads() == 1
+            small = weight_quant.output_error(d[:8], gram)
+            assert small == weight_quant.output_error(d[:8], gram)
+    finally:
+        torch.set_num_threads(previous)
+    assert seen == [2, 1, 1]
