@@ -137,7 +137,8 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     windows = calibration_windows(ir, context.recipe.calibration, context.log)
     sampler = TokenSampler(min(1.0, config.search_tokens / windows.numel()))
     out = ir.copy()
-    runner = LayerwiseRunner(out, windows, precision=calibration_precision(ir, context))
+    precision = calibration_precision(ir, context)
+    runner = LayerwiseRunner(out, windows, precision=precision)
     errors, scales, clips = {}, {}, {}
     for layer in range(ir.arch.num_layers):
         layer_started = time.perf_counter()
@@ -155,7 +156,9 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
         errors["lm_head"], clips["lm_head"] = quantize_linear(
             out, "lm_head", stats.mean_gram(), config.for_linear("lm_head"))
     report = quantization_report(ir, out, errors, time.perf_counter() - started, context)
-    report["awq"] = {"calibration_tokens": windows.numel(), "scales": scales,
+    report["awq"] = {"calibration_tokens": windows.numel(),
+                     "calibration_precision": str(precision).removeprefix("torch."),
+                     "scales": scales,
                      "mean_clip": {n: round(c, 4) for n, c in clips.items()}}
     return PassResult(out, report)
 

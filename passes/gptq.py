@@ -101,7 +101,8 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     windows = calibration_windows(ir, context.recipe.calibration, context.log)
     out = ir.copy()
     # Reads out.weights: each layer sees the quantized linears below it.
-    runner = LayerwiseRunner(out, windows, precision=calibration_precision(ir, context))
+    precision = calibration_precision(ir, context)
+    runner = LayerwiseRunner(out, windows, precision=precision)
     errors: dict[str, float] = {}
     losses: dict[str, float] = {}
     for layer in range(ir.arch.num_layers):
@@ -127,6 +128,7 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     report["gptq_loss"] = {n: float(f"{v:.5g}") for n, v in losses.items()}
     report["calibration_samples"] = int(windows.shape[0])
     report["calibration_tokens"] = int(windows.numel())
+    report["calibration_precision"] = str(precision).removeprefix("torch.")
     return PassResult(out, report)
 
 

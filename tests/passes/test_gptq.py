@@ -164,6 +164,7 @@ def test_artifact_equals_fake_quant_reference(arch, include_lm_head, options, ti
     ir, _ = run_passes(load_checkpoint(recipe.model), recipe, log=lambda _: None)
     report = manifest.passes[0]
     assert report["calibration_samples"] == 8
+    assert report["calibration_precision"] == "float32"  # a float32 checkpoint
     assert len(report["gptq_loss"]) == 7 * 3 + include_lm_head
     for name, q in ir.quantized.items():
         key = "embed_tokens" if name == "lm_head" else f"{name}.weight"
