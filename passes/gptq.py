@@ -100,8 +100,8 @@ def run(ir: ModelIR, config: Config, context: PassContext) -> PassResult:
     targets = set(target_linears(ir, config))
     windows = calibration_windows(ir, context.recipe.calibration, context.log)
     out = ir.copy()
-    # Reads out.weights: each layer sees the quantized linears below it.
     precision = calibration_precision(ir, context)
+    # Reads out.weights: each layer sees the quantized linears below it.
     runner = LayerwiseRunner(out, windows, precision=precision)
     errors: dict[str, float] = {}
     losses: dict[str, float] = {}
