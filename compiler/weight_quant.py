@@ -219,6 +219,6 @@ def fake_quant(w: torch.Tensor, config: WeightQuantConfig,
 
 def output_error(d: torch.Tensor, gram: torch.Tensor) -> float:
     """Mean over tokens of ||x dᵀ||², with gram = mean xᵀx."""
-    large = d.numel() * gram.shape[1] >= LARGE_PRODUCT and _REPLACED_THREADS
+    large = bool(_REPLACED_THREADS) and d.numel() * gram.shape[1] >= LARGE_PRODUCT
     with intra_op_threads(_REPLACED_THREADS[0]) if large else contextlib.nullcontext():
         return float(((d @ gram) * d).sum())
