@@ -58,6 +58,7 @@ from llmopt.compiler.weight_quant import (
 # Linears sharing one input, in the order a decoder layer computes them.
 SEQUENTIAL_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
                      ("down_proj",))
+_GATHER_ROWS = 1024  # rows of the permuted H gathered at once: a float64 slice, not all of H
 
 
 class Config(WeightQuantConfig):
@@ -276,12 +277,15 @@ def _walk(
     del w
     scales_t, zeros_t = scales.T.contiguous(), zeros.T.contiguous()  # [G, N]
 
-    def permuted() -> torch.Tensor:  # one [K, K] copy: the widest are gigabytes in float64
-        h = hessian.double()[perm[:, None], perm[None, :]]  # one gather, no intermediate
+    def permuted() -> torch.Tensor:  # one float32 [K, K] copy, gathered by row slices
+        h = torch.empty(k, k)
+        for start in range(0, k, _GATHER_ROWS):
+            rows = perm[start:start + _GATHER_ROWS]
+            h[start:start + len(rows)] = hessian[rows[:, None], perm[None, :]]
         h.diagonal().copy_(diagonal[perm])
         return h
 
-    u = _inverse_hessian_factor(permuted, damp).float()
+    u = _inverse_hessian_factor(permuted, damp)
     group_of = (perm // group_size).tolist()  # original group of each permuted column
     codes_t = torch.zeros(k, n)
     loss = 0.0
@@ -355,24 +359,24 @@ def _round_column(col: torch.Tensor, s: torch.Tensor, z: torch.Tensor, levels: i
 
 def _inverse_hessian_factor(build: Callable[[], torch.Tensor], damp: float) -> torch.Tensor:
     """Upper Cholesky factor U of (H + λI)⁻¹ (UᵀU = H⁻¹), λ = damp × mean diag(H); λ grows
-    tenfold while H is too ill-conditioned to factor. `build()` gives a fresh H, which is
-    damped, factored, inverted and factored again in place: one [K, K] matrix in all."""
+    tenfold while H is too ill-conditioned to factor. `build()` gives a fresh float32 H,
+    which is damped, factored, inverted and factored again in place: one [K, K] matrix in
+    all. float32, as GPTQ's reference factors it (the damping keeps H well conditioned),
+    on the compile's threads: a few large LAPACK calls that scale with the cores, where
+    float64 on one thread was a large share of a wide layer. The summed H stays float64."""
     # Column-major (H is symmetric: its transpose view), as LAPACK factors in place.
     h = build().mT
     diagonal = h.diagonal().clone()
-    mean_diag = diagonal.mean()
+    mean_diag = diagonal.double().mean()
     info = torch.empty((), dtype=torch.int32)
-    # One thread: torch's multi-threaded Cholesky is far slower than one thread on shared
-    # cores at these sizes.
-    with intra_op_threads(1):
-        for attempt in range(4):
-            if attempt:
-                h = build().mT  # the failed factorization overwrote it
-            h.diagonal().copy_(diagonal + damp * 10**attempt * mean_diag)
-            torch.linalg.cholesky_ex(h, out=(h, info))
-            if info == 0:
-                torch.cholesky_inverse(h, out=h)
-                torch.linalg.cholesky_ex(h, upper=True, out=(h, info))
-                if info == 0:
-                    return h
+    for attempt in range(4):
+        if attempt:
+            h = build().mT  # the failed factorization overwrote it
+        h.diagonal().copy_(diagonal.double() + damp * 10**attempt * mean_diag)
+        torch.linalg.cholesky_ex(h, out=(h, info))
+        if info == 0:
+            torch.cholesky_inverse(h, out=h)
+            torch.linalg.cholesky_ex(h, upper=True, out=(h, info))
+            if info == 0 and bool(torch.isfinite(h.diagonal()).all()):
+                return h
     raise ValueError("GPTQ: the Hessian is not positive definite even with 1000x damping")
