@@ -38,14 +38,23 @@ def calibration_windows(ir: ModelIR, config: CalibrationConfig,
 def matmul_dtype(ir: ModelIR, config: CalibrationConfig) -> torch.dtype:
     """The calibration forward's linear dtype: `calibration.precision`, where `auto` is
     bfloat16 when every decoder linear is still the checkpoint's own bfloat16 weight (its
-    values then lose nothing held in bfloat16), float32 otherwise."""
+    values then lose nothing held in bfloat16) and the CPU multiplies bfloat16 natively,
+    float32 otherwise."""
     if config.precision != "auto":
         return getattr(torch, config.precision)
+    if not fast_bfloat16():
+        return torch.float32
     source_dtype = getattr(ir.weights, "source_dtype", lambda name: None)
     linears = [f"layers.{layer}.{name}.weight" for layer in range(ir.arch.num_layers)
                for name in LINEARS]
     stored = {source_dtype(name) for name in linears if name in ir.weights}
     return torch.bfloat16 if stored == {"BF16"} else torch.float32
+
+
+def fast_bfloat16() -> bool:
+    """Whether torch's CPU kernels multiply bfloat16 with AVX-512 (oneDNN): elsewhere a
+    bfloat16 product is emulated, slower than float32."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def calibration_precision(ir: ModelIR, context: PassContext) -> torch.dtype:

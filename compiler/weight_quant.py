@@ -176,6 +176,14 @@ _REPLACED_THREADS: list[int] = []  # the counts intra_op_threads replaced, outer
 LARGE_PRODUCT = 1 << 30
 
 
+def every_thread() -> contextlib.AbstractContextManager:
+    """The thread count from before any `intra_op_threads`, for one large operation inside
+    a search held to one thread (a large product, a factorization)."""
+    if not _REPLACED_THREADS:
+        return contextlib.nullcontext()
+    return intra_op_threads(_REPLACED_THREADS[0])
+
+
 CLIP_GRID, MAX_SHRINK = 20, 0.5  # clipping ratios 1, 0.975, ..., 0.525 (AutoAWQ's range)
 
 
@@ -218,7 +226,8 @@ def fake_quant(w: torch.Tensor, config: WeightQuantConfig,
 
 
 def output_error(d: torch.Tensor, gram: torch.Tensor) -> float:
-    """Mean over tokens of ||x dᵀ||², with gram = mean xᵀx."""
-    large = bool(_REPLACED_THREADS) and d.numel() * gram.shape[1] >= LARGE_PRODUCT
-    with intra_op_threads(_REPLACED_THREADS[0]) if large else contextlib.nullcontext():
-        return float(((d @ gram) * d).sum())
+    """Mean over tokens of ||x dᵀ||², with gram = mean xᵀx; the product d·gram in gram's
+    dtype, summed in float32."""
+    large = d.numel() * gram.shape[1] >= LARGE_PRODUCT
+    with every_thread() if large else contextlib.nullcontext():
+        return float(((d.to(gram.dtype) @ gram).float() * d).sum())

@@ -180,10 +180,14 @@ def scale_layer(ir: ModelIR, runner: LayerwiseRunner, layer: int, targets: set[s
             tie = spec.num_heads // spec.num_kv_heads if group.per_kv_head else 1
             layout = (tie, spec.head_dim)
             weights = [ir.weights[f"{n}.weight"] for n in names if n in targets]
+            # The search's errors in the calibration's precision: its large products are
+            # the search's cost, and their rounding is far below the differences it resolves.
+            search_gram = gram.to(runner.model.matmul_dtype)
             # Hundreds of small fake-quantizations: torch's thread pool costs more than it
             # saves on them (and collapses on shared cores)
             with intra_op_threads(1):
-                alpha, s, ratio = search_scale(weights, inputs.mean_abs(), gram, layout, config)
+                alpha, s, ratio = search_scale(weights, inputs.mean_abs(), search_gram,
+                                               layout, config)
             fold_scale(ir, prefix + group.prev, names, s, layout)
             s_in = _repeat_per_head(s, *layout)
             gram = gram / (s_in[:, None] * s_in[None, :])

@@ -47,6 +47,7 @@ from llmopt.compiler.quant_format import (
 from llmopt.compiler.reference import rms_norm
 from llmopt.compiler.weight_quant import (
     WeightQuantConfig,
+    every_thread,
     intra_op_threads,
     quantization_report,
     quantize_row_slices,
@@ -369,14 +370,15 @@ def _inverse_hessian_factor(build: Callable[[], torch.Tensor], damp: float) -> t
     diagonal = h.diagonal().clone()
     mean_diag = diagonal.double().mean()
     info = torch.empty((), dtype=torch.int32)
-    for attempt in range(4):
-        if attempt:
-            h = build().mT  # the failed factorization overwrote it
-        h.diagonal().copy_(diagonal.double() + damp * 10**attempt * mean_diag)
-        torch.linalg.cholesky_ex(h, out=(h, info))
-        if info == 0:
-            torch.cholesky_inverse(h, out=h)
-            torch.linalg.cholesky_ex(h, upper=True, out=(h, info))
-            if info == 0 and bool(torch.isfinite(h.diagonal()).all()):
-                return h
+    with every_thread():  # also inside AWQ's one-thread rounding
+        for attempt in range(4):
+            if attempt:
+                h = build().mT  # the failed factorization overwrote it
+            h.diagonal().copy_(diagonal.double() + damp * 10**attempt * mean_diag)
+            torch.linalg.cholesky_ex(h, out=(h, info))
+            if info == 0:
+                torch.cholesky_inverse(h, out=h)
+                torch.linalg.cholesky_ex(h, upper=True, out=(h, info))
+                if info == 0 and bool(torch.isfinite(h.diagonal()).all()):
+                    return h
     raise ValueError("GPTQ: the Hessian is not positive definite even with 1000x damping")

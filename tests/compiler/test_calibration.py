@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
+from llmopt.compiler import calibration
 from llmopt.compiler.calibration import LayerwiseRunner, matmul_dtype, symmetric_gram
 from llmopt.compiler.ir import ModelIR
 from llmopt.compiler.loader import load_checkpoint
@@ -150,7 +151,9 @@ def bf16_copy(path, tmp_path):
     return copy
 
 
-def test_auto_precision_follows_the_checkpoints_linears(tiny_checkpoints, tmp_path):
+def test_auto_precision_follows_the_checkpoints_linears(tiny_checkpoints, tmp_path,
+                                                       monkeypatch):
+    monkeypatch.setattr(calibration, "fast_bfloat16", lambda: True)
     auto, exact = CalibrationConfig(), CalibrationConfig(precision="float32")
     float_ir = load_checkpoint(str(tiny_checkpoints["llama"]))
     bf16_ir = load_checkpoint(str(bf16_copy(tiny_checkpoints["llama"], tmp_path)))
@@ -160,6 +163,14 @@ def test_auto_precision_follows_the_checkpoints_linears(tiny_checkpoints, tmp_pa
     rewritten = bf16_ir.copy()  # a pass's float32 result is no longer the checkpoint's
     rewritten.weights["layers.0.q_proj.weight"] = rewritten.weights["layers.0.q_proj.weight"] * 2
     assert matmul_dtype(rewritten, auto) == torch.float32
+
+
+def test_auto_precision_is_float32_where_bfloat16_is_emulated(tiny_checkpoints, tmp_path,
+                                                              monkeypatch):
+    monkeypatch.setattr(calibration, "fast_bfloat16", lambda: False)
+    bf16_ir = load_checkpoint(str(bf16_copy(tiny_checkpoints["llama"], tmp_path)))
+    assert matmul_dtype(bf16_ir, CalibrationConfig()) == torch.float32
+    assert matmul_dtype(bf16_ir, CalibrationConfig(precision="bfloat16")) == torch.bfloat16
 
 
 def test_bfloat16_linears_keep_float32_states_close_to_float32(tiny_checkpoints, tmp_path):

@@ -77,6 +77,17 @@ def test_scale_search_beats_rtn_on_outlier_channels(duo_scaling):
     assert ratio == pytest.approx(float(awq_error / rtn_error), rel=1e-3)
 
 
+def test_scale_search_in_bfloat16_picks_the_float32_scale():
+    x, w = outlier_layer(seed=1)
+    config = awq.Config(bits=4, group_size=64, grid=20, clip=False)
+    gram = x.T @ x / len(x)
+    exact = awq.search_scale([w], x.abs().mean(0), gram, (1, 1), config)
+    rounded = awq.search_scale([w], x.abs().mean(0), gram.bfloat16(), (1, 1), config)
+    assert rounded[0] == exact[0]
+    assert torch.equal(rounded[1], exact[1])
+    assert rounded[2] == pytest.approx(exact[2], rel=1e-2)
+
+
 def test_clip_search_never_raises_output_error():
     x, w = outlier_layer(seed=1)
     config = awq.Config(bits=4, group_size=64)
