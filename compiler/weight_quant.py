@@ -176,6 +176,17 @@ _REPLACED_THREADS: list[int] = []  # the counts intra_op_threads replaced, outer
 LARGE_PRODUCT = 1 << 30
 
 
+# Weight elements from which a search's elementwise passes are worth every thread.
+LARGE_SEARCH = 1 << 23
+
+
+def search_threads(elements: int) -> contextlib.AbstractContextManager:
+    """One intra-op thread for a search over `elements` weight elements, unless there are
+    enough that each op's fork/join is small against its work (the linears of 1B models
+    and up)."""
+    return contextlib.nullcontext() if elements >= LARGE_SEARCH else intra_op_threads(1)
+
+
 def every_thread() -> contextlib.AbstractContextManager:
     """The thread count from before any `intra_op_threads`, for one large operation inside
     a search held to one thread (a large product, a factorization)."""

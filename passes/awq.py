@@ -46,12 +46,12 @@ from llmopt.compiler.reference import rms_norm
 from llmopt.compiler.weight_quant import (
     WeightQuantConfig,
     fake_quant,
-    intra_op_threads,
     output_error,
     quantization_report,
     quantize_row_slices,
     round_to_nearest,
     search_clip,
+    search_threads,
     target_linears,
 )
 from llmopt.passes.gptq import gptq_quantize, static_groups
@@ -183,9 +183,9 @@ def scale_layer(ir: ModelIR, runner: LayerwiseRunner, layer: int, targets: set[s
             # The search's errors in the calibration's precision: its large products are
             # the search's cost, and their rounding is far below the differences it resolves.
             search_gram = gram.to(runner.model.matmul_dtype)
-            # Hundreds of small fake-quantizations: torch's thread pool costs more than it
-            # saves on them (and collapses on shared cores)
-            with intra_op_threads(1):
+            # Hundreds of fake-quantizations: on small linears torch's thread pool costs
+            # more than it saves (and collapses on shared cores)
+            with search_threads(sum(w.numel() for w in weights)):
                 alpha, s, ratio = search_scale(weights, inputs.mean_abs(), search_gram,
                                                layout, config)
             fold_scale(ir, prefix + group.prev, names, s, layout)
@@ -267,7 +267,7 @@ def round_weight(w: torch.Tensor, gram: torch.Tensor, config: Config, rounding: 
                  ) -> tuple[QuantizedLinear, torch.Tensor | None]:
     """w's codes after the clipping search (its ratios [N, G], None when off), rounded to
     nearest or by GPTQ's walk under `gram` with the clipped groups kept."""
-    with intra_op_threads(1):  # a grid of small fake-quantizations, as search_scale
+    with search_threads(w.numel()):  # a grid of fake-quantizations, as search_scale
         clip = search_clip(w, gram, config) if config.clip else None
         if rounding == "rtn":
             return round_to_nearest(w, config, clip), clip
