@@ -363,8 +363,8 @@ def _inverse_hessian_factor(build: Callable[[], torch.Tensor], damp: float) -> t
     tenfold while H is too ill-conditioned to factor. `build()` gives a fresh float32 H,
     which is damped, factored, inverted and factored again in place: one [K, K] matrix in
     all. float32, as GPTQ's reference factors it (the damping keeps H well conditioned),
-    on the compile's threads: a few large LAPACK calls that scale with the cores, where
-    float64 on one thread was a large share of a wide layer. The summed H stays float64."""
+    on the compile's threads: a few large LAPACK calls that scale with the cores. The
+    summed H stays float64."""
     # Column-major (H is symmetric: its transpose view), as LAPACK factors in place.
     h = build().mT
     diagonal = h.diagonal().clone()
