@@ -52,9 +52,9 @@ def matmul_dtype(ir: ModelIR, config: CalibrationConfig) -> torch.dtype:
 
 
 def fast_bfloat16() -> bool:
-    """Whether torch's CPU kernels multiply bfloat16 with AVX-512 (oneDNN): elsewhere a
-    bfloat16 product is emulated, slower than float32."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+    """Whether the CPU has bfloat16 dot products (AVX-512 BF16 or AMX): elsewhere torch
+    emulates a bfloat16 product, no faster than float32."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def calibration_precision(ir: ModelIR, context: PassContext) -> torch.dtype:

@@ -35,10 +35,10 @@ class CalibrationConfig(_Strict):
     # Share of the windows sampled from the model itself (compiler/calibration_mix.py);
     # auto: all of them without a text, a measured share with one. 0: the text alone.
     model_samples: Annotated[float, Field(ge=0, le=1)] | Literal["auto"] = "auto"
-    # The calibration forward's linears (their products sum in float32). auto: bfloat16 where
-    # the checkpoint stores its decoder linears in bfloat16 (the model's own precision, as
-    # GPU calibration runs it; about twice as fast on CPUs with bfloat16 dot products),
-    # float32 otherwise.
+    # The calibration forward's linears and AWQ's search products (summed in float32). auto:
+    # bfloat16 where the checkpoint stores its decoder linears in bfloat16 (the model's own
+    # precision, as GPU calibration runs it) and the CPU has bfloat16 dot products (about
+    # twice as fast there), float32 otherwise.
     precision: Literal["auto", "float32", "bfloat16"] = "auto"
 
     @model_validator(mode="after")

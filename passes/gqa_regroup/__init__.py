@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from llmopt.compiler.calibration import calibration_windows, final_kl_from_layer
+from llmopt.compiler.calibration import calibration_windows, fast_bfloat16, final_kl_from_layer
 from llmopt.compiler.head_merge import (
     AttentionWeights,
     InputMoments,
@@ -83,8 +83,7 @@ class Config(BaseModel):
     def precision(self) -> FitPrecision:
         if self.fit_precision != "auto":
             return self.fit_precision
-        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-        return "bfloat16" if native else "float32"
+        return "bfloat16" if fast_bfloat16() else "float32"
 
     def needs_calibration_text(self) -> bool:
         """Only mean-pooling given layers without a fit needs no statistics."""
