@@ -367,14 +367,14 @@ def _inverse_hessian_factor(build: Callable[[], torch.Tensor], damp: float) -> t
     summed H stays float64."""
     # Column-major (H is symmetric: its transpose view), as LAPACK factors in place.
     h = build().mT
-    diagonal = h.diagonal().clone()
-    mean_diag = diagonal.double().mean()
+    diagonal = h.diagonal().double()  # a copy: the factorization overwrites h
+    mean_diag = diagonal.mean()
     info = torch.empty((), dtype=torch.int32)
     with every_thread():  # also inside AWQ's one-thread rounding
         for attempt in range(4):
             if attempt:
                 h = build().mT  # the failed factorization overwrote it
-            h.diagonal().copy_(diagonal.double() + damp * 10**attempt * mean_diag)
+            h.diagonal().copy_(diagonal + damp * 10**attempt * mean_diag)
             torch.linalg.cholesky_ex(h, out=(h, info))
             if info == 0:
                 torch.cholesky_inverse(h, out=h)
